@@ -1,0 +1,118 @@
+"""The ``lab`` command.
+
+Subcommands are thin: each parses its arguments and calls one module's entry
+point, so every behaviour lives (and is tested) in its module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from lab import errors, proposal
+
+
+def _plancheck(args: argparse.Namespace) -> int:
+    raw = sys.stdin.buffer.read(proposal.MAX_PROPOSAL_BYTES + 1)
+    try:
+        plan = proposal.admit(raw)
+    except errors.Rejected as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    json.dump(
+        {
+            "admitted": True,
+            "fingerprint": plan.fingerprint(),
+            "plan": plan.to_json(),
+            "next_required_stage": "persist_then_wait_for_approval",
+        },
+        sys.stdout,
+        sort_keys=True,
+    )
+    sys.stdout.write("\n")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from lab import processes
+
+    return processes.worker_main(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lab import runner
+
+    return runner.run_main(args)
+
+
+def _evidence(args: argparse.Namespace) -> int:
+    from lab import evidence
+
+    return evidence.cli_main(args)
+
+
+def _model(args: argparse.Namespace) -> int:
+    from lab import model
+
+    return model.cli_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lab`` command."""
+    parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    check = commands.add_parser("plancheck", help="admit one proposal from stdin; never execute")
+    check.set_defaults(handler=_plancheck)
+
+    worker = commands.add_parser("worker", help="run one work item as an OS process")
+    worker.add_argument("--schema", required=True, help="the experiment's isolated schema")
+    worker.add_argument("--tool", required=True, help="loopback tool endpoint")
+    worker.add_argument("--name", default="worker-process", help="owner name for claims")
+    worker.add_argument("--pause", choices=["after_claim", "after_tool"], default=None)
+    worker.add_argument("--start-gate", action="store_true", help="wait for a stdin newline")
+    worker.add_argument("--reconcile", default=None, help="reconcile this unknown workflow first")
+    worker.add_argument("--lease", type=float, default=3.0, help="lease seconds")
+    worker.set_defaults(handler=_worker)
+
+    run = commands.add_parser("run", help="run the experiments and sign the evidence")
+    run.add_argument("--chapter", action="append", default=[], help="only this chapter")
+    run.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
+    run.add_argument("--evidence", default="evidence", help="evidence directory")
+    run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest arguments")
+    run.set_defaults(handler=_run)
+
+    ev = commands.add_parser("evidence", help="verify or show signed evidence")
+    ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
+    verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
+    verify.add_argument("path", nargs="?", default="evidence")
+    verify.add_argument("--public-key", default=None, help="PEM of the expected signer")
+    verify.add_argument("--check-sources", action="store_true")
+    show = ev_commands.add_parser("show", help="print the summary of a report")
+    show.add_argument("path", nargs="?", default="evidence")
+    ev.set_defaults(handler=_evidence)
+
+    mdl = commands.add_parser("model", help="model-generation traces")
+    mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
+    mrun = mdl_commands.add_parser("run", help="generate proposals and admit them")
+    mrun.add_argument("--model", required=True)
+    mrun.add_argument("--expect-sha256", default=None)
+    mrun.add_argument("--cases", default=None)
+    mrun.add_argument("--output", default="book/model-experiment.json")
+    mrun.add_argument("--traces", default="evidence/model-traces")
+    mdl.set_defaults(handler=_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lab`` console script."""
+    args = build_parser().parse_args(argv)
+    handler = args.handler
+    code: int = handler(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

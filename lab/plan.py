@@ -1,0 +1,117 @@
+"""Plans: the admitted, canonical form of a proposal, its fingerprint and effect key.
+
+Pure code: nothing here touches a database or the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lab import errors
+
+SUPPORTED_PLAN_VERSION = 1
+ACTION = "issue_credit"
+CURRENCY = "CNY"
+ACCOUNTS = ("account-a", "account-b")
+MIN_AMOUNT_MINOR = 1
+MAX_AMOUNT_MINOR = 10_000
+
+# The proposal schema of the seed: the only shape a model may propose.
+PROPOSAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "version": {"const": SUPPORTED_PLAN_VERSION},
+        "action": {"const": ACTION},
+        "account": {"type": "string", "enum": list(ACCOUNTS)},
+        "amount_minor": {
+            "type": "integer",
+            "minimum": MIN_AMOUNT_MINOR,
+            "maximum": MAX_AMOUNT_MINOR,
+        },
+        "currency": {"const": CURRENCY},
+    },
+    "required": ["version", "action", "account", "amount_minor", "currency"],
+    "additionalProperties": False,
+}
+
+
+def canonical_json(value: Any) -> bytes:
+    """Serialise ``value`` deterministically: sorted keys, no spaces, UTF-8."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An admitted plan. ``idempotent`` comes from the trusted tool registry."""
+
+    version: int
+    action: str
+    account: str
+    amount_minor: int
+    currency: str
+    idempotent: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON object, as stored and fingerprinted."""
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """sha256 over the canonical JSON of the whole plan, capabilities included."""
+        return hashlib.sha256(b"lab/plan@v1\0" + canonical_json(self.to_json())).hexdigest()
+
+    def validate(self) -> None:
+        """Raise ``Rejected`` unless every field is within the admitted range."""
+        if type(self.version) is not int or self.version != SUPPORTED_PLAN_VERSION:
+            raise errors.Rejected(f"unsupported plan version {self.version!r}")
+        if self.action != ACTION:
+            raise errors.Rejected("unsupported action")
+        if self.account not in ACCOUNTS:
+            raise errors.Rejected("account is not an allowed account")
+        if (
+            type(self.amount_minor) is not int
+            or not MIN_AMOUNT_MINOR <= self.amount_minor <= MAX_AMOUNT_MINOR
+        ):
+            raise errors.Rejected(
+                f"amount_minor must be an integer from {MIN_AMOUNT_MINOR} to {MAX_AMOUNT_MINOR}"
+            )
+        if self.currency != CURRENCY:
+            raise errors.Rejected(f"currency must be {CURRENCY}")
+        if type(self.idempotent) is not bool:
+            raise errors.Rejected("idempotent must come from the registry as a boolean")
+
+    @classmethod
+    def from_json(cls, value: Any) -> Plan:
+        """Rebuild a stored plan; raise ``Rejected`` if the stored shape is not a plan."""
+        if not isinstance(value, dict) or set(value) != {
+            "version",
+            "action",
+            "account",
+            "amount_minor",
+            "currency",
+            "idempotent",
+        }:
+            raise errors.Rejected("stored plan has an unexpected shape")
+        return cls(
+            version=value["version"],
+            action=value["action"],
+            account=value["account"],
+            amount_minor=value["amount_minor"],
+            currency=value["currency"],
+            idempotent=value["idempotent"],
+        )
+
+
+def effect_key(tenant: str, operation: str) -> str:
+    """The tool's idempotency key for one operation of one tenant.
+
+    The pair is encoded as a JSON array before hashing, so no choice of
+    separators inside the names can make two different pairs collide
+    (``("a:b", "c")`` and ``("a", "b:c")`` give different keys).
+    """
+    digest = hashlib.sha256(b"lab/effect-key@v1\0" + canonical_json([tenant, operation]))
+    return "ek1_" + digest.hexdigest()
