@@ -13,11 +13,12 @@ are translated at the edge, in ``store`` and ``tool``, and chained with
     ├── NotFound            no such workflow
     ├── Stale               the caller's fence or lease is no longer current
     ├── ManualReview        only a person may decide what happens next
-    ├── StoreUnavailable    PostgreSQL could not be reached or failed
+    ├── StoreError          PostgreSQL could not be reached or refused the write
     ├── ProvisioningError   no PostgreSQL could be provided for a run
     └── ToolError           the tool could not be used
         ├── RateLimited     a trusted 429: nothing happened, retry later
         ├── OutcomeUnknown  the request may have taken effect: reconcile
+        ├── ToolUnavailable the request never reached the tool: retry later
         └── ToolRefused     the tool answered with a definite refusal
 """
 
@@ -67,7 +68,7 @@ class ManualReview(LabError):
         self.reason = reason
 
 
-class StoreUnavailable(LabError):
+class StoreError(LabError):
     """PostgreSQL could not complete the operation."""
 
 
@@ -85,6 +86,10 @@ class RateLimited(ToolError):
 
 class OutcomeUnknown(ToolError):
     """Tool request may have taken effect: the outcome must be reconciled."""
+
+
+class ToolUnavailable(ToolError):
+    """Tool could not be reached: the request was never delivered."""
 
 
 class ToolRefused(ToolError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ SUPPORTED_PLAN_VERSION = 1
 ACTION = "issue_credit"
 CURRENCY = "CNY"
 ACCOUNTS = ("account-a", "account-b")
+ACCOUNT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MIN_AMOUNT_MINOR = 1
 MAX_AMOUNT_MINOR = 10_000
 
@@ -70,8 +72,10 @@ class Plan:
             raise errors.Rejected(f"unsupported plan version {self.version!r}")
         if self.action != ACTION:
             raise errors.Rejected("unsupported action")
-        if self.account not in ACCOUNTS:
-            raise errors.Rejected("account is not an allowed account")
+        # Admission restricts proposals to ACCOUNTS; the store accepts any well-formed
+        # account an operator creates, so its events can be shown never to leak one.
+        if type(self.account) is not str or not ACCOUNT_PATTERN.fullmatch(self.account):
+            raise errors.Rejected("account must be 1-64 letters, digits, '.', '_' or '-'")
         if (
             type(self.amount_minor) is not int
             or not MIN_AMOUNT_MINOR <= self.amount_minor <= MAX_AMOUNT_MINOR
@@ -115,3 +119,20 @@ def effect_key(tenant: str, operation: str) -> str:
     """
     digest = hashlib.sha256(b"lab/effect-key@v1\0" + canonical_json([tenant, operation]))
     return "ek1_" + digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The tool's proof that one effect happened for one effect key and plan."""
+
+    receipt_id: str
+    effect_key: str
+    fingerprint: str
+
+    def to_json(self) -> dict[str, str]:
+        """The receipt as stored in the workflow's result."""
+        return asdict(self)
+
+    def proves(self, effect_key: str, fingerprint: str) -> bool:
+        """True when this receipt is for exactly this effect key and plan fingerprint."""
+        return self.effect_key == effect_key and self.fingerprint == fingerprint

@@ -1,0 +1,74 @@
+"""Chapter 8: audit events carry no secrets, and nothing leaves the loopback boundary."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from psycopg import conninfo
+
+from lab import boundaries, errors, harness, plan, store, tool
+
+REMOTE_DSNS = [
+    "postgres://book:book-lab-only@192.0.2.1:25432/book?sslmode=disable",
+    "host=127.0.0.1,192.0.2.1 port=25432,25432 user=book password=book-lab-only "
+    "dbname=book sslmode=disable",
+]
+UNSAFE_ENDPOINTS = [
+    "http://192.0.2.1:8080",
+    "https://127.0.0.1:8080",
+    "http://user:secret@127.0.0.1:8080",
+    "http://127.0.0.1:8080?token=secret",
+]
+
+
+def test_events_exclude_raw_sensitive_inputs(lab, lab_dsn, observe):
+    """The audit trail records kinds and identifiers only: no account, amount, token,
+    header or database password appears in any event of a full successful run."""
+    private = plan.Plan(**{**harness.sample_plan(True).to_json(),
+                           "account": "private-account-DO-NOT-LOG-81925"})
+    created = lab.store.create(harness.PROPOSER, store.new_id("op"), private)
+    lab.store.approve(harness.APPROVER, created.id, created.fingerprint, timedelta(minutes=1))
+    rig = lab.credit_tool(idempotent=True)
+    assert rig.worker.run_one() is not None
+    assert lab.state(created.id).state == "succeeded"
+    secrets = [private.account, rig.service.token, "amount_minor", "Authorization",
+               "book-lab-only"]
+    password = conninfo.conninfo_to_dict(lab_dsn).get("password")
+    if password:
+        secrets.append(str(password))
+    events = lab.store.events()
+    for event in events:
+        text = f"{event['kind']} {event['detail']}"
+        for secret in secrets:
+            assert secret not in text, f"raw sensitive event content in {event['kind']}"
+    assert len(events) >= 4, "missing audit events"
+    observe({
+        "events_checked": len(events),
+        "raw_sensitive_markers_found": 0,
+        "scope": "events kind/detail; workflow and tool ledger intentionally retain "
+        "business fields",
+    })
+
+
+def test_loopback_boundaries_reject_remote_targets(observe):
+    """A database DSN whose primary or fallback host is remote, and a tool endpoint that
+    is remote, encrypted elsewhere, or carries credentials or a query, are refused before
+    any connection is attempted."""
+    for dsn in REMOTE_DSNS:
+        with pytest.raises(errors.BoundaryViolation) as refused:
+            store.Store.open(dsn, "wf_boundary")
+        assert "book-lab-only" not in str(refused.value)
+    for endpoint in UNSAFE_ENDPOINTS:
+        with pytest.raises(errors.BoundaryViolation):
+            tool.ToolClient(endpoint, "token")
+    pinned = conninfo.conninfo_to_dict(
+        boundaries.check_dsn("host=localhost port=5432 dbname=book", environ={})
+    )
+    assert pinned.get("hostaddr") == "127.0.0.1"
+    observe({
+        "database_primary_and_fallback_restricted": True,
+        "tool_endpoint_restricted": True,
+        "localhost_resolution_pinned": True,
+    })
+

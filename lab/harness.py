@@ -1,0 +1,215 @@
+"""What an experiment works with: its store, tools, workers, worker processes and helpers.
+
+One ``Harness`` per experiment, built by the plugin's ``harness`` fixture on
+the experiment's own schema. It owns everything it starts (tool services,
+clients, OS processes) and closes or kills all of it at teardown, pass or
+fail. It also keeps a timeline of what the experiment did to its processes,
+for the book's figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from lab import processes, store, tool, worker
+from lab.plan import Plan
+
+PROPOSER = store.Actor(tenant="tenant-a", subject="employee-a", role="proposer")
+APPROVER = store.Actor(tenant="tenant-a", subject="manager-a", role="approver")
+SEED_LEASE = timedelta(seconds=3)
+
+
+def sample_plan(idempotent: bool = True) -> Plan:
+    """The seed's sample plan: 500 minor units of CNY to account-a."""
+    return Plan(
+        version=1,
+        action="issue_credit",
+        account="account-a",
+        amount_minor=500,
+        currency="CNY",
+        idempotent=idempotent,
+    )
+
+
+@dataclass
+class Rig:
+    """A running credit tool, a client for it, and an in-process worker using both."""
+
+    service: tool.ToolService
+    client: tool.ToolClient
+    worker: worker.Worker
+
+
+class Harness:
+    """Helpers bound to one experiment's schema; see the module docstring."""
+
+    def __init__(self, dsn: str, schema: str, db: store.Store):
+        self.dsn = dsn
+        self.schema = schema
+        self.store = db
+        self._t0 = time.monotonic()
+        self.db_t0 = db.execute("SELECT clock_timestamp() AS now")[0]["now"]
+        self.timeline: list[dict[str, Any]] = []
+        self._services: list[tool.ToolService] = []
+        self._clients: list[tool.ToolClient] = []
+        self._processes: list[processes.WorkerProcess] = []
+
+    # -- building blocks -------------------------------------------------------
+
+    def credit_tool(self, idempotent: bool = True) -> Rig:
+        """Start a credit tool on loopback with a client and a seed-configured worker."""
+        service = tool.ToolService(self.dsn, self.schema, idempotent=idempotent).start()
+        self._services.append(service)
+        client = tool.ToolClient(service.endpoint, service.token)
+        self._clients.append(client)
+        runner = worker.Worker(
+            db=self.store,
+            client=client,
+            name="worker-a",
+            lease=SEED_LEASE,
+            backoff=timedelta(milliseconds=20),
+        )
+        return Rig(service=service, client=client, worker=runner)
+
+    def client_for(self, service: tool.ToolService) -> tool.ToolClient:
+        """Another client of ``service``, closed at teardown."""
+        client = tool.ToolClient(service.endpoint, service.token)
+        self._clients.append(client)
+        return client
+
+    def approved(self, idempotent: bool = True, operation: str | None = None) -> store.Workflow:
+        """Create and approve the sample plan (one minute of approval), as the seed does."""
+        operation = operation or store.new_id("op")
+        created = self.store.create(PROPOSER, operation, sample_plan(idempotent))
+        self.store.approve(APPROVER, created.id, created.fingerprint, timedelta(minutes=1))
+        return self.store.get(created.id)
+
+    def spawn_worker(self, rig: Rig, name: str, *extra: str) -> processes.WorkerProcess:
+        """Start ``lab worker`` as an OS process against this schema and ``rig``'s tool."""
+        child = processes.spawn_worker(
+            self.dsn,
+            self.schema,
+            rig.service.endpoint,
+            rig.service.token,
+            name,
+            *extra,
+            on_event=self.mark,
+        )
+        self._processes.append(child)
+        self.mark(name, "started")
+        return child
+
+    # -- reading state ----------------------------------------------------------------
+
+    def state(self, workflow_id: str) -> store.Workflow:
+        """The workflow's current snapshot."""
+        return self.store.get(workflow_id)
+
+    def effects(self) -> int:
+        """How many effects the tool's ledger holds."""
+        count: int = self.store.execute("SELECT count(*) AS n FROM tool_effects")[0]["n"]
+        return count
+
+    def count_events(self, kind: str) -> int:
+        """How many audit events of ``kind`` exist."""
+        n: int = self.store.execute("SELECT count(*) AS n FROM events WHERE kind = %s", (kind,))[
+            0
+        ]["n"]
+        return n
+
+    # -- the seed's SQL helpers: faults injected on the database clock ------------------
+
+    def expire_lease(self, workflow_id: str) -> None:
+        """SQL-injected lease expiry: the lease ended one second ago."""
+        self.store.execute(
+            "UPDATE workflows SET lease_until = clock_timestamp() - interval '1 second' "
+            "WHERE id = %s",
+            (workflow_id,),
+        )
+        self.mark("experiment", "lease expired (SQL-injected)")
+
+    def expire_approval(self, workflow_id: str) -> None:
+        """SQL-injected approval expiry: the approval ended one second ago."""
+        self.store.execute(
+            "UPDATE workflows SET approval_expires = clock_timestamp() - interval '1 second' "
+            "WHERE id = %s",
+            (workflow_id,),
+        )
+        self.mark("experiment", "approval expired (SQL-injected)")
+
+    def make_due(self, workflow_id: str) -> None:
+        """Make queued work due now."""
+        self.store.execute(
+            "UPDATE workflows SET ready_at = clock_timestamp() - interval '1 second' WHERE id = %s",
+            (workflow_id,),
+        )
+
+    def wait_until(
+        self, condition: Callable[[], bool], within: float = 5.0, what: str = "condition"
+    ) -> None:
+        """Poll ``condition`` every 20 ms; fail the experiment if it is not true in time."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"bounded wait: {what} did not become true within {within}s")
+
+    def recover_by_elapsed_lease(self, workflow_id: str) -> int:
+        """Let the real lease run out on PostgreSQL's clock, then recover it to unknown."""
+        self.wait_until(
+            lambda: bool(
+                self.store.execute(
+                    "SELECT lease_until <= clock_timestamp() AS expired FROM workflows "
+                    "WHERE id = %s",
+                    (workflow_id,),
+                )[0]["expired"]
+            ),
+            within=5.0,
+            what="the lease to expire on the PostgreSQL clock",
+        )
+        self.mark("postgresql", "lease expired (elapsed clock)")
+        recovered = self.store.recover_expired()
+        assert recovered == 1, f"recovered {recovered} workflows, expected 1"
+        assert self.state(workflow_id).state == "unknown", "expired lease skipped unknown"
+        return recovered
+
+    # -- timeline and teardown -----------------------------------------------------------
+
+    def mark(self, actor: str, what: str) -> None:
+        """Note something the experiment did or saw, with its time since the start."""
+        self.timeline.append(
+            {"t": round(time.monotonic() - self._t0, 3), "actor": actor, "what": what}
+        )
+
+    def event_history(self) -> list[dict[str, Any]]:
+        """The audit events, sanitised for the book: kind, fence, detail and relative time."""
+        rows = self.store.execute(
+            "SELECT workflow_id, kind, fence, detail, "
+            "extract(epoch FROM created_at - %s) AS t FROM events ORDER BY seq",
+            (self.db_t0,),
+        )
+        ids: dict[str, str] = {}
+        return [
+            {
+                "t": round(float(row["t"]), 3),
+                "workflow": ids.setdefault(row["workflow_id"], f"w{len(ids) + 1}"),
+                "kind": row["kind"],
+                "fence": row["fence"],
+                "detail": row["detail"],
+            }
+            for row in rows
+        ]
+
+    def close(self) -> None:
+        """Kill every process still alive, close clients, stop tool services."""
+        for child in self._processes:
+            child.cleanup()
+        for client in self._clients:
+            client.close()
+        for service in self._services:
+            service.stop()

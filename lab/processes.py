@@ -1,0 +1,220 @@
+"""Workers as real OS processes, and the handle an experiment uses to drive one.
+
+The child speaks a line protocol on stdout: ``BOOK_READY`` at its start gate,
+``BOOK_STAGE <stage> <workflow> <fence>`` at each stage, ``BOOK_DONE`` at the
+end. A newline on stdin releases a pause. SIGKILL ends it mid-window, which is
+the point: no cleanup code runs, exactly as in a real crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import IO
+
+from lab import errors, store, tool, worker
+
+DSN_ENV = "BOOK_LAB_DSN"
+TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret; the token travels in the environment, never in argv
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
+    dsn = os.environ.get(DSN_ENV, "")
+    token = os.environ.get(TOKEN_ENV, "")
+    if not dsn or not token:
+        print(f"lab worker needs {DSN_ENV} and {TOKEN_ENV} in its environment", file=sys.stderr)
+        return 2
+
+    def wait_for_newline() -> None:
+        sys.stdin.readline()
+
+    def hook(stage: str, claim: store.Workflow) -> None:
+        print(f"BOOK_STAGE {stage} {claim.id} {claim.fence}", flush=True)
+        if args.pause == stage:
+            wait_for_newline()
+
+    try:
+        with store.Store.open(dsn, args.schema, max_connections=2) as db, tool.ToolClient(
+            args.tool, token
+        ) as client:
+            runner = worker.Worker(
+                db=db,
+                client=client,
+                name=args.name,
+                lease=timedelta(seconds=args.lease),
+                heartbeat_every=timedelta(milliseconds=500),
+                backoff=timedelta(milliseconds=100),
+                hook=hook,
+            )
+            if args.start_gate:
+                print("BOOK_READY", flush=True)
+                wait_for_newline()
+            if args.reconcile:
+                runner.reconcile(args.reconcile)
+            runner.run_one()
+    except errors.LabError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print("BOOK_DONE", flush=True)
+    return 0
+
+
+class WorkerProcess:
+    """A running ``lab worker`` child, with its stdout lines in a queue."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        name: str,
+        on_event: Callable[[str, str], None] | None = None,
+    ):
+        self.name = name
+        self._on_event = on_event or (lambda actor, what: None)
+        self.started = time.monotonic()
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        self._stderr: list[str] = []
+        assert self._proc.stdout is not None
+        assert self._proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True),
+            threading.Thread(target=self._drain, args=(self._proc.stderr,), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _drain(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._stderr.append(line)
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
+
+    @property
+    def stderr(self) -> str:
+        """What the child wrote to stderr so far."""
+        return "".join(self._stderr)
+
+    def alive(self) -> bool:
+        """True while the child has not exited."""
+        return self._proc.poll() is None
+
+    def wait_for(self, prefix: str, timeout: float = 15.0) -> str:
+        """Return the next stdout line starting with ``prefix``; fail on exit or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s; {self._tail()}")
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                self._proc.wait(timeout=5)
+                raise AssertionError(
+                    f"{self.name} exited ({self._proc.returncode}) before {prefix!r}; "
+                    f"{self._tail()}"
+                )
+            self.seen.append(line)
+            if line.startswith(prefix):
+                self._on_event(self.name, line.split(" wf_")[0])
+                return line
+
+    def release(self) -> None:
+        """Write the newline that releases a start gate or a pause."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("\n")
+        self._proc.stdin.flush()
+        self._on_event("experiment", f"release {self.name}")
+
+    def finish(self, timeout: float = 15.0) -> None:
+        """Wait for a clean exit; raise with the child's stderr otherwise."""
+        try:
+            code = self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{self.name} did not exit within {timeout}s") from exc
+        for reader in self._readers:
+            reader.join(timeout=5)
+        if code != 0:
+            raise AssertionError(f"{self.name} failed with exit {code}; {self._tail()}")
+        self._on_event(self.name, "exited 0")
+
+    def kill(self) -> int:
+        """SIGKILL the child and reap it; returns the (negative) return code."""
+        self._on_event("experiment", f"SIGKILL {self.name}")
+        self._proc.send_signal(signal.SIGKILL)
+        code = self._proc.wait(timeout=10)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        self._on_event(self.name, f"killed (exit {code})")
+        return code
+
+    def cleanup(self) -> None:
+        """Kill the child if it is still alive and close its pipes."""
+        if self.alive():
+            self._proc.kill()
+        try:
+            self._proc.wait(timeout=10)
+        finally:
+            for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+
+    def _tail(self) -> str:
+        return f"stderr: {self.stderr.strip()[-2000:] or '(empty)'}"
+
+
+def spawn_worker(
+    dsn: str,
+    schema: str,
+    endpoint: str,
+    token: str,
+    name: str,
+    *extra: str,
+    on_event: Callable[[str, str], None] | None = None,
+) -> WorkerProcess:
+    """Start ``lab worker`` as a child of this interpreter (not whatever is on PATH)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "lab.cli",
+        "worker",
+        "--schema",
+        schema,
+        "--tool",
+        endpoint,
+        "--name",
+        name,
+        *extra,
+    ]
+    env = {**os.environ, DSN_ENV: dsn, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    return WorkerProcess(argv, env, name, on_event)

@@ -1,0 +1,210 @@
+"""The lab's pytest plugin: PostgreSQL for the run, a schema per test, fixtures, observations.
+
+Loaded through the ``pytest11`` entry point. One PostgreSQL server serves the
+whole run: the controller (or the only process) provisions it at configure
+time and hands the DSN to pytest-xdist workers through ``workerinput``. Each
+test that needs the database gets its own schema, dropped afterwards. The
+evidence (collection, report, signature, gate) lives in ``lab.recorder``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lab import errors, store
+from lab import harness as lab_harness
+
+log = logging.getLogger("lab.plugin")
+
+_RUNNING_KEY = pytest.StashKey[Any]()
+_DSN_KEY = pytest.StashKey[str | None]()
+_DATABASE_KEY = pytest.StashKey[dict[str, Any] | None]()
+_PROBLEM_KEY = pytest.StashKey[str | None]()
+
+
+def _recorder() -> Any:
+    try:
+        from lab import recorder
+    except ImportError:  # the evidence recorder is optional for the runtime itself
+        return None
+    return recorder
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("lab", "durable-agent lab")
+    group.addoption(
+        "--lab-postgres",
+        choices=["auto", "dsn", "container", "embedded", "none"],
+        default=None,
+        help="how to provide PostgreSQL for the run (default: ini lab_postgres or auto)",
+    )
+    group.addoption("--lab-dsn", default=None, help="DSN of an existing loopback server")
+    group.addoption(
+        "--lab-allow-remote-dsn",
+        action="store_true",
+        help="accept a non-loopback DSN (a CI service database); off by default",
+    )
+    group.addoption(
+        "--lab-keep-schemas",
+        action="store_true",
+        help="keep a failed test's schema for inspection instead of dropping it",
+    )
+    parser.addini("lab_postgres", "default for --lab-postgres", default="auto")
+    rec = _recorder()
+    if rec is not None:
+        rec.addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "experiment: a chapter experiment of the book (added automatically)"
+    )
+    dsn: str | None = None
+    database: dict[str, Any] | None = None
+    problem: str | None = None
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        dsn = workerinput.get("lab_dsn")
+        database = json.loads(workerinput.get("lab_database", "null"))
+        problem = workerinput.get("lab_problem")
+    else:
+        mode = config.getoption("--lab-postgres") or config.getini("lab_postgres")
+        if mode == "none":
+            problem = "PostgreSQL disabled with --lab-postgres=none"
+        else:
+            try:
+                from lab import cluster
+            except ImportError:  # TEMPORARY until cluster.py lands
+                cluster = None  # type: ignore[assignment]
+            import os
+            if cluster is None and os.environ.get("BOOK_LAB_DSN"):
+                dsn = os.environ["BOOK_LAB_DSN"]
+                database = {"provider": "dsn", "server_version": "dev", "details": {}}
+            try:
+                if cluster is None:
+                    raise errors.ProvisioningError("cluster module missing")
+                running = cluster.start(
+                    mode=mode,
+                    dsn=config.getoption("--lab-dsn"),
+                    allow_remote=config.getoption("--lab-allow-remote-dsn"),
+                )
+            except errors.LabError as exc:
+                problem = None if dsn else str(exc)
+            else:
+                config.stash[_RUNNING_KEY] = running
+                dsn = running.provisioned.dsn
+                database = running.provisioned.describe()
+                log.info("PostgreSQL for this run: %s", database)
+    config.stash[_DSN_KEY] = dsn
+    config.stash[_DATABASE_KEY] = database
+    config.stash[_PROBLEM_KEY] = problem
+    rec = _recorder()
+    if rec is not None:
+        rec.register(config, database)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    running = config.stash.get(_RUNNING_KEY, None)
+    if running is not None:
+        running.stop()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Hand the run's PostgreSQL to each xdist worker (never a second server)."""
+    config = node.config
+    node.workerinput["lab_dsn"] = config.stash.get(_DSN_KEY, None)
+    node.workerinput["lab_database"] = json.dumps(config.stash.get(_DATABASE_KEY, None))
+    node.workerinput["lab_problem"] = config.stash.get(_PROBLEM_KEY, None)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    database = config.stash.get(_DATABASE_KEY, None)
+    if database is not None:
+        return (
+            f"lab: PostgreSQL {database.get('server_version')} "
+            f"via {database.get('provider')}"
+        )
+    return f"lab: no PostgreSQL ({config.stash.get(_PROBLEM_KEY, None)})"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "experiments" in item.path.parts:
+            item.add_marker(pytest.mark.experiment)
+
+
+@pytest.fixture(scope="session")
+def lab_dsn(pytestconfig: pytest.Config) -> str:
+    """The DSN of the run's PostgreSQL server (fails the test if there is none)."""
+    dsn = pytestconfig.stash.get(_DSN_KEY, None)
+    if not dsn:
+        problem = pytestconfig.stash.get(_PROBLEM_KEY, None)
+        pytest.fail(f"no PostgreSQL for this run: {problem}", pytrace=False)
+    return dsn
+
+
+@pytest.fixture
+def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
+    """A fresh schema holding every table of the lab, dropped after the test."""
+    schema = store.new_id("t").lower()[:30]
+    store.create_schema(lab_dsn, schema)
+    request.node.user_properties.append(("lab_database", True))
+    yield schema
+    failed = getattr(request.node, "lab_failed", False)
+    if failed and request.config.getoption("--lab-keep-schemas"):
+        log.warning("kept schema %s of failed test %s", schema, request.node.nodeid)
+        return
+    store.drop_schema(lab_dsn, schema)
+
+
+@pytest.fixture
+def lab_store(lab_dsn: str, lab_schema: str) -> Iterator[store.Store]:
+    """A ``Store`` on the test's own schema."""
+    db = store.Store.open(lab_dsn, lab_schema)
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def lab(
+    request: pytest.FixtureRequest, lab_dsn: str, lab_schema: str, lab_store: store.Store
+) -> Iterator[lab_harness.Harness]:
+    """Everything an experiment drives: tools, workers, OS processes, SQL helpers."""
+    rig = lab_harness.Harness(lab_dsn, lab_schema, lab_store)
+    try:
+        yield rig
+    finally:
+        rig.close()
+        try:
+            history = rig.event_history()
+        except errors.LabError:
+            history = []
+        request.node.user_properties.append(("lab_events", history))
+        request.node.user_properties.append(("lab_timeline", rig.timeline))
+
+
+
+@pytest.fixture
+def observe(request: pytest.FixtureRequest) -> Any:
+    """Record a fact for the evidence: ``observe({"state": "succeeded", ...})``."""
+
+    def record(value: dict[str, Any]) -> None:
+        text = json.dumps(value, sort_keys=True)
+        print(f"BOOK_OBSERVATION {text}")
+        request.node.user_properties.append(("lab_observation", json.loads(text)))
+
+    return record
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed:
+        item.lab_failed = True  # type: ignore[attr-defined]
+    return report

@@ -1,0 +1,64 @@
+-- Every table, index and constraint of the lab. Applied inside one schema per
+-- experiment (the search_path names it), so nothing here names a schema.
+
+CREATE TABLE workflows (
+ id text PRIMARY KEY,
+ tenant text NOT NULL,
+ operation text NOT NULL,
+ proposed_by text NOT NULL,
+ plan jsonb NOT NULL,
+ fingerprint text NOT NULL,
+ plan_version integer NOT NULL,
+ effect_key text NOT NULL,
+ state text NOT NULL CHECK (state IN ('waiting_approval','ready','running','unknown',
+                                      'succeeded','cancelled','failed','incompatible')),
+ approved_by text NOT NULL DEFAULT '',
+ approval_expires timestamptz,
+ owner text NOT NULL DEFAULT '',
+ fence bigint NOT NULL DEFAULT 0,
+ attempt integer NOT NULL DEFAULT 0 CHECK (attempt >= 0),
+ max_attempts integer NOT NULL DEFAULT 3 CHECK (max_attempts BETWEEN 1 AND 10),
+ lease_until timestamptz,
+ ready_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+ cancel_requested boolean NOT NULL DEFAULT false,
+ review_reason text NOT NULL DEFAULT '',
+ result jsonb,
+ created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+ updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+ UNIQUE (tenant, operation),
+ -- A running workflow always has an owner and a lease; a succeeded one its receipt.
+ CHECK (state <> 'running' OR (owner <> '' AND lease_until IS NOT NULL)),
+ CHECK (state <> 'succeeded' OR result IS NOT NULL),
+ CHECK (attempt <= max_attempts)
+);
+
+-- Claiming scans only ready work, so its cost does not grow with finished history.
+CREATE INDEX ready_work ON workflows (ready_at, created_at) WHERE state = 'ready';
+CREATE INDEX running_leases ON workflows (lease_until) WHERE state = 'running';
+
+-- Audit events hold kinds and identifiers only: never accounts, amounts, tokens or headers.
+CREATE TABLE events (
+ seq bigserial PRIMARY KEY,
+ workflow_id text NOT NULL REFERENCES workflows(id),
+ kind text NOT NULL,
+ fence bigint NOT NULL,
+ detail text NOT NULL DEFAULT '',
+ created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX events_by_workflow ON events (workflow_id, seq);
+
+-- The credit tool's own ledger. It shares the server, never a transaction, with the workflow.
+-- An idempotent tool keeps one effect per key; a non-idempotent one records every call.
+CREATE TABLE tool_effects (
+ seq bigserial PRIMARY KEY,
+ effect_key text NOT NULL,
+ idempotent boolean NOT NULL,
+ fingerprint text NOT NULL,
+ account text NOT NULL,
+ amount_minor bigint NOT NULL CHECK (amount_minor > 0),
+ currency text NOT NULL,
+ receipt text NOT NULL UNIQUE,
+ created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE UNIQUE INDEX tool_effects_one_per_key ON tool_effects (effect_key) WHERE idempotent;
+CREATE INDEX tool_effects_by_key ON tool_effects (effect_key);

@@ -1,0 +1,685 @@
+"""The workflow state machine as fenced SQL transitions on PostgreSQL.
+
+Every transition is one transaction guarded by the caller's fence (and lease
+where it matters) that writes its audit event in the same transaction, and a
+stale fence is reported as ``errors.Stale``, never as a silent no-op. Time
+comes from PostgreSQL's ``clock_timestamp()``, never from this process's clock.
+psycopg errors are translated into ``errors.StoreError`` here, at the edge.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from importlib import resources
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+
+from lab import boundaries, errors
+from lab.plan import SUPPORTED_PLAN_VERSION, Plan, Receipt, effect_key
+
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+DEFAULT_MAX_ATTEMPTS = 3
+STATES = (
+    "waiting_approval",
+    "ready",
+    "running",
+    "unknown",
+    "succeeded",
+    "cancelled",
+    "failed",
+    "incompatible",
+)
+TERMINAL_STATES = frozenset({"succeeded", "cancelled", "failed", "incompatible"})
+
+
+@dataclass(frozen=True)
+class Actor:
+    """A person acting on a workflow: tenant, subject and role are all checked."""
+
+    tenant: str
+    subject: str
+    role: str
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A snapshot of one workflow row."""
+
+    id: str
+    tenant: str
+    operation: str
+    proposed_by: str
+    plan: dict[str, Any]
+    fingerprint: str
+    plan_version: int
+    effect_key: str
+    state: str
+    approved_by: str
+    approval_expires: datetime | None
+    owner: str
+    fence: int
+    attempt: int
+    max_attempts: int
+    lease_until: datetime | None
+    ready_at: datetime
+    cancel_requested: bool
+    review_reason: str
+    result: dict[str, Any] | None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Workflow:
+        """Build a snapshot from a ``SELECT *`` row of ``workflows``."""
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+    @property
+    def idempotent(self) -> bool:
+        """The registry's capability, persisted in the plan at admission."""
+        return self.plan.get("idempotent") is True
+
+
+def check_schema_name(schema: str) -> str:
+    """Return ``schema`` if it is a plain lower-case identifier, else raise ``Rejected``."""
+    if not isinstance(schema, str) or not SCHEMA_NAME.fullmatch(schema):
+        raise errors.Rejected("schema name must match ^[a-z_][a-z0-9_]{0,62}$")
+    return schema
+
+
+def schema_sql() -> str:
+    """The text of ``schema.sql``: every table, index and constraint."""
+    return resources.files("lab").joinpath("schema.sql").read_text(encoding="utf-8")
+
+
+def new_id(prefix: str = "wf") -> str:
+    """A random identifier with a readable prefix."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@contextmanager
+def _translated(action: str) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.Error as exc:
+        # The SQLSTATE names the cause without echoing parameters (which may be sensitive).
+        state = exc.sqlstate or type(exc).__name__
+        raise errors.StoreError(f"PostgreSQL could not {action} (SQLSTATE {state})") from exc
+
+
+class Store:
+    """Workflows in one PostgreSQL schema, reached through a small connection pool."""
+
+    def __init__(self, pool: ConnectionPool[psycopg.Connection[dict[str, Any]]], schema: str):
+        self._pool = pool
+        self.schema = schema
+
+    @classmethod
+    def open(
+        cls,
+        dsn: str,
+        schema: str,
+        *,
+        create: bool = False,
+        allow_remote: bool = False,
+        max_connections: int = 4,
+    ) -> Store:
+        """Connect to ``schema`` (creating it and its tables when ``create``).
+
+        The DSN must point at loopback unless ``allow_remote`` is set.
+        """
+        check_schema_name(schema)
+        target = dsn if allow_remote else boundaries.check_dsn(dsn)
+        if create:
+            create_schema(target, schema)
+        pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
+            target,
+            min_size=1,
+            max_size=max_connections,
+            kwargs={
+                "autocommit": True,
+                "row_factory": dict_row,
+                # The name passed SCHEMA_NAME above, so it is safe inside options.
+                "options": f"-c search_path={schema}",
+                "application_name": "lab",
+            },
+            connection_class=psycopg.Connection[dict[str, Any]],
+            open=False,
+        )
+        with _translated("open a connection pool"):
+            pool.open(wait=True, timeout=10)
+        return cls(pool, schema)
+
+    def close(self) -> None:
+        """Close every connection of the pool."""
+        self._pool.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self, action: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+        with _translated(action), self._pool.connection() as conn, conn.transaction():
+            yield conn
+
+    def execute(self, query: LiteralString, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        """Run one literal SQL statement in its own transaction; return its rows, if any.
+
+        For experiments that inject faults (expire a lease, add a constraint):
+        the query is a literal, values travel as parameters.
+        """
+        with self._transaction("run a statement") as conn:
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description else []
+
+    # -- creation and approval -------------------------------------------------
+
+    def create(self, actor: Actor, operation: str, plan: Plan) -> Workflow:
+        """Persist a plan awaiting approval, once per tenant and operation.
+
+        Creating the same operation again returns the same workflow; the same
+        operation with different parameters raises ``errors.Conflict``.
+        """
+        plan.validate()
+        if actor.role != "proposer":
+            raise errors.Denied("only a proposer may create a workflow")
+        if not operation or not actor.tenant or not actor.subject:
+            raise errors.Rejected("tenant, subject and operation must be non-empty")
+        fingerprint = plan.fingerprint()
+        with self._transaction("create a workflow") as conn:
+            row = conn.execute(
+                """
+                INSERT INTO workflows (id, tenant, operation, proposed_by, plan, fingerprint,
+                                       plan_version, effect_key, state, max_attempts)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'waiting_approval', %s)
+                ON CONFLICT (tenant, operation) DO NOTHING
+                RETURNING *
+                """,
+                (
+                    new_id(),
+                    actor.tenant,
+                    operation,
+                    actor.subject,
+                    Jsonb(plan.to_json()),
+                    fingerprint,
+                    plan.version,
+                    effect_key(actor.tenant, operation),
+                    DEFAULT_MAX_ATTEMPTS,
+                ),
+            ).fetchone()
+            if row is not None:
+                _event(conn, row["id"], "created", 0, f"plan_version={plan.version}")
+                return Workflow.from_row(row)
+            existing = conn.execute(
+                "SELECT * FROM workflows WHERE tenant = %s AND operation = %s",
+                (actor.tenant, operation),
+            ).fetchone()
+        if existing is None:  # the row that conflicted was removed meanwhile
+            raise errors.Conflict("operation changed concurrently; retry")
+        if existing["fingerprint"] != fingerprint:
+            raise errors.Conflict("operation already exists with different parameters")
+        return Workflow.from_row(existing)
+
+    def approve(
+        self, actor: Actor, workflow_id: str, fingerprint: str, ttl: timedelta
+    ) -> Workflow:
+        """Approve exactly the plan with ``fingerprint``, for ``ttl``, as ``actor``.
+
+        The approver must be of the workflow's tenant, hold the approver role,
+        not be its proposer, and name the stored fingerprint; otherwise
+        ``errors.Denied`` and nothing changes.
+        """
+        if ttl <= timedelta(0):
+            raise errors.Rejected("approval lifetime must be positive")
+        with self._transaction("approve a workflow") as conn:
+            row = _locked(conn, workflow_id)
+            if actor.tenant != row["tenant"]:
+                raise errors.Denied("approver belongs to another tenant")
+            if actor.role != "approver":
+                raise errors.Denied("only the approver role may approve")
+            if actor.subject == row["proposed_by"]:
+                raise errors.Denied("a proposer cannot approve their own plan")
+            if fingerprint != row["fingerprint"]:
+                raise errors.Denied("approval names a different plan fingerprint")
+            if row["state"] != "waiting_approval" or row["cancel_requested"]:
+                raise errors.Conflict(f"cannot approve a workflow in state {row['state']}")
+            updated = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = 'ready', approved_by = %s,
+                       approval_expires = clock_timestamp() + %s,
+                       ready_at = clock_timestamp(), updated_at = clock_timestamp()
+                 WHERE id = %s
+                RETURNING *
+                """,
+                (actor.subject, ttl, workflow_id),
+            ).fetchone()
+            assert updated is not None
+            _event(conn, workflow_id, "approved", updated["fence"], f"by={actor.subject}")
+        return Workflow.from_row(updated)
+
+    def get(self, workflow_id: str) -> Workflow:
+        """The current snapshot of one workflow, or ``errors.NotFound``."""
+        with self._transaction("read a workflow") as conn:
+            row = conn.execute("SELECT * FROM workflows WHERE id = %s", (workflow_id,)).fetchone()
+        if row is None:
+            raise errors.NotFound(f"no workflow {workflow_id!r}")
+        return Workflow.from_row(row)
+
+    def cancel(self, actor: Actor, workflow_id: str) -> Workflow:
+        """Request cancellation. Work not yet dispatched is cancelled at once;
+
+        running or unknown work keeps its state with the request recorded, so
+        an effect that already happened is never erased.
+        """
+        with self._transaction("cancel a workflow") as conn:
+            row = _locked(conn, workflow_id)
+            if actor.tenant != row["tenant"]:
+                raise errors.Denied("actor belongs to another tenant")
+            if actor.role not in ("proposer", "approver"):
+                raise errors.Denied("only a proposer or approver may cancel")
+            updated = conn.execute(
+                """
+                UPDATE workflows
+                   SET cancel_requested = true,
+                       state = CASE WHEN state IN ('waiting_approval', 'ready')
+                                    THEN 'cancelled' ELSE state END,
+                       updated_at = clock_timestamp()
+                 WHERE id = %s
+                RETURNING *
+                """,
+                (workflow_id,),
+            ).fetchone()
+            assert updated is not None
+            _event(conn, workflow_id, "cancel_requested", row["fence"], f"by={actor.subject}")
+            if updated["state"] == "cancelled" and row["state"] != "cancelled":
+                _event(conn, workflow_id, "cancelled", row["fence"], "at=queue")
+        return Workflow.from_row(updated)
+
+    # -- claiming and leases -----------------------------------------------------
+
+    def claim(self, owner: str, lease: timedelta) -> Workflow | None:
+        """Claim the oldest due ready workflow: fence + 1, attempt + 1, a lease.
+
+        The claim also decides, in the same transaction, what must not run: a
+        requested cancellation (cancelled), a lapsed approval (back to
+        waiting_approval), an unsupported plan version (incompatible, attempt
+        unchanged) or a stored plan that no longer matches its fingerprint
+        (failed, reason ``integrity``). Returns None when nothing is due.
+        """
+        if not owner:
+            raise errors.Rejected("owner must be non-empty")
+        if lease <= timedelta(0):
+            raise errors.Rejected("lease must be positive")
+        while True:
+            with self._transaction("claim work") as conn:
+                row = conn.execute(
+                    """
+                    SELECT *, (approval_expires IS NULL
+                               OR approval_expires <= clock_timestamp()) AS approval_lapsed
+                      FROM workflows
+                     WHERE state = 'ready' AND ready_at <= clock_timestamp()
+                     ORDER BY ready_at, created_at
+                     LIMIT 1
+                       FOR UPDATE SKIP LOCKED
+                    """
+                ).fetchone()
+                if row is None:
+                    return None
+                diverted = _claim_diversion(row)
+                if diverted is None:
+                    claimed = conn.execute(
+                        """
+                        UPDATE workflows
+                           SET state = 'running', owner = %s, fence = fence + 1,
+                               attempt = attempt + 1, lease_until = clock_timestamp() + %s,
+                               updated_at = clock_timestamp()
+                         WHERE id = %s
+                        RETURNING *
+                        """,
+                        (owner, lease, row["id"]),
+                    ).fetchone()
+                    assert claimed is not None
+                    _event(conn, row["id"], "claimed", claimed["fence"], f"owner={owner}")
+                    return Workflow.from_row(claimed)
+                state, kind, reason = diverted
+                conn.execute(
+                    """
+                    UPDATE workflows
+                       SET state = %s, review_reason = %s,
+                           approved_by = CASE WHEN %s = 'waiting_approval'
+                                              THEN '' ELSE approved_by END,
+                           approval_expires = CASE WHEN %s = 'waiting_approval'
+                                                   THEN NULL ELSE approval_expires END,
+                           updated_at = clock_timestamp()
+                     WHERE id = %s
+                    """,
+                    (state, reason, state, state, row["id"]),
+                )
+                _event(conn, row["id"], kind, row["fence"], "at=claim")
+
+    def heartbeat(self, claim: Workflow, lease: timedelta) -> datetime:
+        """Extend a live lease held under ``claim``'s fence; an expired one stays expired."""
+        with self._transaction("extend a lease") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows SET lease_until = clock_timestamp() + %s
+                 WHERE id = %s AND fence = %s AND owner = %s AND state = 'running'
+                   AND lease_until > clock_timestamp()
+                RETURNING lease_until
+                """,
+                (lease, claim.id, claim.fence, claim.owner),
+            ).fetchone()
+        if row is None:
+            raise errors.Stale("lease expired or fence moved: heartbeat refused")
+        lease_until: datetime = row["lease_until"]
+        return lease_until
+
+    def recover_expired(self) -> int:
+        """Turn every running workflow whose lease ran out into ``unknown``.
+
+        Whether its effect happened is not known, so it is reconciled, never rerun blindly.
+        """
+        with self._transaction("recover expired leases") as conn:
+            rows = conn.execute(
+                """
+                WITH expired AS (
+                    UPDATE workflows
+                       SET state = 'unknown', owner = '', lease_until = NULL,
+                           updated_at = clock_timestamp()
+                     WHERE state = 'running' AND lease_until <= clock_timestamp()
+                    RETURNING id, fence
+                )
+                INSERT INTO events (workflow_id, kind, fence, detail)
+                SELECT id, 'lease_expired', fence, '' FROM expired
+                RETURNING workflow_id
+                """
+            ).fetchall()
+        return len(rows)
+
+    # -- around the dispatch ---------------------------------------------------------
+
+    def pre_dispatch(self, claim: Workflow) -> bool:
+        """The fenced check right before the tool is called.
+
+        Returns True when the claim may dispatch (and records that intent);
+        False when a cancellation or an approval expiry diverted it. A fence
+        that moved or a lease that ran out raises ``errors.Stale``.
+        """
+        with self._transaction("check before dispatch") as conn:
+            row = conn.execute(
+                """
+                SELECT *, (approval_expires IS NULL
+                           OR approval_expires <= clock_timestamp()) AS approval_lapsed,
+                          (lease_until > clock_timestamp()) AS lease_live
+                  FROM workflows WHERE id = %s FOR UPDATE
+                """,
+                (claim.id,),
+            ).fetchone()
+            if row is None:
+                raise errors.NotFound(f"no workflow {claim.id!r}")
+            if row["state"] != "running" or row["fence"] != claim.fence or not row["lease_live"]:
+                raise errors.Stale("claim is no longer current: not dispatching")
+            if row["cancel_requested"]:
+                _release(conn, claim, "cancelled")
+                _event(conn, claim.id, "cancelled", claim.fence, "at=pre_dispatch")
+                return False
+            if row["approval_lapsed"]:
+                _release(conn, claim, "waiting_approval")
+                _event(conn, claim.id, "approval_expired", claim.fence, "at=pre_dispatch")
+                return False
+            _event(conn, claim.id, "dispatching", claim.fence, f"attempt={row['attempt']}")
+        return True
+
+    def complete(self, claim: Workflow, receipt: Receipt) -> Workflow:
+        """Record success under ``claim``'s fence, if ``receipt`` proves this effect."""
+        if not receipt.proves(claim.effect_key, claim.fingerprint):
+            raise errors.ReceiptMismatch()
+        with self._transaction("complete a workflow") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = 'succeeded', result = %s, owner = '', lease_until = NULL,
+                       review_reason = '', updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'running'
+                   AND fingerprint = %s AND effect_key = %s
+                RETURNING *
+                """,
+                (Jsonb(receipt.to_json()), claim.id, claim.fence, claim.fingerprint,
+                 claim.effect_key),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("claim is no longer current: completion refused")
+            _event(conn, claim.id, "completed", claim.fence, "")
+        return Workflow.from_row(row)
+
+    def unknown(self, claim: Workflow, cause: str = "reply_lost") -> Workflow:
+        """Record that the dispatch's outcome is not known (it may have happened)."""
+        with self._transaction("record an unknown outcome") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = 'unknown', owner = '', lease_until = NULL,
+                       updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'running'
+                RETURNING *
+                """,
+                (claim.id, claim.fence),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("claim is no longer current: unknown refused")
+            _event(conn, claim.id, "unknown", claim.fence, f"cause={cause}")
+        return Workflow.from_row(row)
+
+    def retry_later(self, claim: Workflow, backoff: timedelta, cause: str) -> Workflow:
+        """After a definite non-effect (a trusted 429), queue again after ``backoff``.
+
+        The attempt budget is persistent: when it is spent the workflow fails;
+        a cancellation requested meanwhile cancels it instead.
+        """
+        if backoff < timedelta(0):
+            raise errors.Rejected("backoff must not be negative")
+        with self._transaction("schedule a retry") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = CASE WHEN cancel_requested THEN 'cancelled'
+                                    WHEN attempt >= max_attempts THEN 'failed'
+                                    ELSE 'ready' END,
+                       review_reason = CASE WHEN attempt >= max_attempts
+                                                 AND NOT cancel_requested
+                                            THEN 'attempt_budget_spent' ELSE '' END,
+                       ready_at = clock_timestamp() + %s,
+                       owner = '', lease_until = NULL, updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'running'
+                RETURNING *
+                """,
+                (backoff, claim.id, claim.fence),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("claim is no longer current: retry refused")
+            kind = {"ready": "retry_scheduled"}.get(row["state"], row["state"])
+            _event(conn, claim.id, kind, claim.fence, f"cause={cause}")
+        return Workflow.from_row(row)
+
+    def fail(self, claim: Workflow, reason: str) -> Workflow:
+        """Record a definite refusal by the tool: the workflow failed, nothing happened."""
+        with self._transaction("record a failure") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = 'failed', review_reason = %s, owner = '', lease_until = NULL,
+                       updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'running'
+                RETURNING *
+                """,
+                (reason, claim.id, claim.fence),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("claim is no longer current: failure refused")
+            _event(conn, claim.id, "failed", claim.fence, f"cause={reason}")
+        return Workflow.from_row(row)
+
+    # -- reconciliation ----------------------------------------------------------------
+
+    def settle_found(self, unknown: Workflow, receipt: Receipt) -> Workflow:
+        """The authoritative lookup found the effect: the workflow succeeded."""
+        if not receipt.proves(unknown.effect_key, unknown.fingerprint):
+            raise errors.ReceiptMismatch()
+        with self._transaction("record a reconciled effect") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = 'succeeded', result = %s, review_reason = '',
+                       updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'unknown'
+                   AND fingerprint = %s AND effect_key = %s
+                RETURNING *
+                """,
+                (Jsonb(receipt.to_json()), unknown.id, unknown.fence, unknown.fingerprint,
+                 unknown.effect_key),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("workflow changed during reconciliation")
+            _event(conn, unknown.id, "reconciled", unknown.fence, "lookup=found")
+        return Workflow.from_row(row)
+
+    def settle_absent(self, unknown: Workflow) -> Workflow:
+        """The authoritative lookup found no effect: queue the same key again.
+
+        Only an idempotent plan with attempts left and no cancellation, all
+        re-checked at write time, is requeued; otherwise the workflow stays
+        unknown for manual review and ``errors.ManualReview`` names the reason.
+        """
+        with self._transaction("requeue after an empty lookup") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = 'ready', ready_at = clock_timestamp(), review_reason = '',
+                       updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'unknown'
+                   AND NOT cancel_requested AND attempt < max_attempts
+                   AND plan -> 'idempotent' = 'true'::jsonb
+                RETURNING *
+                """,
+                (unknown.id, unknown.fence),
+            ).fetchone()
+            if row is not None:
+                _event(conn, unknown.id, "reconciled", unknown.fence, "lookup=absent")
+                return Workflow.from_row(row)
+        current = self.get(unknown.id)
+        if current.state != "unknown" or current.fence != unknown.fence:
+            raise errors.Stale("workflow changed during reconciliation")
+        if current.cancel_requested:
+            reason = "cancel_requested"
+        elif current.attempt >= current.max_attempts:
+            reason = "attempt_budget_spent"
+        else:
+            reason = "non_idempotent"
+        return self.require_review(current, reason)
+
+    def require_review(self, unknown: Workflow, reason: str) -> Workflow:
+        """Leave an unknown workflow for a person, recording why; raises ``ManualReview``."""
+        with self._transaction("record a manual review") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows SET review_reason = %s, updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state = 'unknown'
+                RETURNING *
+                """,
+                (reason, unknown.id, unknown.fence),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("workflow changed during reconciliation")
+            _event(conn, unknown.id, "manual_review", unknown.fence, f"reason={reason}")
+        raise errors.ManualReview(f"manual review required: {reason}", reason=reason)
+
+    def events(self, workflow_id: str | None = None) -> list[dict[str, Any]]:
+        """Audit events in order, for one workflow or all."""
+        with self._transaction("read events") as conn:
+            if workflow_id is None:
+                return conn.execute("SELECT * FROM events ORDER BY seq").fetchall()
+            return conn.execute(
+                "SELECT * FROM events WHERE workflow_id = %s ORDER BY seq", (workflow_id,)
+            ).fetchall()
+
+
+def create_schema(dsn: str, schema: str) -> None:
+    """Create ``schema`` and every table of ``schema.sql`` inside it, atomically."""
+    check_schema_name(schema)
+    with (
+        _translated("create the schema"),
+        psycopg.connect(dsn, autocommit=True) as conn,
+        conn.transaction(),
+    ):
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        # schema.sql is a file of this package, not input: it is trusted SQL text.
+        conn.execute(schema_sql().encode())
+
+
+def drop_schema(dsn: str, schema: str) -> None:
+    """Drop ``schema`` and everything in it."""
+    check_schema_name(schema)
+    with _translated("drop the schema"), psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def _locked(conn: psycopg.Connection[dict[str, Any]], workflow_id: str) -> dict[str, Any]:
+    row = conn.execute(
+        "SELECT * FROM workflows WHERE id = %s FOR UPDATE", (workflow_id,)
+    ).fetchone()
+    if row is None:
+        raise errors.NotFound(f"no workflow {workflow_id!r}")
+    return row
+
+
+def _event(
+    conn: psycopg.Connection[dict[str, Any]], workflow_id: str, kind: str, fence: int, detail: str
+) -> None:
+    conn.execute(
+        "INSERT INTO events (workflow_id, kind, fence, detail) VALUES (%s, %s, %s, %s)",
+        (workflow_id, kind, fence, detail),
+    )
+
+
+def _release(conn: psycopg.Connection[dict[str, Any]], claim: Workflow, state: str) -> None:
+    conn.execute(
+        """
+        UPDATE workflows
+           SET state = %s, owner = '', lease_until = NULL,
+               approved_by = CASE WHEN %s = 'waiting_approval' THEN '' ELSE approved_by END,
+               approval_expires = CASE WHEN %s = 'waiting_approval'
+                                       THEN NULL ELSE approval_expires END,
+               updated_at = clock_timestamp()
+         WHERE id = %s AND fence = %s
+        """,
+        (state, state, state, claim.id, claim.fence),
+    )
+
+
+def _claim_diversion(row: dict[str, Any]) -> tuple[str, str, str] | None:
+    """What a due ready row becomes instead of running: (state, event kind, reason)."""
+    if row["cancel_requested"]:
+        return ("cancelled", "cancelled", "")
+    if row["approval_lapsed"]:
+        return ("waiting_approval", "approval_expired", "")
+    if row["plan_version"] != SUPPORTED_PLAN_VERSION:
+        return ("incompatible", "incompatible", "unsupported_plan_version")
+    try:
+        intact = Plan.from_json(row["plan"]).fingerprint() == row["fingerprint"]
+    except errors.Rejected:
+        intact = False
+    if not intact:
+        return ("failed", "integrity_failed", "integrity")
+    return None

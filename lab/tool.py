@@ -1,0 +1,381 @@
+"""The credit tool: a real HTTP service with its own ledger, and its loopback-only client.
+
+The service is the side effect the lab protects. It authenticates a bearer
+token (compared in constant time), writes one ledger row per effect, answers
+an authoritative lookup by effect key, and has switches to inject the faults
+the experiments need: commit the effect and drop the reply, or answer 429.
+The client translates every httpx error into the lab's exceptions, deciding
+which failures leave the outcome unknown.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+import httpx
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from lab import boundaries, errors, store
+from lab.plan import Receipt
+
+MAX_BODY_BYTES = 4096
+EFFECTS_PATH = "/effects"
+
+
+class Dispatchable(Protocol):
+    """What the client needs to know of a claimed workflow."""
+
+    @property
+    def effect_key(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def plan(self) -> dict[str, Any]: ...
+
+
+class ToolService:
+    """The credit service on 127.0.0.1, writing its ledger in ``schema``.
+
+    ``idempotent`` services keep one effect per key and answer lookups;
+    non-idempotent ones record every call and have no authoritative lookup.
+    """
+
+    def __init__(self, dsn: str, schema: str, *, idempotent: bool, token: str | None = None):
+        store.check_schema_name(schema)
+        self.idempotent = idempotent
+        self.token = token or secrets.token_urlsafe(24)
+        self.drop_responses = False
+        self.on_lookup: Callable[[str], None] | None = None
+        self._lock = threading.Lock()
+        self._reject_remaining = 0
+        self._calls = 0
+        self._lookups = 0
+        self._pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
+            boundaries.check_dsn(dsn),
+            min_size=1,
+            max_size=4,
+            kwargs={
+                "autocommit": True,
+                "row_factory": dict_row,
+                "options": f"-c search_path={schema}",
+                "application_name": "lab-tool",
+            },
+            connection_class=psycopg.Connection[dict[str, Any]],
+            open=False,
+        )
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- counters and fault switches, safe across handler threads --
+
+    @property
+    def calls(self) -> int:
+        """Authenticated effect requests received (429s included)."""
+        with self._lock:
+            return self._calls
+
+    @property
+    def lookups(self) -> int:
+        """Authenticated lookups received."""
+        with self._lock:
+            return self._lookups
+
+    def reject_next(self, count: int) -> None:
+        """Answer the next ``count`` effect requests with 429, writing nothing."""
+        with self._lock:
+            self._reject_remaining = count
+
+    def _count_call(self) -> bool:
+        """Count one call; True when it must be rejected with 429."""
+        with self._lock:
+            self._calls += 1
+            if self._reject_remaining > 0:
+                self._reject_remaining -= 1
+                return True
+            return False
+
+    def _count_lookup(self) -> None:
+        with self._lock:
+            self._lookups += 1
+
+    # -- lifecycle --
+
+    @property
+    def endpoint(self) -> str:
+        """The base URL, ``http://127.0.0.1:PORT``."""
+        if self._server is None:
+            raise errors.ToolError("tool service is not started")
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> ToolService:
+        """Open the ledger connections and serve on a free loopback port."""
+        try:
+            self._pool.open(wait=True, timeout=10)
+        except psycopg.Error as exc:
+            raise errors.StoreError("tool ledger could not connect") from exc
+        service = self
+
+        class Handler(_Handler):
+            tool = service
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="credit-tool", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the ledger connections."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._pool.close()
+
+    def __enter__(self) -> ToolService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- the ledger --
+
+    def record_effect(self, body: dict[str, Any]) -> tuple[HTTPStatus, Receipt | None]:
+        """Write the effect for ``body`` (once per key when idempotent)."""
+        receipt_id = store.new_id("rcpt")
+        with self._pool.connection() as conn:
+            if self.idempotent:
+                row = conn.execute(
+                    """
+                    INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account,
+                                              amount_minor, currency, receipt)
+                    VALUES (%(effect_key)s, true, %(fingerprint)s, %(account)s,
+                            %(amount_minor)s, %(currency)s, %(receipt)s)
+                    ON CONFLICT (effect_key) WHERE idempotent DO NOTHING
+                    RETURNING receipt, fingerprint
+                    """,
+                    {**body, "receipt": receipt_id},
+                ).fetchone()
+                if row is None:
+                    row = conn.execute(
+                        "SELECT receipt, fingerprint FROM tool_effects "
+                        "WHERE effect_key = %s AND idempotent",
+                        (body["effect_key"],),
+                    ).fetchone()
+                    assert row is not None
+                    if row["fingerprint"] != body["fingerprint"]:
+                        return HTTPStatus.CONFLICT, None
+            else:
+                row = conn.execute(
+                    """
+                    INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account,
+                                              amount_minor, currency, receipt)
+                    VALUES (%(effect_key)s, false, %(fingerprint)s, %(account)s,
+                            %(amount_minor)s, %(currency)s, %(receipt)s)
+                    RETURNING receipt, fingerprint
+                    """,
+                    {**body, "receipt": receipt_id},
+                ).fetchone()
+                assert row is not None
+        return HTTPStatus.OK, Receipt(row["receipt"], body["effect_key"], row["fingerprint"])
+
+    def find_effect(self, effect_key: str) -> Receipt | None:
+        """The authoritative lookup: the effect recorded under ``effect_key``, if any."""
+        with self._pool.connection() as conn:
+            row = conn.execute(
+                "SELECT receipt, fingerprint FROM tool_effects WHERE effect_key = %s "
+                "ORDER BY seq LIMIT 1",
+                (effect_key,),
+            ).fetchone()
+        return None if row is None else Receipt(row["receipt"], effect_key, row["fingerprint"])
+
+
+_EFFECT_FIELDS = {
+    "effect_key": str,
+    "fingerprint": str,
+    "account": str,
+    "amount_minor": int,
+    "currency": str,
+}
+
+
+def _valid_effect_body(body: object) -> bool:
+    if not isinstance(body, dict) or set(body) != set(_EFFECT_FIELDS):
+        return False
+    for name, kind in _EFFECT_FIELDS.items():
+        value = body[name]
+        if type(value) is not kind:
+            return False
+        if isinstance(value, str) and not 0 < len(value) <= 200:
+            return False
+    amount: int = body["amount_minor"]
+    return amount > 0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    tool: ToolService
+    protocol_version = "HTTP/1.1"
+    server_version = "credit-tool"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Stay quiet: request lines would carry effect keys into test output."""
+
+    def _authenticated(self) -> bool:
+        supplied = self.headers.get("Authorization", "")
+        expected = f"Bearer {self.tool.token}"
+        if hmac.compare_digest(supplied.encode(), expected.encode()):
+            return True
+        self._reply(HTTPStatus.UNAUTHORIZED, {"error": "unauthorized"})
+        return False
+
+    def _reply(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if status == HTTPStatus.TOO_MANY_REQUESTS:
+            self.send_header("Retry-After", "0")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:
+        if self.path != EFFECTS_PATH:
+            self._reply(HTTPStatus.NOT_FOUND, {"error": "not_found"})
+            return
+        if not self._authenticated():
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._reply(HTTPStatus.LENGTH_REQUIRED, {"error": "length_required"})
+            return
+        if not 0 < length <= MAX_BODY_BYTES:
+            self.close_connection = True
+            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": "body_too_large"})
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError:
+            self._reply(HTTPStatus.BAD_REQUEST, {"error": "malformed_json"})
+            return
+        if not _valid_effect_body(body):
+            self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, {"error": "invalid_effect"})
+            return
+        if self.tool._count_call():
+            self._reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": "rate_limited"})
+            return
+        status, receipt = self.tool.record_effect(body)
+        if receipt is None:
+            self._reply(status, {"error": "effect_key_reused_with_other_plan"})
+            return
+        if self.tool.drop_responses:
+            # The effect is committed; the caller never learns it.
+            self.close_connection = True
+            return
+        self._reply(status, receipt.to_json())
+
+    def do_GET(self) -> None:
+        prefix = EFFECTS_PATH + "/"
+        if not self.path.startswith(prefix):
+            self._reply(HTTPStatus.NOT_FOUND, {"error": "not_found"})
+            return
+        if not self._authenticated():
+            return
+        self.tool._count_lookup()
+        if not self.tool.idempotent:
+            self._reply(HTTPStatus.NOT_IMPLEMENTED, {"error": "no_authoritative_lookup"})
+            return
+        key = self.path[len(prefix):]
+        if self.tool.on_lookup is not None:
+            self.tool.on_lookup(key)
+        receipt = self.tool.find_effect(key)
+        if receipt is None:
+            self._reply(HTTPStatus.NOT_FOUND, {"error": "no_effect"})
+            return
+        self._reply(HTTPStatus.OK, receipt.to_json())
+
+
+class ToolClient:
+    """An httpx client that only talks to a loopback tool over plain HTTP."""
+
+    def __init__(self, endpoint: str, token: str, *, timeout: float = 5.0):
+        self.base = boundaries.check_endpoint(endpoint)
+        if not token:
+            raise errors.ToolError("tool token must not be empty")
+        self._http = httpx.Client(
+            base_url=self.base,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            follow_redirects=False,
+            trust_env=False,  # proxies from the environment must not redirect the call
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> ToolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, work: Dispatchable) -> Receipt:
+        """Ask the tool to perform ``work``'s effect under its stable effect key.
+
+        Raises ``RateLimited`` (nothing happened), ``ToolUnavailable`` (never
+        delivered), ``OutcomeUnknown`` (it may have happened) or ``ToolRefused``.
+        """
+        body = {
+            "effect_key": work.effect_key,
+            "fingerprint": work.fingerprint,
+            "account": work.plan["account"],
+            "amount_minor": work.plan["amount_minor"],
+            "currency": work.plan["currency"],
+        }
+        try:
+            response = self._http.post(EFFECTS_PATH, json=body)
+        except httpx.ConnectError as exc:
+            raise errors.ToolUnavailable("tool could not be reached") from exc
+        except httpx.TransportError as exc:
+            raise errors.OutcomeUnknown("tool reply lost: outcome unknown") from exc
+        if response.status_code == HTTPStatus.TOO_MANY_REQUESTS:
+            raise errors.RateLimited()
+        if response.status_code >= 500:
+            raise errors.OutcomeUnknown(f"tool failed with HTTP {response.status_code}")
+        if response.status_code != HTTPStatus.OK:
+            raise errors.ToolRefused(f"tool refused the effect with HTTP {response.status_code}")
+        return _receipt(response)
+
+    def lookup(self, effect_key: str) -> Receipt | None:
+        """The tool's authoritative answer: the receipt for ``effect_key`` or None."""
+        try:
+            response = self._http.get(f"{EFFECTS_PATH}/{effect_key}")
+        except httpx.TransportError as exc:
+            raise errors.ToolUnavailable("tool lookup failed") from exc
+        if response.status_code == HTTPStatus.NOT_FOUND:
+            return None
+        if response.status_code != HTTPStatus.OK:
+            raise errors.ToolRefused(f"tool lookup answered HTTP {response.status_code}")
+        return _receipt(response)
+
+
+def _receipt(response: httpx.Response) -> Receipt:
+    try:
+        data = response.json()
+        return Receipt(str(data["receipt_id"]), str(data["effect_key"]), str(data["fingerprint"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise errors.OutcomeUnknown("tool reply was not a receipt") from exc

@@ -1,0 +1,114 @@
+"""The worker: claim, check, dispatch, complete; and reconcile unknown outcomes.
+
+The worker makes no decision the database does not confirm: every step goes
+through a fenced transition in ``store``, and every tool failure is sorted
+into "nothing happened" (retry later), "it may have happened" (unknown, to
+be reconciled by lookup) or "refused" (failed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from lab import errors, store, tool
+
+Hook = Callable[[str, store.Workflow], None]
+
+
+@dataclass
+class Worker:
+    """One worker identity with its lease, heartbeat and backoff settings.
+
+    ``hook`` is called at the stages ``after_claim`` and ``after_tool``;
+    experiments use it to inject a cancellation, an expiry or a pause.
+    """
+
+    db: store.Store
+    client: tool.ToolClient
+    name: str = "worker"
+    lease: timedelta = timedelta(seconds=3)
+    heartbeat_every: timedelta | None = None
+    backoff: timedelta = timedelta(milliseconds=20)
+    hook: Hook | None = None
+    log: list[str] = field(default_factory=list)
+
+    def _stage(self, stage: str, claim: store.Workflow) -> None:
+        if self.hook is not None:
+            self.hook(stage, claim)
+
+    def run_one(self) -> store.Workflow | None:
+        """Recover expired leases, then claim and carry out at most one workflow.
+
+        Returns the workflow's final snapshot for this attempt, or None when no
+        work was due.
+        """
+        self.db.recover_expired()
+        claim = self.db.claim(self.name, self.lease)
+        if claim is None:
+            return None
+        self._stage("after_claim", claim)
+        with self._heartbeats(claim):
+            if not self.db.pre_dispatch(claim):
+                return self.db.get(claim.id)
+            try:
+                receipt = self.client.call(claim)
+            except (errors.RateLimited, errors.ToolUnavailable) as exc:
+                return self.db.retry_later(claim, self.backoff, _cause(exc))
+            except errors.OutcomeUnknown:
+                return self.db.unknown(claim)
+            except errors.ToolRefused:
+                return self.db.fail(claim, "tool_refused")
+        self._stage("after_tool", claim)
+        return self.db.complete(claim, receipt)
+
+    def reconcile(self, workflow_id: str) -> store.Workflow:
+        """Settle an ``unknown`` workflow through the tool's authoritative lookup.
+
+        The lookup uses the workflow's original effect key. A found effect
+        completes it; an absent one requeues it when that is safe; a
+        non-idempotent tool is never looked up nor replayed: ``ManualReview``.
+        Work in any other state is returned as it is.
+        """
+        current = self.db.get(workflow_id)
+        if current.state != "unknown":
+            return current
+        if not current.idempotent:
+            return self.db.require_review(current, "non_idempotent")
+        receipt = self.client.lookup(current.effect_key)
+        if receipt is not None:
+            return self.db.settle_found(current, receipt)
+        return self.db.settle_absent(current)
+
+    @contextmanager
+    def _heartbeats(self, claim: store.Workflow) -> Iterator[None]:
+        if self.heartbeat_every is None:
+            yield
+            return
+        every = self.heartbeat_every.total_seconds()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                try:
+                    self.db.heartbeat(claim, self.lease)
+                except errors.LabError as exc:
+                    # A refused heartbeat means the claim is gone; the fenced
+                    # transitions will refuse this worker's writes as well.
+                    self.log.append(f"heartbeat stopped: {exc}")
+                    return
+
+        thread = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+
+def _cause(exc: errors.ToolError) -> str:
+    return "rate_limited" if isinstance(exc, errors.RateLimited) else "tool_unreachable"
