@@ -59,6 +59,27 @@ def _model(args: argparse.Namespace) -> int:
     return model.cli_main(args)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from lab import chaos
+
+    code: int = chaos.cli_main(args)
+    return code
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from lab import bench
+
+    code: int = bench.cli_main(args)
+    return code
+
+
+def _book(args: argparse.Namespace) -> int:
+    from lab import book
+
+    code: int = book.cli_main(args)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lab`` command."""
     parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
@@ -75,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--start-gate", action="store_true", help="wait for a stdin newline")
     worker.add_argument("--reconcile", default=None, help="reconcile this unknown workflow first")
     worker.add_argument("--lease", type=float, default=3.0, help="lease seconds")
+    worker.add_argument(
+        "--loop", action="store_true", help="keep running items until idle for --idle-exit"
+    )
+    worker.add_argument("--idle-exit", type=float, default=2.0, help="seconds idle before exit")
+    worker.add_argument("--max-items", type=int, default=0, help="stop after N items (0: none)")
+    worker.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat seconds")
+    worker.add_argument("--backoff", type=float, default=0.1, help="429 backoff seconds")
     worker.set_defaults(handler=_worker)
 
     run = commands.add_parser("run", help="run the experiments and sign the evidence")
@@ -103,6 +131,47 @@ def build_parser() -> argparse.ArgumentParser:
     mrun.add_argument("--output", default="book/model-experiment.json")
     mrun.add_argument("--traces", default="evidence/model-traces")
     mdl.set_defaults(handler=_model)
+
+    chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
+    chaos.add_argument("--workflows", type=int, default=500)
+    chaos.add_argument("--workers", type=int, default=4)
+    chaos.add_argument("--duration", type=float, default=60.0, help="seconds of faults at most")
+    chaos.add_argument("--kill-every", type=float, default=200.0, help="mean ms between SIGKILLs")
+    chaos.add_argument("--drop-replies", type=float, default=0.1, help="share of replies lost")
+    chaos.add_argument("--reject-429", type=float, default=0.1, help="share of 429 answers")
+    chaos.add_argument("--terminate-backends", type=float, default=2000.0,
+                       help="mean ms between pg_terminate_backend of a worker (0: never)")
+    chaos.add_argument("--non-idempotent-share", type=float, default=0.2)
+    chaos.add_argument("--seed", type=int, default=42)
+    chaos.add_argument("--output", default="evidence/chaos.json")
+    chaos.add_argument("--lab-postgres", default="auto",
+                       choices=["auto", "dsn", "container", "embedded"])
+    chaos.set_defaults(handler=_chaos)
+
+    bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_commands.add_parser("throughput", help="workflows/s through worker processes")
+    throughput.add_argument("--workflows", type=int, default=1000)
+    throughput.add_argument("--workers", type=int, default=2)
+    throughput.add_argument("--peer", choices=["dbos"], default=None)
+    throughput.add_argument("--repeat", type=int, default=1)
+    claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
+    claim.add_argument("--history", type=int, action="append", default=[])
+    bench_commands.add_parser("suite", help="experiment suite wall time, serial and parallel")
+    bench_commands.add_parser("startup", help="provisioning and worker spawn-to-ready times")
+    for sub_parser in (throughput, claim):
+        sub_parser.add_argument("--lab-postgres", default="auto",
+                                choices=["auto", "dsn", "container", "embedded"])
+    bench.add_argument("--output-dir", default="evidence/bench")
+    bench.set_defaults(handler=_bench)
+
+    book = commands.add_parser("book", help="publication artifacts from verified evidence")
+    book_commands = book.add_subparsers(dest="book_command", required=True)
+    build = book_commands.add_parser("build", help="build book/ from signed evidence")
+    build.add_argument("--evidence", default="evidence")
+    build.add_argument("--out", default="book")
+    build.add_argument("--public-key", default=None)
+    book.set_defaults(handler=_book)
     return parser
 
 

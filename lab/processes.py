@@ -44,16 +44,16 @@ def worker_main(args: argparse.Namespace) -> int:
             wait_for_newline()
 
     try:
-        with store.Store.open(dsn, args.schema, max_connections=2) as db, tool.ToolClient(
-            args.tool, token
-        ) as client:
+        with store.Store.open(
+            dsn, args.schema, max_connections=2, application_name=f"lab-worker:{args.name}"
+        ) as db, tool.ToolClient(args.tool, token) as client:
             runner = worker.Worker(
                 db=db,
                 client=client,
                 name=args.name,
                 lease=timedelta(seconds=args.lease),
-                heartbeat_every=timedelta(milliseconds=500),
-                backoff=timedelta(milliseconds=100),
+                heartbeat_every=timedelta(seconds=args.heartbeat),
+                backoff=timedelta(seconds=args.backoff),
                 hook=hook,
             )
             if args.start_gate:
@@ -61,12 +61,40 @@ def worker_main(args: argparse.Namespace) -> int:
                 wait_for_newline()
             if args.reconcile:
                 runner.reconcile(args.reconcile)
-            runner.run_one()
+            if args.loop:
+                _loop(runner, idle_exit=args.idle_exit, max_items=args.max_items)
+            else:
+                runner.run_one()
     except errors.LabError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print("BOOK_DONE", flush=True)
     return 0
+
+
+def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
+    """Run items until none was due for ``idle_exit`` seconds (or ``max_items`` ran).
+
+    A stale fence or a manual-review decision ends one item, not the loop: the
+    database has already refused or recorded what it must.
+    """
+    done = 0
+    idle_since = time.monotonic()
+    while max_items <= 0 or done < max_items:
+        try:
+            item = runner.run_one()
+        except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
+            print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
+            item = None
+            idle_since = time.monotonic()
+        if item is not None:
+            done += 1
+            print(f"BOOK_ITEM {item.id} {item.state} {item.fence}", flush=True)
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= idle_exit:
+            return
+        else:
+            time.sleep(0.02)
 
 
 class WorkerProcess:

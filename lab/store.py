@@ -130,6 +130,7 @@ class Store:
         create: bool = False,
         allow_remote: bool = False,
         max_connections: int = 4,
+        application_name: str = "lab",
     ) -> Store:
         """Connect to ``schema`` (creating it and its tables when ``create``).
 
@@ -148,7 +149,7 @@ class Store:
                 "row_factory": dict_row,
                 # The name passed SCHEMA_NAME above, so it is safe inside options.
                 "options": f"-c search_path={schema}",
-                "application_name": "lab",
+                "application_name": application_name,
             },
             connection_class=psycopg.Connection[dict[str, Any]],
             open=False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import random
 import secrets
 import threading
 from collections.abc import Callable
@@ -59,6 +60,11 @@ class ToolService:
         self._reject_remaining = 0
         self._calls = 0
         self._lookups = 0
+        self._dropped = 0
+        self._rejected = 0
+        self._drop_rate = 0.0
+        self._reject_rate = 0.0
+        self._random = random.Random(0)
         self._pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
             boundaries.check_dsn(dsn),
             min_size=1,
@@ -89,6 +95,36 @@ class ToolService:
         with self._lock:
             return self._lookups
 
+    @property
+    def dropped(self) -> int:
+        """Replies dropped after the effect was committed."""
+        with self._lock:
+            return self._dropped
+
+    @property
+    def rejected(self) -> int:
+        """Requests answered with 429."""
+        with self._lock:
+            return self._rejected
+
+    def randomize_faults(self, *, drop_reply_rate: float, reject_rate: float, seed: int) -> None:
+        """Drop replies after commit and answer 429 at random, reproducibly from ``seed``."""
+        if not (0.0 <= drop_reply_rate <= 1.0 and 0.0 <= reject_rate <= 1.0):
+            raise errors.Rejected("fault rates must lie between 0 and 1")
+        with self._lock:
+            self._drop_rate = drop_reply_rate
+            self._reject_rate = reject_rate
+            self._random = random.Random(seed)
+
+    def _drop_this_reply(self) -> bool:
+        with self._lock:
+            drop = self.drop_responses or (
+                self._drop_rate > 0 and self._random.random() < self._drop_rate
+            )
+            if drop:
+                self._dropped += 1
+            return drop
+
     def reject_next(self, count: int) -> None:
         """Answer the next ``count`` effect requests with 429, writing nothing."""
         with self._lock:
@@ -100,6 +136,10 @@ class ToolService:
             self._calls += 1
             if self._reject_remaining > 0:
                 self._reject_remaining -= 1
+                self._rejected += 1
+                return True
+            if self._reject_rate > 0 and self._random.random() < self._reject_rate:
+                self._rejected += 1
                 return True
             return False
 
@@ -281,7 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
         if receipt is None:
             self._reply(status, {"error": "effect_key_reused_with_other_plan"})
             return
-        if self.tool.drop_responses:
+        if self.tool._drop_this_reply():
             # The effect is committed; the caller never learns it.
             self.close_connection = True
             return
