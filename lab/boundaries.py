@@ -2,12 +2,19 @@
 
 The lab only ever talks to services on this machine. A DSN or endpoint that
 could reach anything else is refused with the reason, before any connection.
+
+Both checks read the text the user gave, not a library's normalisation of it:
+resolvers accept spellings such as ``2130706433``, ``0x7f.1`` or ``127.1`` for
+127.0.0.1 and httpx passes them through untouched, so only canonical literals
+are accepted and everything else is refused rather than guessed at. Error
+messages never contain a password, a query or userinfo; they name the rule.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 
 import httpx
@@ -17,95 +24,217 @@ from lab import errors
 
 LOOPBACK_NAME = "localhost"
 PINNED_LOOPBACK = "127.0.0.1"
-# Environment variables through which libpq could be redirected to another host.
-_REDIRECTING_ENV = ("PGHOST", "PGHOSTADDR", "PGSERVICE", "PGSERVICEFILE")
+_ALLOWED_DB = "allowed: 127.0.0.0/8, ::1, localhost, a unix socket directory"
+_ALLOWED_ENDPOINT = "allowed: 127.0.0.0/8, [::1], localhost"
+# libpq reads these when the DSN leaves the matching option unset; each could
+# send the connection elsewhere. PGSERVICEFILE and PGSYSCONFDIR only matter
+# with a service, which is refused, but refusing them costs nothing.
+_HOST_ENV = "PGHOST"
+_HOSTADDR_ENV = "PGHOSTADDR"
+_SERVICE_ENV = ("PGSERVICE", "PGSERVICEFILE", "PGSYSCONFDIR")
+# A host worth naming in an error: short, and only characters a host name or
+# address literal uses (so a password that leaked into a host field is not).
+_SHOWABLE_HOST = re.compile(r"[A-Za-z0-9.:\-]{1,64}")
+# What a resolver would take as a numeric IPv4 address (inet_aton forms).
+_NUMERIC_HOST = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)(\.(0[xX][0-9A-Fa-f]*|[0-9]+)){0,3}")
+_DOTTED_QUAD = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}")
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
 
 
-def _is_loopback_literal(host: str) -> bool:
+def _canonical_loopback(host: str) -> bool:
+    """True for a loopback IP literal written exactly as ``ipaddress`` writes it.
+
+    An IPv6 zone (``::1%lo``) is refused: it names an interface, which a
+    loopback target never needs.
+    """
+    if "%" in host:
+        return False
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    return address.is_loopback and str(address) == host
 
 
-def _check_db_host(host: str, field: str) -> None:
-    if host.startswith("/") or host.startswith("@"):
-        return  # a unix-domain socket directory is local by construction
-    if host == LOOPBACK_NAME or _is_loopback_literal(host):
-        return
-    raise errors.BoundaryViolation(
-        f"database {field} {host!r} is not loopback (allowed: 127.0.0.0/8, ::1, localhost, "
-        "a unix socket directory)"
-    )
+def _shown_host(host: str, secret: str) -> str:
+    if _SHOWABLE_HOST.fullmatch(host) and not (secret and secret in host):
+        return repr(host)
+    return "(not shown)"
+
+
+def _db_host_is_local(host: str) -> bool:
+    if host == "":
+        return True  # libpq uses its default unix socket directory
+    if host.startswith(("/", "@")):
+        return True  # a unix-domain socket directory (or abstract socket) is local
+    return host == LOOPBACK_NAME or _canonical_loopback(host)
+
+
+def _split(params: Mapping[str, str], key: str) -> list[str] | None:
+    value = params.get(key, "")
+    return value.split(",") if value else None
+
+
+def _looks_like_conninfo(dbname: str) -> bool:
+    # libpq's own test (recognized_connection_string): tools that expand the
+    # dbname (psql -d, PQconnectdbParams) would read connection options from it.
+    return "=" in dbname or dbname.startswith(("postgresql://", "postgres://"))
 
 
 def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
     """Return ``dsn`` with ``localhost`` pinned to 127.0.0.1, or raise ``BoundaryViolation``.
 
-    Every host of a multi-host DSN and every ``hostaddr`` must be loopback; a
-    service name (which could point anywhere) is refused, and so are ``PG*``
-    environment variables that would redirect a DSN that names no host.
+    Every host of a multi-host DSN and every ``hostaddr`` must be loopback (a
+    canonical IP literal, ``localhost`` or a unix socket directory); a service
+    name (which could point anywhere) is refused, and so are ``PG*``
+    environment variables that libpq would use to fill a host or address the
+    DSN leaves unset. TCP hosts get an explicit ``hostaddr`` in the returned
+    DSN, so neither name resolution nor ``PGHOSTADDR`` can move them.
     """
     env = os.environ if environ is None else environ
     try:
-        params = conninfo.conninfo_to_dict(dsn)
-    except Exception as exc:  # psycopg raises ProgrammingError for a malformed DSN
-        raise errors.BoundaryViolation("database DSN is malformed") from exc
+        params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items()}
+    except Exception:
+        # from None: libpq's message can quote the whole DSN, password included.
+        raise errors.BoundaryViolation("database DSN is malformed") from None
+    secret = params.get("password", "")
     if "service" in params:
         raise errors.BoundaryViolation("database DSN names a service, which could be remote")
-    hosts = [h for h in str(params.get("host", "")).split(",") if h]
-    addrs = [a for a in str(params.get("hostaddr", "")).split(",") if a]
-    for host in hosts:
-        _check_db_host(host, "host")
-    for addr in addrs:
-        if not _is_loopback_literal(addr):
-            raise errors.BoundaryViolation(f"database hostaddr {addr!r} is not loopback")
-    if not hosts and not addrs:
-        for name in _REDIRECTING_ENV:
-            if env.get(name):
-                raise errors.BoundaryViolation(
-                    f"DSN names no host and {name} is set: it could redirect the connection"
-                )
-    if hosts and not addrs and any(h == LOOPBACK_NAME for h in hosts):
-        # Pin localhost so name resolution cannot move the connection.
-        params["hostaddr"] = ",".join(
-            PINNED_LOOPBACK if h == LOOPBACK_NAME else (h if _is_loopback_literal(h) else "")
-            for h in hosts
+    for name in _SERVICE_ENV:
+        if env.get(name):
+            raise errors.BoundaryViolation(
+                f"{name} is set: a connection service could redirect the connection"
+            )
+    if _looks_like_conninfo(params.get("dbname", "")):
+        raise errors.BoundaryViolation("database dbname is itself a connection string")
+    hosts = _split(params, "host")
+    addrs = _split(params, "hostaddr")
+    if hosts is None and env.get(_HOST_ENV):
+        raise errors.BoundaryViolation(
+            f"DSN names no host and {_HOST_ENV} is set: it could redirect the connection"
         )
-        if any(h.startswith("/") for h in hosts):
-            del params["hostaddr"]
-    return conninfo.make_conninfo(**params)
+    for host in hosts or []:
+        if not _db_host_is_local(host):
+            raise errors.BoundaryViolation(
+                f"database host {_shown_host(host, secret)} is not loopback ({_ALLOWED_DB})"
+            )
+    for addr in addrs or []:
+        if addr != "" and not _canonical_loopback(addr):
+            raise errors.BoundaryViolation(
+                f"database hostaddr {_shown_host(addr, secret)} is not a loopback address"
+            )
+    if addrs is None and hosts is not None:
+        # Pin each TCP host to its address; a socket entry keeps an empty slot,
+        # which libpq reads as "use the host" (lists must stay the same length).
+        pinned = [
+            PINNED_LOOPBACK if h == LOOPBACK_NAME else (h if _canonical_loopback(h) else "")
+            for h in hosts
+        ]
+        if any(pinned):
+            params["hostaddr"] = ",".join(pinned)
+            addrs = pinned
+    if addrs is None and env.get(_HOSTADDR_ENV):
+        raise errors.BoundaryViolation(
+            f"DSN has no hostaddr and {_HOSTADDR_ENV} is set: it could redirect the connection"
+        )
+    return conninfo.make_conninfo("", **params)
+
+
+def _refuse(reason: str) -> errors.BoundaryViolation:
+    return errors.BoundaryViolation(f"tool endpoint {reason}")
+
+
+def _endpoint_host(host: str) -> str:
+    """The address to connect to for a raw endpoint host, or raise with the reason."""
+    if host == "":
+        raise _refuse("must name a host")
+    if host.endswith("."):
+        raise _refuse("host must not end with a dot")
+    if host == LOOPBACK_NAME:
+        return PINNED_LOOPBACK  # pinned: name resolution cannot move it
+    if host.startswith("["):
+        inner = host[1:-1] if host.endswith("]") else ""
+        try:
+            address = ipaddress.IPv6Address(inner)
+        except ValueError:
+            raise _refuse("host is not a valid IPv6 literal") from None
+        if address.scope_id is not None:
+            raise _refuse("IPv6 host must not carry a zone")
+        if str(address) != inner:
+            raise _refuse("IPv6 host is not in canonical form (e.g. [::1])")
+        if not address.is_loopback:
+            raise _refuse(f"host {_shown_host(inner, '')} is not loopback ({_ALLOWED_ENDPOINT})")
+        return inner
+    if _DOTTED_QUAD.fullmatch(host):
+        if not _canonical_loopback(host):
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise _refuse("IPv4 host is not in canonical dotted-quad form") from None
+            raise _refuse(f"host {_shown_host(host, '')} is not loopback ({_ALLOWED_ENDPOINT})")
+        return host
+    if _NUMERIC_HOST.fullmatch(host):
+        raise _refuse(
+            "host is a numeric address not in canonical dotted-quad form "
+            "(decimal, octal, hex or short forms are refused)"
+        )
+    raise _refuse(f"host {_shown_host(host, '')} is not loopback ({_ALLOWED_ENDPOINT})")
 
 
 def check_endpoint(endpoint: str) -> str:
     """Return the normalised base URL of a loopback tool endpoint, or raise.
 
-    Only ``http://`` on a loopback IP literal (or ``localhost``, pinned to
-    127.0.0.1) with an explicit port is allowed: no credentials, query,
-    fragment or path, and no numeric host spellings other than the canonical.
+    Only ``http://`` on a canonical loopback IP literal (or ``localhost``,
+    pinned to 127.0.0.1) with an explicit port is allowed: no credentials,
+    query, fragment or path (a lone ``/`` is fine), no numeric host spellings
+    other than the canonical, no trailing dot. The result is
+    ``http://127.0.0.1:PORT`` or ``http://[::1]:PORT``.
     """
+    if not endpoint.isascii() or not endpoint.isprintable() or " " in endpoint:
+        raise _refuse("must be printable ASCII without spaces")
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        raise _refuse("must be an absolute http:// URL")
+    if scheme != "http":
+        raise _refuse("must use plain http (lowercase http://) on loopback")
+    # RFC 3986: the authority ends at the first "/", "?" or "#". A backslash is
+    # a path separator to browsers and part of the authority to others, so it
+    # is refused outright rather than interpreted.
+    if "\\" in rest:
+        raise _refuse("must not contain a backslash")
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    if "@" in authority:
+        raise _refuse("must not carry credentials (userinfo)")
+    if "?" in tail:
+        raise _refuse("must not carry a query")
+    if "#" in tail:
+        raise _refuse("must not carry a fragment")
+    if tail not in ("", "/"):
+        raise _refuse("must not carry a path")
+    if authority.startswith("[") and "]" in authority:
+        host, _, after = authority.partition("]")
+        host += "]"
+        if after and not after.startswith(":"):
+            raise _refuse("has text after the IPv6 host")
+        port_text = after[1:] if after else None
+    elif ":" in authority:
+        host, _, port_text = authority.rpartition(":")
+    else:
+        host, port_text = authority, None
+    address = _endpoint_host(host)
+    if not port_text:
+        raise _refuse("must name its port")
+    if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
+        raise _refuse("port must be a number from 1 to 65535 without leading zeros")
+    port = int(port_text)
+    shown = f"[{address}]" if ":" in address else address
+    base = f"http://{shown}:{port}"
+    # The client parses the result with httpx: it must see exactly this target.
     try:
-        url = httpx.URL(endpoint)
-    except Exception as exc:  # httpx.InvalidURL and friends
-        raise errors.BoundaryViolation("tool endpoint is not a valid URL") from exc
-    if url.scheme != "http":
-        raise errors.BoundaryViolation("tool endpoint must use plain http on loopback")
-    if url.userinfo:
-        raise errors.BoundaryViolation("tool endpoint must not carry credentials")
-    if url.query:
-        raise errors.BoundaryViolation("tool endpoint must not carry a query")
-    if url.fragment:
-        raise errors.BoundaryViolation("tool endpoint must not carry a fragment")
-    if url.path not in ("", "/"):
-        raise errors.BoundaryViolation("tool endpoint must not carry a path")
-    host = url.host
-    if host == LOOPBACK_NAME:
-        host = PINNED_LOOPBACK
-    elif not _is_loopback_literal(host):
-        raise errors.BoundaryViolation(f"tool endpoint host {url.host!r} is not loopback")
-    elif ":" not in host and str(ipaddress.ip_address(host)) != host:
-        raise errors.BoundaryViolation("tool endpoint host is not in canonical form")
-    if url.port is None:
-        raise errors.BoundaryViolation("tool endpoint must name its port")
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{url.port}"
+        parsed = httpx.URL(base)
+    except httpx.InvalidURL:
+        raise _refuse("could not be normalised") from None
+    if parsed.host != address or parsed.port != port:
+        raise _refuse("parses differently in the HTTP client")
+    return base
