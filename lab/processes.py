@@ -21,7 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import IO
 
-from lab import errors, store, tool, worker
+from lab import egress, errors, store, tool, worker
 
 DSN_ENV = "BOOK_LAB_DSN"
 TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret; the token travels in the environment, never in argv
@@ -29,6 +29,7 @@ TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret; the 
 
 def worker_main(args: argparse.Namespace) -> int:
     """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
+    egress.install()
     dsn = os.environ.get(DSN_ENV, "")
     token = os.environ.get(TOKEN_ENV, "")
     if not dsn or not token:

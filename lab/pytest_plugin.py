@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lab import errors, store
+from lab import egress, errors, store
 from lab import harness as lab_harness
 
 log = logging.getLogger("lab.plugin")
@@ -64,6 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "experiment: a chapter experiment of the book (added automatically)"
     )
+    egress.install()
     dsn: str | None = None
     database: dict[str, Any] | None = None
     problem: str | None = None

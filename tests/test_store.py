@@ -1,0 +1,133 @@
+"""Bad input to the store or the worker raises a specific error and changes nothing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from lab import errors, harness, plan, store
+
+SECOND = timedelta(seconds=1)
+
+
+def snapshot(lab: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """Every workflow row, every event and the ledger size: what must not change."""
+    return (
+        lab.store.execute("SELECT * FROM workflows ORDER BY id"),
+        lab.store.execute("SELECT * FROM events ORDER BY seq"),
+        lab.effects(),
+    )
+
+
+def test_unknown_plan_version_is_rejected_before_any_write(lab):
+    before = snapshot(lab)
+    future = plan.Plan(**{**harness.sample_plan().to_json(), "version": 2})
+    with pytest.raises(errors.Rejected, match="version"):
+        lab.store.create(harness.PROPOSER, "op-v2", future)
+    assert snapshot(lab) == before
+
+
+def test_invalid_plan_fields_are_rejected_before_any_write(lab):
+    before = snapshot(lab)
+    for field, value in [("amount_minor", 0), ("currency", "USD"), ("account", "a b"),
+                         ("action", "drop_tables")]:
+        bad = plan.Plan(**{**harness.sample_plan().to_json(), field: value})
+        with pytest.raises(errors.Rejected):
+            lab.store.create(harness.PROPOSER, f"op-{field}", bad)
+    assert snapshot(lab) == before
+
+
+def test_tampered_fingerprint_cannot_approve(lab):
+    created = lab.store.create(harness.PROPOSER, "op", harness.sample_plan())
+    before = snapshot(lab)
+    tampered = created.fingerprint[:-1] + ("0" if created.fingerprint[-1] != "0" else "1")
+    with pytest.raises(errors.Denied, match="fingerprint"):
+        lab.store.approve(harness.APPROVER, created.id, tampered, timedelta(minutes=1))
+    assert snapshot(lab) == before
+
+
+def test_wrong_tenant_cannot_approve_or_cancel(lab):
+    created = lab.store.create(harness.PROPOSER, "op", harness.sample_plan())
+    before = snapshot(lab)
+    stranger = store.Actor(tenant="tenant-b", subject="manager-b", role="approver")
+    with pytest.raises(errors.Denied, match="tenant"):
+        lab.store.approve(stranger, created.id, created.fingerprint, timedelta(minutes=1))
+    with pytest.raises(errors.Denied, match="tenant"):
+        lab.store.cancel(stranger, created.id)
+    assert snapshot(lab) == before
+
+
+def test_stale_fence_changes_nothing(lab):
+    job = lab.approved()
+    rig = lab.credit_tool()
+    first = lab.store.claim("old", SECOND)
+    assert first is not None
+    lab.expire_lease(job.id)
+    lab.store.recover_expired()
+    rig.worker.reconcile(job.id)
+    second = lab.store.claim("new", SECOND)
+    assert second is not None
+    receipt = rig.client.call(second)
+    before = snapshot(lab)
+    for transition in (
+        lambda: lab.store.complete(first, receipt),
+        lambda: lab.store.unknown(first),
+        lambda: lab.store.retry_later(first, SECOND, "rate_limited"),
+        lambda: lab.store.fail(first, "tool_refused"),
+        lambda: lab.store.heartbeat(first, SECOND),
+        lambda: lab.store.pre_dispatch(first),
+    ):
+        with pytest.raises(errors.Stale):
+            transition()
+    assert snapshot(lab) == before
+
+
+def test_unknown_workflow_is_not_found(lab):
+    before = snapshot(lab)
+    with pytest.raises(errors.NotFound):
+        lab.store.get("wf_missing")
+    with pytest.raises(errors.NotFound):
+        lab.store.approve(harness.APPROVER, "wf_missing", "f", timedelta(minutes=1))
+    assert snapshot(lab) == before
+
+
+def test_hostile_schema_names_are_refused_before_postgresql(lab_dsn):
+    for name in ['x"; DROP SCHEMA public; --', "Upper", "a" * 64, "schéma", "", "1abc", "a-b"]:
+        with pytest.raises(errors.Rejected, match="schema name"):
+            store.Store.open(lab_dsn, name, create=True)
+
+
+def test_proposer_cannot_approve_own_plan_even_with_approver_role(lab):
+    created = lab.store.create(harness.PROPOSER, "op", harness.sample_plan())
+    self_approver = store.Actor(tenant="tenant-a", subject="employee-a", role="approver")
+    before = snapshot(lab)
+    with pytest.raises(errors.Denied, match="proposer"):
+        lab.store.approve(self_approver, created.id, created.fingerprint, timedelta(minutes=1))
+    assert snapshot(lab) == before
+
+
+def test_tampered_stored_plan_fails_closed_at_claim(lab):
+    job = lab.approved()
+    rig = lab.credit_tool()
+    lab.store.execute(
+        "UPDATE workflows SET plan = jsonb_set(plan, '{amount_minor}', '9999') WHERE id = %s",
+        (job.id,),
+    )
+    assert rig.worker.run_one() is None
+    final = lab.state(job.id)
+    assert final.state == "failed"
+    assert final.review_reason == "integrity"
+    assert rig.service.calls == 0
+
+
+def test_worker_process_is_killed_at_teardown_even_when_paused(lab):
+    job = lab.approved()
+    rig = lab.credit_tool()
+    child = lab.spawn_worker(rig, "paused", "--pause", "after_claim")
+    child.wait_for("BOOK_STAGE after_claim")
+    assert child.alive()
+    lab.close()
+    assert not child.alive()
+    assert lab.state(job.id).state == "running"  # the lease, not cleanup, ends the claim
