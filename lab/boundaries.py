@@ -123,12 +123,13 @@ def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
             raise errors.BoundaryViolation(
                 f"database hostaddr {_shown_host(addr, secret)} is not a loopback address"
             )
-    if addrs is None and hosts is not None:
-        # Pin each TCP host to its address; a socket entry keeps an empty slot,
-        # which libpq reads as "use the host" (lists must stay the same length).
+    # Pin each TCP host without an address to one; a socket entry keeps an empty
+    # slot, which libpq reads as "use the host". Lists of different lengths are
+    # left alone: libpq refuses to connect with them.
+    if hosts is not None and (addrs is None or len(addrs) == len(hosts)):
         pinned = [
-            PINNED_LOOPBACK if h == LOOPBACK_NAME else (h if _canonical_loopback(h) else "")
-            for h in hosts
+            addr or (PINNED_LOOPBACK if h == LOOPBACK_NAME else h if _canonical_loopback(h) else "")
+            for h, addr in zip(hosts, addrs or [""] * len(hosts), strict=True)
         ]
         if any(pinned):
             params["hostaddr"] = ",".join(pinned)

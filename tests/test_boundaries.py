@@ -60,6 +60,11 @@ ALLOWED_DSNS = [
     ("postgresql:///book?host=/run/pg", "/run/pg", None),
     ("host=localhost hostaddr=127.0.0.1", "localhost", "127.0.0.1"),
     ("host=localhost hostaddr=::1", "localhost", "::1"),
+    # An empty hostaddr slot for localhost is pinned too; a socket slot stays empty.
+    ("host=localhost,localhost hostaddr=,::1", "localhost,localhost", "127.0.0.1,::1"),
+    ("host=/run/pg,localhost hostaddr=,", "/run/pg,localhost", ",127.0.0.1"),
+    # Mismatched lists are left to libpq, which refuses to connect with them.
+    ("host=localhost,localhost hostaddr=127.0.0.1", "localhost,localhost", "127.0.0.1"),
     ("hostaddr=127.0.0.1 dbname=book", None, "127.0.0.1"),
     ("dbname=book", None, None),
     ("", None, None),
