@@ -1,0 +1,383 @@
+"""The invariant checker: what must hold of a finished run, whatever happened during it.
+
+Pure functions over plain data (``History``): the final workflow rows, the
+whole audit-event history and the tool's ledger. Nothing here calls the
+worker, the store's transitions or the tool, so a bug in those cannot hide
+itself from the check; ``load`` reads the three tables with its own SQL in one
+snapshot. Each rule returns ``Violation`` records that name the workflow and
+the effect key concerned::
+
+    duplicate_effect          more than one ledger row for one effect key
+    effect_without_owner      an effect no succeeded/unknown workflow of that key and plan owns
+    tool_mode_mismatch        an effect written by a tool whose mode differs from the plan's
+    replayed_dispatch         a non-idempotent workflow dispatched again without a definite
+                              non-effect (a 429 or unreachable tool) in between
+    stale_completion          a completion not written under the current, still open claim
+    lost_workflow             a workflow neither terminal nor awaiting review with a reason
+    budget_overrun            more attempts (or claims) than the workflow's budget
+    succeeded_without_effect  a succeeded workflow without exactly one matching ledger row
+                              whose receipt is the stored result
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from lab import boundaries
+
+# Repeated here, not imported from ``store``: the checker states its own idea of "finished".
+TERMINAL_STATES = frozenset({"succeeded", "cancelled", "failed", "incompatible"})
+# Where an effect may legitimately sit: recorded, or awaiting a person's decision.
+EFFECT_OWNER_STATES = frozenset({"succeeded", "unknown"})
+# Event kinds that end a claim: after one of them no write may use that claim's fence.
+CLAIM_ENDING_KINDS = frozenset(
+    {
+        "completed",
+        "unknown",
+        "lease_expired",
+        "retry_scheduled",
+        "failed",
+        "cancelled",
+        "approval_expired",
+    }
+)
+
+DUPLICATE_EFFECT = "duplicate_effect"
+EFFECT_WITHOUT_OWNER = "effect_without_owner"
+TOOL_MODE_MISMATCH = "tool_mode_mismatch"
+REPLAYED_DISPATCH = "replayed_dispatch"
+STALE_COMPLETION = "stale_completion"
+LOST_WORKFLOW = "lost_workflow"
+BUDGET_OVERRUN = "budget_overrun"
+SUCCEEDED_WITHOUT_EFFECT = "succeeded_without_effect"
+KINDS = (
+    DUPLICATE_EFFECT,
+    EFFECT_WITHOUT_OWNER,
+    TOOL_MODE_MISMATCH,
+    REPLAYED_DISPATCH,
+    STALE_COMPLETION,
+    LOST_WORKFLOW,
+    BUDGET_OVERRUN,
+    SUCCEEDED_WITHOUT_EFFECT,
+)
+
+
+@dataclass(frozen=True)
+class WorkflowFact:
+    """A workflow's final row, reduced to what the invariants read."""
+
+    id: str
+    state: str
+    idempotent: bool
+    effect_key: str
+    fingerprint: str
+    fence: int
+    attempt: int
+    max_attempts: int
+    review_reason: str = ""
+    result: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class EventFact:
+    """One audit event; ``seq`` orders the history."""
+
+    seq: int
+    workflow_id: str
+    kind: str
+    fence: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class EffectFact:
+    """One row of the tool's ledger."""
+
+    seq: int
+    effect_key: str
+    fingerprint: str
+    receipt: str
+    idempotent: bool
+
+
+@dataclass(frozen=True)
+class History:
+    """Everything the checker reads: final workflows, every event, every ledger row."""
+
+    workflows: Sequence[WorkflowFact]
+    events: Sequence[EventFact]
+    effects: Sequence[EffectFact]
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant, naming the workflow and/or effect key concerned."""
+
+    kind: str
+    workflow_id: str
+    effect_key: str
+    detail: str
+
+    def to_json(self) -> dict[str, str]:
+        """The violation as a JSON object."""
+        return asdict(self)
+
+
+def _events_by_workflow(history: History) -> dict[str, list[EventFact]]:
+    grouped: dict[str, list[EventFact]] = defaultdict(list)
+    for event in sorted(history.events, key=lambda e: e.seq):
+        grouped[event.workflow_id].append(event)
+    return grouped
+
+
+def _effects_by_key(history: History) -> dict[str, list[EffectFact]]:
+    grouped: dict[str, list[EffectFact]] = defaultdict(list)
+    for effect in sorted(history.effects, key=lambda e: e.seq):
+        grouped[effect.effect_key].append(effect)
+    return grouped
+
+
+def _owner_ids(history: History) -> dict[str, str]:
+    return {wf.effect_key: wf.id for wf in history.workflows}
+
+
+def duplicate_effects(history: History) -> list[Violation]:
+    """At most one ledger effect per effect key."""
+    owners = _owner_ids(history)
+    return [
+        Violation(
+            DUPLICATE_EFFECT,
+            owners.get(key, ""),
+            key,
+            f"{len(rows)} ledger rows (receipts {', '.join(r.receipt for r in rows)})",
+        )
+        for key, rows in _effects_by_key(history).items()
+        if len(rows) > 1
+    ]
+
+
+def effects_without_owner(history: History) -> list[Violation]:
+    """Every effect belongs to a workflow of its key and plan that succeeded or awaits review."""
+    by_key = {wf.effect_key: wf for wf in history.workflows}
+    found: list[Violation] = []
+    for effect in sorted(history.effects, key=lambda e: e.seq):
+        owner = by_key.get(effect.effect_key)
+        if owner is None:
+            problem = "no workflow has this effect key"
+        elif owner.fingerprint != effect.fingerprint:
+            problem = "ledger fingerprint differs from the workflow's plan"
+        elif owner.state not in EFFECT_OWNER_STATES:
+            problem = f"owning workflow ended {owner.state}"
+        else:
+            continue
+        found.append(
+            Violation(
+                EFFECT_WITHOUT_OWNER,
+                owner.id if owner else "",
+                effect.effect_key,
+                f"receipt {effect.receipt}: {problem}",
+            )
+        )
+    return found
+
+
+def tool_mode_mismatches(history: History) -> list[Violation]:
+    """An effect is written by a tool of the mode the plan was admitted with."""
+    by_key = {wf.effect_key: wf for wf in history.workflows}
+    return [
+        Violation(
+            TOOL_MODE_MISMATCH,
+            owner.id,
+            effect.effect_key,
+            f"plan idempotent={owner.idempotent}, ledger row idempotent={effect.idempotent}",
+        )
+        for effect in history.effects
+        if (owner := by_key.get(effect.effect_key)) is not None
+        and owner.idempotent != effect.idempotent
+    ]
+
+
+def replayed_dispatches(history: History) -> list[Violation]:
+    """No non-idempotent workflow is dispatched twice.
+
+    A second ``dispatching`` event is allowed only after the previous dispatch
+    ended in a definite non-effect: a ``retry_scheduled`` event under the same
+    fence (the tool answered 429 or was never reached). The ledger must also
+    hold at most one row for the workflow's key.
+    """
+    events = _events_by_workflow(history)
+    effects = _effects_by_key(history)
+    found: list[Violation] = []
+    for wf in history.workflows:
+        if wf.idempotent:
+            continue
+        pending: int | None = None  # fence of a dispatch that may have taken effect
+        for event in events.get(wf.id, []):
+            if event.kind == "dispatching":
+                if pending is not None:
+                    found.append(
+                        Violation(
+                            REPLAYED_DISPATCH,
+                            wf.id,
+                            wf.effect_key,
+                            f"dispatch at fence {event.fence} (event {event.seq}) after an "
+                            f"unresolved dispatch at fence {pending}",
+                        )
+                    )
+                pending = event.fence
+            elif event.kind == "retry_scheduled" and event.fence == pending:
+                pending = None
+        rows = effects.get(wf.effect_key, [])
+        if len(rows) > 1:
+            found.append(
+                Violation(
+                    REPLAYED_DISPATCH,
+                    wf.id,
+                    wf.effect_key,
+                    f"non-idempotent effect performed {len(rows)} times",
+                )
+            )
+    return found
+
+
+def stale_completions(history: History) -> list[Violation]:
+    """Each completion carries the fence of the last claim before it, and that claim was open."""
+    keys = {wf.id: wf.effect_key for wf in history.workflows}
+    found: list[Violation] = []
+    for workflow_id, events in _events_by_workflow(history).items():
+        claim_fence: int | None = None
+        claim_open = False
+        for event in events:
+            if event.kind == "claimed":
+                claim_fence, claim_open = event.fence, True
+                continue
+            current = claim_open and event.fence == claim_fence
+            if event.kind == "completed" and not current:
+                state = "none" if claim_fence is None else str(claim_fence)
+                found.append(
+                    Violation(
+                        STALE_COMPLETION,
+                        workflow_id,
+                        keys.get(workflow_id, ""),
+                        f"completion event {event.seq} at fence {event.fence}; last claim "
+                        f"fence {state}, {'open' if claim_open else 'already ended'}",
+                    )
+                )
+            if event.kind in CLAIM_ENDING_KINDS and event.fence == claim_fence:
+                claim_open = False
+    return found
+
+
+def lost_workflows(history: History) -> list[Violation]:
+    """Every workflow ends terminal, or ``unknown`` with the reason a person must review it."""
+    return [
+        Violation(
+            LOST_WORKFLOW,
+            wf.id,
+            wf.effect_key,
+            f"ended in {wf.state} without a review reason",
+        )
+        for wf in history.workflows
+        if wf.state not in TERMINAL_STATES
+        and not (wf.state == "unknown" and wf.review_reason.strip())
+    ]
+
+
+def budget_overruns(history: History) -> list[Violation]:
+    """Attempts, as stored and as counted in claims, never exceed the budget."""
+    claims = Counter(e.workflow_id for e in history.events if e.kind == "claimed")
+    return [
+        Violation(
+            BUDGET_OVERRUN,
+            wf.id,
+            wf.effect_key,
+            f"attempt {wf.attempt}, {claims[wf.id]} claims, budget {wf.max_attempts}",
+        )
+        for wf in history.workflows
+        if max(wf.attempt, claims[wf.id]) > wf.max_attempts
+    ]
+
+
+def succeeded_without_effect(history: History) -> list[Violation]:
+    """Every succeeded workflow has exactly one ledger row of its key and plan: its receipt."""
+    effects = _effects_by_key(history)
+    found: list[Violation] = []
+    for wf in history.workflows:
+        if wf.state != "succeeded":
+            continue
+        matching = [e for e in effects.get(wf.effect_key, []) if e.fingerprint == wf.fingerprint]
+        result = wf.result or {}
+        if len(matching) != 1:
+            problem = f"{len(matching)} matching ledger rows"
+        elif (
+            result.get("receipt_id") != matching[0].receipt
+            or result.get("effect_key") != wf.effect_key
+            or result.get("fingerprint") != wf.fingerprint
+        ):
+            problem = f"stored result does not name receipt {matching[0].receipt}"
+        else:
+            continue
+        found.append(Violation(SUCCEEDED_WITHOUT_EFFECT, wf.id, wf.effect_key, problem))
+    return found
+
+
+RULES: tuple[Callable[[History], list[Violation]], ...] = (
+    duplicate_effects,
+    effects_without_owner,
+    tool_mode_mismatches,
+    replayed_dispatches,
+    stale_completions,
+    lost_workflows,
+    budget_overruns,
+    succeeded_without_effect,
+)
+
+
+def check(history: History) -> list[Violation]:
+    """Every violation of every invariant in ``history`` (empty when all hold)."""
+    return [violation for rule in RULES for violation in rule(history)]
+
+
+def count_by_kind(violations: Iterable[Violation]) -> dict[str, int]:
+    """How many violations of each kind (every kind listed, zeros included)."""
+    counts = Counter(v.kind for v in violations)
+    return {kind: counts.get(kind, 0) for kind in KINDS}
+
+
+def load(dsn: str, schema: str) -> History:
+    """Read one schema's workflows, events and ledger in a single consistent snapshot."""
+    with psycopg.connect(
+        boundaries.check_dsn(dsn), row_factory=dict_row, application_name="lab-invariants"
+    ) as conn:
+        # REPEATABLE READ: the three reads see one moment, even if something still writes.
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+            workflows = conn.execute(
+                """
+                SELECT id, state, coalesce(plan -> 'idempotent' = 'true'::jsonb, false)
+                           AS idempotent,
+                       effect_key, fingerprint, fence, attempt, max_attempts,
+                       review_reason, result
+                  FROM workflows ORDER BY created_at, id
+                """
+            ).fetchall()
+            events = conn.execute(
+                "SELECT seq, workflow_id, kind, fence, detail FROM events ORDER BY seq"
+            ).fetchall()
+            effects = conn.execute(
+                "SELECT seq, effect_key, fingerprint, receipt, idempotent "
+                "FROM tool_effects ORDER BY seq"
+            ).fetchall()
+    return History(
+        workflows=[WorkflowFact(**row) for row in workflows],
+        events=[EventFact(**row) for row in events],
+        effects=[EffectFact(**row) for row in effects],
+    )
