@@ -1,0 +1,124 @@
+"""``lab run`` and the summary shared with ``lab evidence show``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from lab import cli, evidence, runner
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["run", *argv])
+
+
+def test_command_runs_pytest_on_the_experiments_with_evidence() -> None:
+    """The subprocess is this interpreter's pytest, writing evidence where asked."""
+    command = runner.pytest_command(_args("-n", "2", "--evidence", "out", "--", "-x", "-q"))
+    assert command == [
+        sys.executable, "-m", "pytest", "experiments", "-p", "no:cacheprovider",
+        "--lab-evidence", "out", "-n", "2", "-x", "-q",
+    ]  # fmt: skip
+    narrowed = runner.pytest_command(_args("--chapter", "ch01_admission", "--chapter", "ch05"))
+    assert narrowed[3:5] == ["experiments/ch01_admission", "experiments/ch05"]
+    assert "-n" not in narrowed
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    sink = io.StringIO()
+    return Console(file=sink, width=200, color_system=None), sink
+
+
+def _tree(root: Path) -> None:
+    (root / "experiments" / "ch01_x").mkdir(parents=True)
+    (root / "experiments" / "manifest.json").write_text(
+        json.dumps({"experiments": [{"chapter": "ch01_x", "name": "test_a", "database": False}]})
+    )
+    (root / "experiments" / "ch01_x" / "test_a.py").write_text(
+        'def test_a(observe):\n    """A."""\n    observe({"seen": 42})\n'
+    )
+    (root / "pytest.ini").write_text("[pytest]\n")
+
+
+def test_run_streams_pytest_then_summarises_the_signed_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run without PostgreSQL completes, shows every experiment and fails the gate."""
+    _tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    console, sink = _console()
+    args = _args("--", "--lab-postgres=none", "-p", "no:hypothesispytest", "-p", "no:anyio")
+    code = runner.run_main(args, console)
+    out = sink.getvalue()
+    assert code != 0
+    assert "ch01_x" in out and "test_a" in out and '{"seen": 42}' in out
+    assert "Gate: FAIL" in out
+    assert "no real PostgreSQL database was provisioned for the run" in out
+    assert "PostgreSQL: none reached" in out
+    assert "EPHEMERAL key" in out
+    assert f"Evidence: evidence/{evidence.ENVELOPE_FILE}" in out
+    assert (tmp_path / "evidence" / evidence.REPORT_FILE).is_file()
+
+    show = argparse.Namespace(evidence_command="show", path="evidence")
+    assert evidence.cli_main(show) == 1
+
+
+def test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--chapter narrows the run, and the runner says so before it starts."""
+    _tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    console, sink = _console()
+    assert runner.run_main(_args("--chapter", "ch99_none"), console) == 2
+    assert "no such experiments directory" in sink.getvalue()
+    console, sink = _console()
+    args = _args("--chapter", "ch01_x", "--", "--lab-postgres=none", "-p", "no:hypothesispytest")
+    assert runner.run_main(args, console) != 0
+    assert "PARTIAL by design" in sink.getvalue()
+    assert "narrowed: path experiments/ch01_x" in sink.getvalue()
+
+
+def test_summary_of_a_passing_report() -> None:
+    """The summary names the verdict, the database, the signer and where the evidence is."""
+    report = {
+        "status": "PASS",
+        "gate": {"failures": [], "narrowed": []},
+        "experiments": [
+            {
+                "chapter": "ch05_crashes",
+                "name": "test_sigkill",
+                "outcome": "passed",
+                "results": 2,
+                "expected_results": 2,
+                "duration": 3.5,
+                "tests": ["n1", "n2"],
+            }
+        ],
+        "tests": [{"nodeid": "n1", "observations": [{"effects": 1, "state": "succeeded"}]}],
+        "postgresql": {"provider": "embedded", "server_version": "15.8"},
+        "signing": {"keyid": "ab" * 32, "key_source": "key_file"},
+        "commit": "c0ffee",
+        "dirty": False,
+    }
+    console, sink = _console()
+    runner.print_summary(report, Path("evidence"), console)
+    out = sink.getvalue()
+    assert "passed 2/2" in out
+    assert '{"effects": 1, "state": "succeeded"}' in out
+    assert "Gate: PASS" in out
+    assert "PostgreSQL: embedded, 15.8" in out
+    assert f"Signer: ed25519 key {'ab' * 32} (key_file)" in out
+    assert "Commit: c0ffee\n" in out
+
+
+def test_shorten_cuts_long_observations() -> None:
+    """Observations are compact JSON, cut with an ellipsis."""
+    assert runner.shorten({"b": 1, "a": 2}) == '{"a": 2, "b": 1}'
+    assert runner.shorten("x" * 100, 10) == "x" * 9 + "…"
