@@ -80,6 +80,12 @@ def _book(args: argparse.Namespace) -> int:
     return code
 
 
+def _review(args: argparse.Namespace) -> int:
+    from lab import review
+
+    return review.cli_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lab`` command."""
     parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
@@ -150,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    throughput = bench_commands.add_parser("throughput", help="workflows/s through worker processes")
+    throughput = bench_commands.add_parser(
+        "throughput", help="workflows/s through worker processes"
+    )
     throughput.add_argument("--workflows", type=int, default=1000)
     throughput.add_argument("--workers", type=int, default=2)
     throughput.add_argument("--peer", choices=["dbos"], default=None)
@@ -164,6 +172,25 @@ def build_parser() -> argparse.ArgumentParser:
                                 choices=["auto", "dsn", "container", "embedded"])
     bench.add_argument("--output-dir", default="evidence/bench")
     bench.set_defaults(handler=_bench)
+
+    review = commands.add_parser("review", help="list and decide work in manual review")
+    review.add_argument("--schema", required=True, help="the schema holding the workflows")
+    review.add_argument("--tenant", default="tenant-a")
+    review.add_argument("--reviewer", default="reviewer", help="who decides (recorded)")
+    review_commands = review.add_subparsers(dest="review_command", required=True)
+    review_commands.add_parser("list", help="workflows waiting for a person")
+    show_review = review_commands.add_parser("show", help="one workflow with its proof")
+    show_review.add_argument("workflow")
+    requeue = review_commands.add_parser("requeue", help="send back to the queue")
+    requeue.add_argument("workflow")
+    requeue.add_argument("--force", action="store_true",
+                         help="requeue although a start barrier exists (needs --reason)")
+    requeue.add_argument("--reason", default="")
+    resolve = review_commands.add_parser("resolve", help="close it by hand")
+    resolve.add_argument("workflow")
+    resolve.add_argument("--as", dest="outcome", choices=["failed", "succeeded"], required=True)
+    resolve.add_argument("--reason", required=True)
+    review.set_defaults(handler=_review)
 
     book = commands.add_parser("book", help="publication artifacts from verified evidence")
     book_commands = book.add_subparsers(dest="book_command", required=True)

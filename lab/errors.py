@@ -12,6 +12,7 @@ are translated at the edge, in ``store`` and ``tool``, and chained with
     ├── Denied              the actor has no right to do this
     ├── NotFound            no such workflow
     ├── Stale               the caller's fence or lease is no longer current
+    ├── IntegrityFailure    a stored record failed its digest or binding: fail closed
     ├── ManualReview        only a person may decide what happens next
     ├── StoreError          PostgreSQL could not be reached or refused the write
     ├── ProvisioningError   no PostgreSQL could be provided for a run
@@ -58,6 +59,10 @@ class NotFound(LabError):
 
 class Stale(LabError):
     """Fence or lease is no longer current."""
+
+
+class IntegrityFailure(LabError):
+    """Stored record failed verification: refusing to act on it."""
 
 
 class ManualReview(LabError):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from lab import processes, store, tool, worker
+from lab import processes, sealing, store, tool, worker
 from lab.plan import Plan
 
 PROPOSER = store.Actor(tenant="tenant-a", subject="employee-a", role="proposer")
@@ -98,6 +98,8 @@ class Harness:
             name,
             *extra,
             on_event=self.mark,
+            # The child must seal results with the same keys this experiment reads them with.
+            extra_env={sealing.KEYS_ENV: self.store.keys.to_env()},
         )
         self._processes.append(child)
         self.mark(name, "started")
@@ -204,6 +206,11 @@ class Harness:
             }
             for row in rows
         ]
+
+    def trace_ids(self) -> list[str]:
+        """The W3C trace ids of every workflow of this experiment, for the evidence."""
+        rows = self.store.execute("SELECT trace_id FROM workflows ORDER BY created_at, id")
+        return [str(row["trace_id"]) for row in rows]
 
     def close(self) -> None:
         """Kill every process still alive, close clients, stop tool services."""

@@ -230,6 +230,7 @@ def spawn_worker(
     name: str,
     *extra: str,
     on_event: Callable[[str, str], None] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> WorkerProcess:
     """Start ``lab worker`` as a child of this interpreter (not whatever is on PATH)."""
     argv = [
@@ -245,5 +246,6 @@ def spawn_worker(
         name,
         *extra,
     ]
-    env = {**os.environ, DSN_ENV: dsn, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(extra_env or {}), DSN_ENV: dsn, TOKEN_ENV: token,
+           "PYTHONUNBUFFERED": "1"}
     return WorkerProcess(argv, env, name, on_event)

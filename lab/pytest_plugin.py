@@ -184,9 +184,11 @@ def lab(
         rig.close()
         try:
             history = rig.event_history()
+            traces = rig.trace_ids()
         except errors.LabError:
-            history = []
+            history, traces = [], []
         request.node.user_properties.append(("lab_events", history))
+        request.node.user_properties.append(("lab_trace_ids", traces))
         request.node.user_properties.append(("lab_timeline", rig.timeline))
 
 

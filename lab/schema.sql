@@ -10,6 +10,7 @@ CREATE TABLE workflows (
  fingerprint text NOT NULL,
  plan_version integer NOT NULL,
  effect_key text NOT NULL,
+ trace_id text NOT NULL CHECK (trace_id ~ '^[0-9a-f]{32}$'),
  state text NOT NULL CHECK (state IN ('waiting_approval','ready','running','unknown',
                                       'succeeded','cancelled','failed','incompatible')),
  approved_by text NOT NULL DEFAULT '',
@@ -47,6 +48,49 @@ CREATE TABLE events (
 );
 CREATE INDEX events_by_workflow ON events (workflow_id, seq);
 
+-- The durable record of intent, committed with its audit event before any dispatch.
+-- One start per workflow and fence; its digest is verified whenever it is read.
+CREATE TABLE start_barriers (
+ start_id text PRIMARY KEY,
+ workflow_id text NOT NULL REFERENCES workflows(id),
+ fence bigint NOT NULL,
+ attempt integer NOT NULL,
+ effect_key text NOT NULL,
+ fingerprint text NOT NULL,
+ trace_id text NOT NULL CHECK (trace_id ~ '^[0-9a-f]{32}$'),
+ span_id text NOT NULL CHECK (span_id ~ '^[0-9a-f]{16}$'),
+ audit_event bigint REFERENCES events(seq),
+ digest text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+ created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+ UNIQUE (workflow_id, fence)
+);
+
+-- How a start ended. The primary key makes success and failure exclusive per start.
+CREATE TABLE completions (
+ start_id text PRIMARY KEY REFERENCES start_barriers(start_id),
+ barrier_digest text NOT NULL,
+ outcome text NOT NULL CHECK (outcome IN ('succeeded', 'rate_limited',
+                                          'rate_limited_budget_spent', 'rejected',
+                                          'unreachable')),
+ summary text NOT NULL,
+ receipt_id text,
+ digest text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+ created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+ CHECK ((outcome = 'succeeded') = (receipt_id IS NOT NULL))
+);
+
+-- What a person decided about a workflow in manual review; free text stays out of events.
+CREATE TABLE reviews (
+ seq bigserial PRIMARY KEY,
+ workflow_id text NOT NULL REFERENCES workflows(id),
+ reviewer text NOT NULL,
+ decision text NOT NULL CHECK (decision IN ('requeue', 'forced_requeue', 'resolve_failed',
+                                            'resolve_succeeded')),
+ proof text NOT NULL,
+ reason text NOT NULL DEFAULT '',
+ created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
 -- The credit tool's own ledger. It shares the server, never a transaction, with the workflow.
 -- An idempotent tool keeps one effect per key; a non-idempotent one records every call.
 CREATE TABLE tool_effects (
@@ -58,6 +102,8 @@ CREATE TABLE tool_effects (
  amount_minor bigint NOT NULL CHECK (amount_minor > 0),
  currency text NOT NULL,
  receipt text NOT NULL UNIQUE,
+ trace_id text CHECK (trace_id ~ '^[0-9a-f]{32}$'),
+ start_id text,
  created_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE UNIQUE INDEX tool_effects_one_per_key ON tool_effects (effect_key) WHERE idempotent;

@@ -10,6 +10,7 @@ psycopg errors are translated into ``errors.StoreError`` here, at the edge.
 from __future__ import annotations
 
 import re
+import secrets
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +25,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from lab import boundaries, errors
+from lab import boundaries, errors, sealing
+from lab.barrier import Completion, StartBarrier
 from lab.plan import SUPPORTED_PLAN_VERSION, Plan, Receipt, effect_key
 
 SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -63,6 +65,7 @@ class Workflow:
     fingerprint: str
     plan_version: int
     effect_key: str
+    trace_id: str
     state: str
     approved_by: str
     approval_expires: datetime | None
@@ -117,9 +120,15 @@ def _translated(action: str) -> Iterator[None]:
 class Store:
     """Workflows in one PostgreSQL schema, reached through a small connection pool."""
 
-    def __init__(self, pool: ConnectionPool[psycopg.Connection[dict[str, Any]]], schema: str):
+    def __init__(
+        self,
+        pool: ConnectionPool[psycopg.Connection[dict[str, Any]]],
+        schema: str,
+        keys: sealing.KeyCatalog,
+    ):
         self._pool = pool
         self.schema = schema
+        self.keys = keys
 
     @classmethod
     def open(
@@ -131,10 +140,12 @@ class Store:
         allow_remote: bool = False,
         max_connections: int = 4,
         application_name: str = "lab",
+        keys: sealing.KeyCatalog | None = None,
     ) -> Store:
         """Connect to ``schema`` (creating it and its tables when ``create``).
 
-        The DSN must point at loopback unless ``allow_remote`` is set.
+        The DSN must point at loopback unless ``allow_remote`` is set. Results
+        are sealed with ``keys`` (by default the catalog from the environment).
         """
         check_schema_name(schema)
         target = dsn if allow_remote else boundaries.check_dsn(dsn)
@@ -156,7 +167,7 @@ class Store:
         )
         with _translated("open a connection pool"):
             pool.open(wait=True, timeout=10)
-        return cls(pool, schema)
+        return cls(pool, schema, keys or sealing.load_catalog())
 
     def close(self) -> None:
         """Close every connection of the pool."""
@@ -201,8 +212,8 @@ class Store:
             row = conn.execute(
                 """
                 INSERT INTO workflows (id, tenant, operation, proposed_by, plan, fingerprint,
-                                       plan_version, effect_key, state, max_attempts)
-                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'waiting_approval', %s)
+                                       plan_version, effect_key, trace_id, state, max_attempts)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, 'waiting_approval', %s)
                 ON CONFLICT (tenant, operation) DO NOTHING
                 RETURNING *
                 """,
@@ -215,6 +226,7 @@ class Store:
                     fingerprint,
                     plan.version,
                     effect_key(actor.tenant, operation),
+                    secrets.token_hex(16),  # the W3C trace id linking every record
                     DEFAULT_MAX_ATTEMPTS,
                 ),
             ).fetchone()
@@ -410,13 +422,21 @@ class Store:
 
     # -- around the dispatch ---------------------------------------------------------
 
-    def pre_dispatch(self, claim: Workflow) -> bool:
-        """The fenced check right before the tool is called.
+    def pre_dispatch(self, claim: Workflow) -> StartBarrier | None:
+        """The fenced step right before the tool is called: commit the start barrier.
 
-        Returns True when the claim may dispatch (and records that intent);
-        False when a cancellation or an approval expiry diverted it. A fence
-        that moved or a lease that ran out raises ``errors.Stale``.
+        One transaction re-checks fence, lease, cancellation and approval
+        expiry, then writes the audit event and the start barrier bound to it.
+        Returns the barrier when the claim may dispatch; None when a
+        cancellation or an approval expiry diverted it. An exact replay
+        returns the stored barrier and writes nothing; the same start with
+        different content is ``errors.Conflict``; a fence that moved or a lease
+        that ran out raises ``errors.Stale`` with nothing written.
         """
+        wanted = StartBarrier.for_claim(
+            claim.id, claim.fence, claim.attempt, claim.effect_key, claim.fingerprint,
+            claim.trace_id,
+        )
         with self._transaction("check before dispatch") as conn:
             row = conn.execute(
                 """
@@ -431,22 +451,46 @@ class Store:
                 raise errors.NotFound(f"no workflow {claim.id!r}")
             if row["state"] != "running" or row["fence"] != claim.fence or not row["lease_live"]:
                 raise errors.Stale("claim is no longer current: not dispatching")
+            existing = _barrier_row(conn, wanted.start_id)
+            if existing is not None:
+                stored = _verified_barrier(existing)
+                if stored != wanted:
+                    raise errors.Conflict("start barrier exists with different content")
+                return stored
             if row["cancel_requested"]:
                 _release(conn, claim, "cancelled")
                 _event(conn, claim.id, "cancelled", claim.fence, "at=pre_dispatch")
-                return False
+                return None
             if row["approval_lapsed"]:
                 _release(conn, claim, "waiting_approval")
                 _event(conn, claim.id, "approval_expired", claim.fence, "at=pre_dispatch")
-                return False
-            _event(conn, claim.id, "dispatching", claim.fence, f"attempt={row['attempt']}")
-        return True
+                return None
+            if (row["attempt"], row["fingerprint"], row["effect_key"], row["trace_id"]) != (
+                wanted.attempt, wanted.fingerprint, wanted.effect_key, wanted.trace_id
+            ):
+                raise errors.Conflict("claim does not match the stored workflow")
+            audit = _event(
+                conn, claim.id, "dispatching", claim.fence, f"start={wanted.start_id}"
+            )
+            conn.execute(
+                """
+                INSERT INTO start_barriers (start_id, workflow_id, fence, attempt, effect_key,
+                                            fingerprint, trace_id, span_id, audit_event, digest)
+                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
+                """,
+                (wanted.start_id, wanted.workflow_id, wanted.fence, wanted.attempt,
+                 wanted.effect_key, wanted.fingerprint, wanted.trace_id, wanted.span_id,
+                 audit, wanted.digest()),
+            )
+        return wanted
 
     def complete(self, claim: Workflow, receipt: Receipt) -> Workflow:
         """Record success under ``claim``'s fence, if ``receipt`` proves this effect."""
         if not receipt.proves(claim.effect_key, claim.fingerprint):
             raise errors.ReceiptMismatch()
+        sealed = self.keys.seal(receipt.to_json(), claim.id)
         with self._transaction("complete a workflow") as conn:
+            barrier = _barrier_at(conn, claim.id, claim.fence)
             row = conn.execute(
                 """
                 UPDATE workflows
@@ -456,11 +500,12 @@ class Store:
                    AND fingerprint = %s AND effect_key = %s
                 RETURNING *
                 """,
-                (Jsonb(receipt.to_json()), claim.id, claim.fence, claim.fingerprint,
-                 claim.effect_key),
+                (Jsonb(sealed), claim.id, claim.fence, claim.fingerprint, claim.effect_key),
             ).fetchone()
             if row is None:
                 raise errors.Stale("claim is no longer current: completion refused")
+            if barrier is not None:
+                _complete_start(conn, Completion.success(barrier, receipt.receipt_id))
             _event(conn, claim.id, "completed", claim.fence, "")
         return Workflow.from_row(row)
 
@@ -509,6 +554,14 @@ class Store:
             ).fetchone()
             if row is None:
                 raise errors.Stale("claim is no longer current: retry refused")
+            barrier = _barrier_at(conn, claim.id, claim.fence)
+            if barrier is not None:
+                outcome = "unreachable" if cause == "tool_unreachable" else (
+                    "rate_limited_budget_spent"
+                    if row["review_reason"] == "attempt_budget_spent"
+                    else "rate_limited"
+                )
+                _complete_start(conn, Completion.failure(barrier, outcome))
             kind = {"ready": "retry_scheduled"}.get(row["state"], row["state"])
             _event(conn, claim.id, kind, claim.fence, f"cause={cause}")
         return Workflow.from_row(row)
@@ -528,6 +581,9 @@ class Store:
             ).fetchone()
             if row is None:
                 raise errors.Stale("claim is no longer current: failure refused")
+            barrier = _barrier_at(conn, claim.id, claim.fence)
+            if barrier is not None:
+                _complete_start(conn, Completion.failure(barrier, "rejected"))
             _event(conn, claim.id, "failed", claim.fence, f"cause={reason}")
         return Workflow.from_row(row)
 
@@ -537,7 +593,9 @@ class Store:
         """The authoritative lookup found the effect: the workflow succeeded."""
         if not receipt.proves(unknown.effect_key, unknown.fingerprint):
             raise errors.ReceiptMismatch()
+        sealed = self.keys.seal(receipt.to_json(), unknown.id)
         with self._transaction("record a reconciled effect") as conn:
+            barrier = _barrier_at(conn, unknown.id, unknown.fence)
             row = conn.execute(
                 """
                 UPDATE workflows
@@ -547,11 +605,13 @@ class Store:
                    AND fingerprint = %s AND effect_key = %s
                 RETURNING *
                 """,
-                (Jsonb(receipt.to_json()), unknown.id, unknown.fence, unknown.fingerprint,
+                (Jsonb(sealed), unknown.id, unknown.fence, unknown.fingerprint,
                  unknown.effect_key),
             ).fetchone()
             if row is None:
                 raise errors.Stale("workflow changed during reconciliation")
+            if barrier is not None and not _has_completion(conn, barrier.start_id):
+                _complete_start(conn, Completion.success(barrier, receipt.receipt_id))
             _event(conn, unknown.id, "reconciled", unknown.fence, "lookup=found")
         return Workflow.from_row(row)
 
@@ -590,8 +650,21 @@ class Store:
         return self.require_review(current, reason)
 
     def require_review(self, unknown: Workflow, reason: str) -> Workflow:
-        """Leave an unknown workflow for a person, recording why; raises ``ManualReview``."""
+        """Leave an unknown workflow for a person, recording why; raises ``ManualReview``.
+
+        For a non-idempotent workflow the reason carries the database's proof:
+        ``not_dispatched_no_start_barrier`` when no start barrier was committed
+        under its fence (the tool was never called), else
+        ``non_idempotent_dispatched``.
+        """
         with self._transaction("record a manual review") as conn:
+            if reason == "non_idempotent":
+                barrier = _barrier_at(conn, unknown.id, unknown.fence)
+                reason = (
+                    "not_dispatched_no_start_barrier"
+                    if barrier is None
+                    else "non_idempotent_dispatched"
+                )
             row = conn.execute(
                 """
                 UPDATE workflows SET review_reason = %s, updated_at = clock_timestamp()
@@ -604,6 +677,158 @@ class Store:
                 raise errors.Stale("workflow changed during reconciliation")
             _event(conn, unknown.id, "manual_review", unknown.fence, f"reason={reason}")
         raise errors.ManualReview(f"manual review required: {reason}", reason=reason)
+
+    def quarantine(self, workflow: Workflow, reason: str = "integrity") -> Workflow:
+        """Refuse to act on a workflow whose stored records failed verification.
+
+        Running work becomes unknown (its effect may have happened); either way
+        it waits for a person with ``reason``. Fenced like every transition.
+        """
+        with self._transaction("quarantine a workflow") as conn:
+            row = conn.execute(
+                """
+                UPDATE workflows
+                   SET state = CASE WHEN state = 'running' THEN 'unknown' ELSE state END,
+                       owner = '', lease_until = NULL, review_reason = %s,
+                       updated_at = clock_timestamp()
+                 WHERE id = %s AND fence = %s AND state IN ('running', 'unknown')
+                RETURNING *
+                """,
+                (reason, workflow.id, workflow.fence),
+            ).fetchone()
+            if row is None:
+                raise errors.Stale("workflow changed before it could be quarantined")
+            _event(conn, workflow.id, "manual_review", workflow.fence, f"reason={reason}")
+        return Workflow.from_row(row)
+
+    def barrier_for(self, workflow_id: str, fence: int) -> StartBarrier | None:
+        """The verified start barrier of one workflow and fence, if one was committed."""
+        with self._transaction("read a start barrier") as conn:
+            return _barrier_at(conn, workflow_id, fence)
+
+    def completion_for(self, start: str) -> Completion | None:
+        """The verified completion of one start, if it has one."""
+        with self._transaction("read a completion") as conn:
+            row = conn.execute(
+                "SELECT c.*, b.* , c.digest AS completion_digest, b.digest AS barrier_row_digest "
+                "FROM completions c JOIN start_barriers b USING (start_id) "
+                "WHERE c.start_id = %s",
+                (start,),
+            ).fetchone()
+        if row is None:
+            return None
+        barrier = _verified_barrier({**row, "digest": row["barrier_row_digest"]})
+        completion = Completion(
+            start_id=row["start_id"],
+            barrier_digest=row["barrier_digest"],
+            outcome=row["outcome"],
+            summary=row["summary"],
+            receipt_id=row["receipt_id"],
+        )
+        completion.verify(row["completion_digest"], barrier)
+        return completion
+
+    def receipt_of(self, workflow: Workflow) -> Receipt | None:
+        """The receipt stored (sealed) in ``workflow``'s result, opened and checked."""
+        if workflow.result is None:
+            return None
+        opened = self.keys.open(workflow.result, workflow.id)
+        try:
+            receipt = Receipt(
+                str(opened["receipt_id"]), str(opened["effect_key"]), str(opened["fingerprint"])
+            )
+        except KeyError as exc:
+            raise errors.IntegrityFailure("sealed result is not a receipt") from exc
+        if not receipt.proves(workflow.effect_key, workflow.fingerprint):
+            raise errors.IntegrityFailure("sealed receipt does not match its workflow")
+        return receipt
+
+    def in_review(self) -> list[Workflow]:
+        """Workflows waiting for a person: unknown, with the recorded reason."""
+        with self._transaction("list manual reviews") as conn:
+            rows = conn.execute(
+                "SELECT * FROM workflows WHERE state = 'unknown' ORDER BY updated_at, id"
+            ).fetchall()
+        return [Workflow.from_row(row) for row in rows]
+
+    def requeue_reviewed(
+        self, reviewer: Actor, workflow_id: str, *, force: bool = False, reason: str = ""
+    ) -> Workflow:
+        """A person sends an unknown workflow back to the queue.
+
+        Without ``force`` this is allowed only with the database's proof that
+        it was never dispatched (no start barrier under its fence). A workflow
+        with a barrier needs ``force`` and a reason, both recorded.
+        """
+        with self._transaction("requeue a reviewed workflow") as conn:
+            row = _locked(conn, workflow_id)
+            if reviewer.tenant != row["tenant"] or reviewer.role != "reviewer":
+                raise errors.Denied("only a reviewer of the workflow's tenant may requeue it")
+            if row["state"] != "unknown":
+                raise errors.Conflict(f"only unknown work can be requeued, not {row['state']}")
+            if row["attempt"] >= row["max_attempts"]:
+                raise errors.Conflict("attempt budget spent: resolve it instead")
+            barrier = _barrier_at(conn, workflow_id, row["fence"])
+            if barrier is not None and not (force and reason.strip()):
+                raise errors.Denied(
+                    f"start barrier {barrier.start_id} shows it may have been dispatched: "
+                    "requeue needs --force and a reason"
+                )
+            decision = "requeue" if barrier is None else "forced_requeue"
+            proof = "no start barrier" if barrier is None else f"barrier {barrier.start_id}"
+            conn.execute(
+                "INSERT INTO reviews (workflow_id, reviewer, decision, proof, reason) "
+                "VALUES (%s, %s, %s, %s, %s)",
+                (workflow_id, reviewer.subject, decision, proof, reason.strip()),
+            )
+            updated = conn.execute(
+                """
+                UPDATE workflows SET state = 'ready', ready_at = clock_timestamp(),
+                       review_reason = '', updated_at = clock_timestamp()
+                 WHERE id = %s RETURNING *
+                """,
+                (workflow_id,),
+            ).fetchone()
+            assert updated is not None
+            _event(conn, workflow_id, decision, row["fence"], f"by={reviewer.subject}")
+        return Workflow.from_row(updated)
+
+    def resolve_reviewed(
+        self, reviewer: Actor, workflow_id: str, outcome: str, reason: str
+    ) -> Workflow:
+        """A person closes an unknown workflow as ``failed`` or ``succeeded`` (checked by hand)."""
+        if outcome not in ("failed", "succeeded"):
+            raise errors.Rejected("a review resolves to 'failed' or 'succeeded'")
+        if not reason.strip():
+            raise errors.Rejected("resolving a review needs a reason")
+        with self._transaction("resolve a reviewed workflow") as conn:
+            row = _locked(conn, workflow_id)
+            if reviewer.tenant != row["tenant"] or reviewer.role != "reviewer":
+                raise errors.Denied("only a reviewer of the workflow's tenant may resolve it")
+            if row["state"] != "unknown":
+                raise errors.Conflict(f"only unknown work can be resolved, not {row['state']}")
+            conn.execute(
+                "INSERT INTO reviews (workflow_id, reviewer, decision, proof, reason) "
+                "VALUES (%s, %s, %s, %s, %s)",
+                (workflow_id, reviewer.subject, f"resolve_{outcome}", "person", reason.strip()),
+            )
+            result = (
+                Jsonb(self.keys.seal({"resolved_by": reviewer.subject}, workflow_id))
+                if outcome == "succeeded"
+                else None
+            )
+            updated = conn.execute(
+                """
+                UPDATE workflows SET state = %s, result = %s, review_reason = 'resolved_by_person',
+                       updated_at = clock_timestamp()
+                 WHERE id = %s RETURNING *
+                """,
+                (outcome, result, workflow_id),
+            ).fetchone()
+            assert updated is not None
+            _event(conn, workflow_id, f"resolved_{outcome}", row["fence"],
+                   f"by={reviewer.subject}")
+        return Workflow.from_row(updated)
 
     def events(self, workflow_id: str | None = None) -> list[dict[str, Any]]:
         """Audit events in order, for one workflow or all."""
@@ -647,11 +872,70 @@ def _locked(conn: psycopg.Connection[dict[str, Any]], workflow_id: str) -> dict[
 
 def _event(
     conn: psycopg.Connection[dict[str, Any]], workflow_id: str, kind: str, fence: int, detail: str
-) -> None:
-    conn.execute(
-        "INSERT INTO events (workflow_id, kind, fence, detail) VALUES (%s, %s, %s, %s)",
+) -> int:
+    row = conn.execute(
+        "INSERT INTO events (workflow_id, kind, fence, detail) VALUES (%s, %s, %s, %s) "
+        "RETURNING seq",
         (workflow_id, kind, fence, detail),
+    ).fetchone()
+    assert row is not None
+    seq: int = row["seq"]
+    return seq
+
+
+def _barrier_row(
+    conn: psycopg.Connection[dict[str, Any]], start: str
+) -> dict[str, Any] | None:
+    return conn.execute("SELECT * FROM start_barriers WHERE start_id = %s", (start,)).fetchone()
+
+
+def _verified_barrier(row: dict[str, Any]) -> StartBarrier:
+    """Rebuild a stored barrier and verify it; any mismatch fails closed."""
+    barrier = StartBarrier(
+        start_id=row["start_id"],
+        workflow_id=row["workflow_id"],
+        fence=row["fence"],
+        attempt=row["attempt"],
+        effect_key=row["effect_key"],
+        fingerprint=row["fingerprint"],
+        trace_id=row["trace_id"],
+        span_id=row["span_id"],
     )
+    barrier.verify(row["digest"], row["audit_event"])
+    return barrier
+
+
+def _barrier_at(
+    conn: psycopg.Connection[dict[str, Any]], workflow_id: str, fence: int
+) -> StartBarrier | None:
+    row = conn.execute(
+        "SELECT * FROM start_barriers WHERE workflow_id = %s AND fence = %s",
+        (workflow_id, fence),
+    ).fetchone()
+    return None if row is None else _verified_barrier(row)
+
+
+def _has_completion(conn: psycopg.Connection[dict[str, Any]], start: str) -> bool:
+    return (
+        conn.execute("SELECT 1 FROM completions WHERE start_id = %s", (start,)).fetchone()
+        is not None
+    )
+
+
+def _complete_start(conn: psycopg.Connection[dict[str, Any]], completion: Completion) -> None:
+    """Write the start's one completion; a second one (of either kind) is a conflict."""
+    row = conn.execute(
+        """
+        INSERT INTO completions (start_id, barrier_digest, outcome, summary, receipt_id, digest)
+        VALUES (%s, %s, %s, %s, %s, %s)
+        ON CONFLICT (start_id) DO NOTHING
+        RETURNING start_id
+        """,
+        (completion.start_id, completion.barrier_digest, completion.outcome, completion.summary,
+         completion.receipt_id, completion.digest()),
+    ).fetchone()
+    if row is None:
+        raise errors.Conflict("this start already has a completion")
 
 
 def _release(conn: psycopg.Connection[dict[str, Any]], claim: Workflow, state: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import json
 import random
+import re
 import secrets
 import threading
 from collections.abc import Callable
@@ -25,11 +26,15 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
+from lab import barrier as barriers
 from lab import boundaries, errors, store
 from lab.plan import Receipt
 
 MAX_BODY_BYTES = 4096
 EFFECTS_PATH = "/effects"
+START_HEADER = "Lab-Start-Id"
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-[0-9a-f]{16}-0[01]")
+_START_ID = re.compile(r"st1_[0-9a-f]{32}")
 
 
 class Dispatchable(Protocol):
@@ -192,17 +197,22 @@ class ToolService:
 
     # -- the ledger --
 
-    def record_effect(self, body: dict[str, Any]) -> tuple[HTTPStatus, Receipt | None]:
-        """Write the effect for ``body`` (once per key when idempotent)."""
+    def record_effect(
+        self, body: dict[str, Any], trace_id: str | None = None, start_id: str | None = None
+    ) -> tuple[HTTPStatus, Receipt | None]:
+        """Write the effect for ``body`` (once per key when idempotent), with its trace."""
         receipt_id = store.new_id("rcpt")
+        body = {**body, "trace_id": trace_id, "start_id": start_id}
         with self._pool.connection() as conn:
             if self.idempotent:
                 row = conn.execute(
                     """
                     INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account,
-                                              amount_minor, currency, receipt)
+                                              amount_minor, currency, receipt, trace_id,
+                                              start_id)
                     VALUES (%(effect_key)s, true, %(fingerprint)s, %(account)s,
-                            %(amount_minor)s, %(currency)s, %(receipt)s)
+                            %(amount_minor)s, %(currency)s, %(receipt)s, %(trace_id)s,
+                            %(start_id)s)
                     ON CONFLICT (effect_key) WHERE idempotent DO NOTHING
                     RETURNING receipt, fingerprint
                     """,
@@ -221,9 +231,11 @@ class ToolService:
                 row = conn.execute(
                     """
                     INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account,
-                                              amount_minor, currency, receipt)
+                                              amount_minor, currency, receipt, trace_id,
+                                              start_id)
                     VALUES (%(effect_key)s, false, %(fingerprint)s, %(account)s,
-                            %(amount_minor)s, %(currency)s, %(receipt)s)
+                            %(amount_minor)s, %(currency)s, %(receipt)s, %(trace_id)s,
+                            %(start_id)s)
                     RETURNING receipt, fingerprint
                     """,
                     {**body, "receipt": receipt_id},
@@ -317,7 +329,13 @@ class _Handler(BaseHTTPRequestHandler):
         if self.tool._count_call():
             self._reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": "rate_limited"})
             return
-        status, receipt = self.tool.record_effect(body)
+        trace = _TRACEPARENT.fullmatch(self.headers.get("traceparent", ""))
+        start = self.headers.get(START_HEADER, "")
+        status, receipt = self.tool.record_effect(
+            body,
+            trace_id=trace.group(1) if trace else None,
+            start_id=start if _START_ID.fullmatch(start) else None,
+        )
         if receipt is None:
             self._reply(status, {"error": "effect_key_reused_with_other_plan"})
             return
@@ -373,8 +391,11 @@ class ToolClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def call(self, work: Dispatchable) -> Receipt:
+    def call(self, work: Dispatchable, start: barriers.StartBarrier | None = None) -> Receipt:
         """Ask the tool to perform ``work``'s effect under its stable effect key.
+
+        With the committed ``start`` barrier, the request carries its W3C
+        ``traceparent`` and start id, which the tool's ledger records.
 
         Raises ``RateLimited`` (nothing happened), ``ToolUnavailable`` (never
         delivered), ``OutcomeUnknown`` (it may have happened) or ``ToolRefused``.
@@ -386,8 +407,12 @@ class ToolClient:
             "amount_minor": work.plan["amount_minor"],
             "currency": work.plan["currency"],
         }
+        headers = {}
+        if start is not None:
+            headers["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
+            headers[START_HEADER] = start.start_id
         try:
-            response = self._http.post(EFFECTS_PATH, json=body)
+            response = self._http.post(EFFECTS_PATH, json=body, headers=headers)
         except httpx.ConnectError as exc:
             raise errors.ToolUnavailable("tool could not be reached") from exc
         except httpx.TransportError as exc:

@@ -51,19 +51,24 @@ class Worker:
         if claim is None:
             return None
         self._stage("after_claim", claim)
-        with self._heartbeats(claim):
-            if not self.db.pre_dispatch(claim):
-                return self.db.get(claim.id)
-            try:
-                receipt = self.client.call(claim)
-            except (errors.RateLimited, errors.ToolUnavailable) as exc:
-                return self.db.retry_later(claim, self.backoff, _cause(exc))
-            except errors.OutcomeUnknown:
-                return self.db.unknown(claim)
-            except errors.ToolRefused:
-                return self.db.fail(claim, "tool_refused")
-        self._stage("after_tool", claim)
-        return self.db.complete(claim, receipt)
+        try:
+            with self._heartbeats(claim):
+                barrier = self.db.pre_dispatch(claim)
+                if barrier is None:
+                    return self.db.get(claim.id)
+                try:
+                    receipt = self.client.call(claim, barrier)
+                except (errors.RateLimited, errors.ToolUnavailable) as exc:
+                    return self.db.retry_later(claim, self.backoff, _cause(exc))
+                except errors.OutcomeUnknown:
+                    return self.db.unknown(claim)
+                except errors.ToolRefused:
+                    return self.db.fail(claim, "tool_refused")
+            self._stage("after_tool", claim)
+            return self.db.complete(claim, receipt)
+        except errors.IntegrityFailure:
+            # A stored record failed its digest or binding: never act on it.
+            return self.db.quarantine(claim, "integrity")
 
     def reconcile(self, workflow_id: str) -> store.Workflow:
         """Settle an ``unknown`` workflow through the tool's authoritative lookup.
@@ -76,6 +81,15 @@ class Worker:
         current = self.db.get(workflow_id)
         if current.state != "unknown":
             return current
+        if current.review_reason == "integrity":
+            raise errors.ManualReview("manual review required: integrity", reason="integrity")
+        try:
+            self.db.barrier_for(current.id, current.fence)
+        except errors.IntegrityFailure:
+            self.db.quarantine(current, "integrity")
+            raise errors.ManualReview(
+                "manual review required: integrity", reason="integrity"
+            ) from None
         if not current.idempotent:
             return self.db.require_review(current, "non_idempotent")
         receipt = self.client.lookup(current.effect_key)

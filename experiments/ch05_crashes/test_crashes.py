@@ -114,7 +114,9 @@ def test_sigkill_non_idempotent_requires_manual_review(lab, observe, window):
     want = 1 if window == "after_tool" else 0
     final = lab.state(job.id)
     assert final.state == "unknown"
-    assert final.review_reason == "non_idempotent"
+    assert final.review_reason == (
+        "non_idempotent_dispatched" if want else "not_dispatched_no_start_barrier"
+    )
     assert lab.effects() == want
     assert rig.service.calls == want, "non-idempotent replay"
     observe({
