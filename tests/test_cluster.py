@@ -1,0 +1,457 @@
+"""PostgreSQL providers: pure selection, and the embedded and DSN providers against real servers."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import signal
+import socketserver
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+from lab import cluster, errors
+
+DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
+BINDIR = Path("/opt/pg/bin")
+
+
+def probe(answer: bool, calls: list[str], name: str) -> Callable[[], bool]:
+    def call() -> bool:
+        calls.append(name)
+        return answer
+
+    return call
+
+
+def binaries_probe(found: Path | None, calls: list[str]) -> Callable[[], Path | None]:
+    def call() -> Path | None:
+        calls.append("binaries")
+        return found
+
+    return call
+
+
+# --- pure selection ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dsn", "env_dsn", "docker", "binaries", "expected", "probed"),
+    [
+        (DSN, None, True, BINDIR, "dsn", []),
+        (None, DSN, True, BINDIR, "dsn", []),
+        (DSN, None, False, None, "dsn", []),
+        (None, None, True, BINDIR, "container", ["docker"]),
+        (None, None, True, None, "container", ["docker"]),
+        (None, None, False, BINDIR, "embedded", ["docker", "binaries"]),
+        (None, "", False, BINDIR, "embedded", ["docker", "binaries"]),
+    ],
+)
+def test_auto_takes_the_first_provider_that_can_work(
+    dsn: str | None,
+    env_dsn: str | None,
+    docker: bool,
+    binaries: Path | None,
+    expected: str,
+    probed: list[str],
+) -> None:
+    calls: list[str] = []
+    environ = {} if env_dsn is None else {cluster.DSN_ENV: env_dsn}
+    chosen = cluster.choose_provider(
+        "auto",
+        dsn,
+        probe(docker, calls, "docker"),
+        binaries_probe(binaries, calls),
+        environ,
+    )
+    assert chosen == expected
+    assert calls == probed  # later providers are not even probed
+
+
+def test_auto_with_nothing_explains_every_fix() -> None:
+    calls: list[str] = []
+    with pytest.raises(errors.ProvisioningError) as caught:
+        cluster.choose_provider(
+            "auto", None, probe(False, calls, "docker"), binaries_probe(None, calls), {}
+        )
+    message = str(caught.value)
+    assert calls == ["docker", "binaries"]
+    for fix in ("BOOK_LAB_DSN", "Docker daemon", "PostgreSQL server binaries", ".[embedded]"):
+        assert fix in message
+    assert "\n" not in message  # one paragraph
+
+
+@pytest.mark.parametrize(
+    ("mode", "dsn", "docker", "binaries", "expected"),
+    [
+        ("dsn", DSN, False, None, "dsn"),
+        ("container", None, True, None, "container"),
+        ("container", DSN, True, BINDIR, "container"),
+        ("embedded", DSN, True, BINDIR, "embedded"),
+    ],
+)
+def test_an_explicit_mode_is_obeyed(
+    mode: str, dsn: str | None, docker: bool, binaries: Path | None, expected: str
+) -> None:
+    calls: list[str] = []
+    chosen = cluster.choose_provider(
+        mode, dsn, probe(docker, calls, "docker"), binaries_probe(binaries, calls), {}
+    )
+    assert chosen == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "needle"),
+    [
+        ("dsn", "BOOK_LAB_DSN"),
+        ("container", "Docker"),
+        ("embedded", "server binaries"),
+        ("sqlite", "unknown"),
+    ],
+)
+def test_an_explicit_mode_that_cannot_work_says_why(mode: str, needle: str) -> None:
+    calls: list[str] = []
+    with pytest.raises(errors.ProvisioningError, match=needle):
+        cluster.choose_provider(
+            mode, None, probe(False, calls, "docker"), binaries_probe(None, calls), {}
+        )
+
+
+# --- probes --------------------------------------------------------------------------------
+
+
+def test_no_docker_daemon_is_detected_quickly(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    answered = cluster.docker_answers({"DOCKER_HOST": f"unix://{tmp_path}/docker.sock"})
+    assert answered is False
+    assert time.perf_counter() - started < 5
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class _DockerStandIn(http.server.BaseHTTPRequestHandler):
+    """Answers the two requests the Docker SDK makes to ping: /version and /_ping."""
+
+    def address_string(self) -> str:
+        return "unix"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path.endswith("/version"):
+            body = json.dumps({"ApiVersion": "1.44", "Version": "stand-in"}).encode()
+            kind = "application/json"
+        elif self.path.endswith("/_ping"):
+            body, kind = b"OK", "text/plain"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def docker_stand_in() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="lab-dk-", dir="/tmp")
+    path = os.path.join(directory, "docker.sock")
+    server = _UnixHTTPServer(path, _DockerStandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"unix://{path}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_daemon_answering_the_docker_api_counts(docker_stand_in: str) -> None:
+    assert cluster.docker_answers({"DOCKER_HOST": docker_stand_in}) is True
+
+
+def test_the_container_provider_uses_the_non_deprecated_module() -> None:
+    from testcontainers.community.postgres import PostgresContainer
+
+    assert PostgresContainer.__module__ == "testcontainers.community.postgres"
+    assert "@sha256:" in cluster.POSTGRES_IMAGE
+
+
+def test_binaries_on_path_are_found_through_symlinks(tmp_path: Path) -> None:
+    real = tmp_path / "pg" / "bin"
+    real.mkdir(parents=True)
+    shown = tmp_path / "shown"
+    shown.mkdir()
+    for name in ("initdb", "pg_ctl", "postgres"):
+        (real / name).write_text("#!/bin/sh\n")
+        (real / name).chmod(0o755)
+        (shown / name).symlink_to(real / name)
+    assert cluster.find_binaries({"PATH": str(shown)}) == real.resolve()
+
+
+def test_a_directory_without_the_server_is_not_binaries(tmp_path: Path) -> None:
+    (tmp_path / "initdb").write_text("#!/bin/sh\n")
+    (tmp_path / "initdb").chmod(0o755)
+    found = cluster.find_binaries({"PATH": str(tmp_path)})
+    assert found != tmp_path.resolve()
+
+
+# --- the embedded cluster, for real ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bindir() -> Path:
+    found = cluster.find_binaries()
+    if found is None:
+        pytest.skip("no PostgreSQL server binaries on this machine")
+    return found
+
+
+@pytest.fixture(scope="module")
+def cache_dir() -> Iterator[Path]:
+    # Under /tmp and open for traversal: as root the cluster runs as nobody, who copies from it.
+    directory = Path(tempfile.mkdtemp(prefix="lab-cache-", dir="/tmp"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on ``port``, from /proc (Linux)."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if int(hex_port, 16) != port or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            if len(address) == 8:
+                found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+            else:
+                found.add(address)  # an IPv6 listener: never expected here
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _check_running(running: cluster.RunningPostgres) -> tuple[Path, int]:
+    provisioned = running.provisioned
+    params = conninfo.conninfo_to_dict(provisioned.dsn)
+    assert params["host"] == "127.0.0.1"
+    password = str(params["password"])
+    assert len(password) >= 24
+    assert password not in json.dumps(provisioned.describe())
+    with psycopg.connect(provisioned.dsn, autocommit=True) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+        listen = conn.execute("SHOW listen_addresses").fetchone()
+        data_dir = conn.execute("SHOW data_directory").fetchone()
+    assert version is not None
+    assert listen is not None
+    assert data_dir is not None
+    assert version[0] == provisioned.server_version
+    assert provisioned.server_version.startswith(provisioned.details["binaries_version"])
+    assert listen[0] == "127.0.0.1"
+    if Path("/proc/net/tcp").exists():
+        assert _listening_addresses(int(str(params["port"]))) == {"127.0.0.1"}
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(conninfo.make_conninfo(provisioned.dsn, password="wrong"))
+    data = Path(data_dir[0])
+    pid = int((data / "postmaster.pid").read_text().splitlines()[0])
+    assert _alive(pid)
+    return data, pid
+
+
+def _check_stopped(running: cluster.RunningPostgres, data: Path, pid: int) -> None:
+    running.stop()
+    assert not _alive(pid)
+    assert not data.exists()
+    assert not data.parent.exists()
+    running.stop()  # idempotent
+
+
+@pytest.mark.parametrize("method", ["initdb", "cached-copy"])
+def test_embedded_cluster_starts_on_loopback_and_leaves_nothing(
+    bindir: Path, cache_dir: Path, method: str
+) -> None:
+    running = cluster.start_embedded(bindir, method=method, cache_dir=cache_dir)
+    data, pid = _check_running(running)
+    provisioned = running.provisioned
+    assert provisioned.provider == "embedded"
+    assert provisioned.details["method"] == method
+    assert provisioned.details["binaries"] == str(bindir)
+    assert data.parent.name.startswith("lab-pg-")
+    assert not data.is_relative_to(Path.home())  # the server user could not reach it
+    _check_stopped(running, data, pid)
+
+
+def test_start_embedded_mode_uses_the_cache_by_default(bindir: Path, cache_dir: Path) -> None:
+    environ = {**os.environ, cluster.CACHE_ENV: str(cache_dir)}
+    with cluster.start(mode="embedded", environ=environ) as running:
+        data, pid = _check_running(running)
+        assert running.provisioned.describe()["details"] == {
+            "binaries": str(bindir),
+            "binaries_version": running.provisioned.details["binaries_version"],
+            "method": "cached-copy",
+            "run_as": "nobody" if os.geteuid() == 0 else "current user",
+        }
+    assert not _alive(pid)
+    assert not data.parent.exists()
+
+
+def test_a_tampered_template_is_rebuilt(bindir: Path) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="lab-cache-", dir="/tmp"))
+    directory.chmod(0o755)
+    try:
+        cluster.start_embedded(bindir, method="cached-copy", cache_dir=directory).stop()
+        (marker,) = directory.glob("pg-*-template/lab-template.json")
+        marker.write_text(json.dumps({"format": 0}))
+        running = cluster.start_embedded(bindir, method="cached-copy", cache_dir=directory)
+        data, pid = _check_running(running)
+        assert json.loads(marker.read_text())["format"] == 1
+        _check_stopped(running, data, pid)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_cache_others_can_write_is_not_trusted(bindir: Path) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="lab-cache-", dir="/tmp"))
+    directory.chmod(0o777)
+    try:
+        with pytest.raises(errors.ProvisioningError, match="closed to others"):
+            cluster.start_embedded(bindir, method="cached-copy", cache_dir=directory)
+        running = cluster.start_embedded(bindir, method="auto", cache_dir=directory)
+        assert running.provisioned.details["method"] == "initdb"
+        running.stop()
+        assert list(directory.iterdir()) == []
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(bindir: Path, cache_dir: Path) -> Iterator[cluster.RunningPostgres]:
+    running = cluster.start_embedded(bindir, cache_dir=cache_dir)
+    yield running
+    running.stop()
+
+
+def test_a_forked_child_cannot_stop_the_parents_server(server: cluster.RunningPostgres) -> None:
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        server.stop()
+        os._exit(0)
+    os.waitpid(child, 0)
+    with psycopg.connect(server.provisioned.dsn) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_killed_owner_leaves_no_cluster_behind(bindir: Path, cache_dir: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        import psycopg
+        from lab import cluster
+        running = cluster.start_embedded(Path({str(bindir)!r}), cache_dir=Path({str(cache_dir)!r}))
+        with psycopg.connect(running.provisioned.dsn) as conn:
+            data = conn.execute("SHOW data_directory").fetchone()[0]
+        print(data, flush=True)
+        sys.stdin.read()
+        """
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout is not None
+    data = Path(owner.stdout.readline().strip())
+    pid = int((data / "postmaster.pid").read_text().splitlines()[0])
+    assert _alive(pid)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 30
+    while (_alive(pid) or data.parent.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the postmaster outlived its killed owner"
+    assert not data.parent.exists(), "the cluster directory outlived its killed owner"
+
+
+# --- the DSN provider ------------------------------------------------------------------------
+
+
+def test_dsn_provider_uses_a_given_server(server: cluster.RunningPostgres) -> None:
+    dsn = server.provisioned.dsn
+    password = str(conninfo.conninfo_to_dict(dsn)["password"])
+    for running in (
+        cluster.start(dsn=dsn, environ={}),
+        cluster.start(environ={cluster.DSN_ENV: dsn}),
+    ):
+        assert running.provisioned.provider == "dsn"
+        assert running.provisioned.server_version == server.provisioned.server_version
+        port = conninfo.conninfo_to_dict(dsn)["port"]
+        assert running.provisioned.details == {"host": "127.0.0.1", "port": port}
+        assert password not in json.dumps(running.provisioned.describe())
+        running.stop()
+    with psycopg.connect(dsn) as conn:  # stopping a DSN provider leaves the server alone
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_dsn_provider_failure_does_not_reveal_the_password(
+    server: cluster.RunningPostgres,
+) -> None:
+    wrong = conninfo.make_conninfo(server.provisioned.dsn, password="not-the-Password-42")
+    with pytest.raises(errors.ProvisioningError) as caught:
+        cluster.start(mode="dsn", dsn=wrong, environ={})
+    assert "not-the-Password-42" not in str(caught.value)
+    assert caught.value.__cause__ is None
+    assert caught.value.__suppress_context__
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=10.1.2.3 port=5432 user=postgres password=secret dbname=postgres",
+        "postgresql://postgres:secret@db.example.com:5432/postgres",
+        "host=127.0.0.1,10.1.2.3 port=5432,5432 user=postgres dbname=postgres",
+    ],
+)
+def test_a_non_loopback_dsn_is_refused_without_connecting(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts: list[str] = []
+
+    def connect(*args: object, **kwargs: object) -> None:
+        attempts.append("connect")
+        raise AssertionError("connected to a refused DSN")
+
+    monkeypatch.setattr(psycopg, "connect", connect)
+    with pytest.raises(errors.BoundaryViolation):
+        cluster.start(dsn=dsn, environ={})
+    assert attempts == []
