@@ -351,8 +351,30 @@ def count_by_kind(violations: Iterable[Violation]) -> dict[str, int]:
     return {kind: counts.get(kind, 0) for kind in KINDS}
 
 
-def load(dsn: str, schema: str) -> History:
-    """Read one schema's workflows, events and ledger in a single consistent snapshot."""
+ResultOpener = Callable[[Mapping[str, Any], str], Mapping[str, Any]]
+
+
+def _readable(
+    result: Mapping[str, Any] | None, workflow_id: str, open_result: ResultOpener | None
+) -> Mapping[str, Any] | None:
+    """The stored result in plain form; one that cannot be opened names why, and fails checks."""
+    if result is None or "ciphertext" not in result:
+        return result
+    if open_result is None:
+        return {"unreadable": "sealed result and no key catalog to open it"}
+    try:
+        return open_result(result, workflow_id)
+    except Exception as exc:  # any failure to open is a finding, never a crash of the check
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
+
+
+def load(dsn: str, schema: str, *, open_result: ResultOpener | None = None) -> History:
+    """Read one schema's workflows, events and ledger in a single consistent snapshot.
+
+    Results sealed at rest are opened with ``open_result(sealed, workflow_id)``
+    (a key catalog's ``open``); one that cannot be opened is kept as
+    ``{"unreadable": why}`` and so never proves an effect.
+    """
     with psycopg.connect(
         boundaries.check_dsn(dsn), row_factory=dict_row, application_name="lab-invariants"
     ) as conn:
@@ -377,7 +399,10 @@ def load(dsn: str, schema: str) -> History:
                 "FROM tool_effects ORDER BY seq"
             ).fetchall()
     return History(
-        workflows=[WorkflowFact(**row) for row in workflows],
+        workflows=[
+            WorkflowFact(**{**row, "result": _readable(row["result"], row["id"], open_result)})
+            for row in workflows
+        ],
         events=[EventFact(**row) for row in events],
         effects=[EffectFact(**row) for row in effects],
     )

@@ -1,0 +1,785 @@
+"""The chaos run: real worker processes under random crashes and faults, then the invariants.
+
+``lab chaos`` creates and approves N workflows, runs M ``lab worker`` OS
+processes in loops, and while they work a supervisor (this process):
+
+- SIGKILLs a random live worker at exponential intervals and restarts it;
+- runs ``pg_terminate_backend`` on a random backend of this run's workers;
+- serves the credit tool, which drops replies after committing the effect and
+  answers 429 at the given rates;
+- recovers expired leases and reconciles unknown outcomes (lookup by the
+  original key; a non-idempotent one goes to manual review), as an operator's
+  recoverer would.
+
+The fault phase ends at ``duration`` or as soon as every workflow is settled;
+then the drain stops every fault, lets the workers finish, waits for leases to
+expire and reconciles until nothing is left to do. ``lab.invariants`` then
+checks the final database and the whole event history.
+
+A worker process talks to one tool endpoint, and a tool service is either
+idempotent or not, so the population is split into two schemas: idempotent
+plans with their tool and workers, non-idempotent plans with theirs. Each
+schema is a complete, independent deployment (the state machine, ledger and
+invariants are per schema), so checking each and summing loses nothing, and no
+worker can ever dispatch a plan to a tool of the wrong mode (which the checker
+verifies anyway). The chaos workers use a 1 s lease and a 0.25 s heartbeat,
+so a killed worker's claim is recovered within about a second.
+
+Fault *times* and tool faults come from RNGs seeded with ``seed``; which
+process a timer hits and what it was doing depend on OS scheduling, so two
+runs with one seed are alike, not identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import queue
+import random
+import secrets
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from rich.console import Console
+from rich.table import Table
+
+from lab import errors, invariants, plan, processes, sealing, store, tool, worker
+
+LEASE_S = 1.0
+HEARTBEAT_S = 0.25
+BACKOFF_S = 0.1
+IDLE_EXIT_S = 2.0
+RECOVER_EVERY_S = 0.1
+DRAIN_TIMEOUT_S = 120.0
+WARM_UP_TIMEOUT_S = 60.0
+APPROVAL_TTL = timedelta(hours=6)  # far beyond any run: expiry is not a fault of this run
+TENANTS = ("tenant-a", "tenant-b")
+WORKER_APP_PREFIX = "lab-worker:"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One chaos run's parameters (times in seconds unless the name says ms)."""
+
+    workflows: int = 500
+    workers: int = 4
+    duration: float = 60.0
+    kill_every_ms: float = 200.0
+    drop_replies: float = 0.1
+    reject_429: float = 0.1
+    terminate_every_ms: float = 2000.0
+    non_idempotent_share: float = 0.2
+    seed: int = 42
+    lease: float = LEASE_S
+    heartbeat: float = HEARTBEAT_S
+    backoff: float = BACKOFF_S
+    idle_exit: float = IDLE_EXIT_S
+    drain_timeout: float = DRAIN_TIMEOUT_S
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Settings from ``lab chaos`` arguments."""
+        return cls(
+            workflows=args.workflows,
+            workers=args.workers,
+            duration=args.duration,
+            kill_every_ms=args.kill_every,
+            drop_replies=args.drop_replies,
+            reject_429=args.reject_429,
+            terminate_every_ms=args.terminate_backends,
+            non_idempotent_share=args.non_idempotent_share,
+            seed=args.seed,
+        )
+
+    def validate(self) -> None:
+        """Raise ``Rejected`` for settings that cannot make a bounded run."""
+        if not 1 <= self.workflows <= 100_000:
+            raise errors.Rejected("workflows must be between 1 and 100000")
+        if not 1 <= self.workers <= 64:
+            raise errors.Rejected("workers must be between 1 and 64")
+        if not 0 < self.duration <= 3600:
+            raise errors.Rejected("duration must be between 0 and 3600 seconds")
+        if self.kill_every_ms < 0 or self.terminate_every_ms < 0:
+            raise errors.Rejected("fault intervals must not be negative (0 means never)")
+        for name in ("drop_replies", "reject_429", "non_idempotent_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise errors.Rejected(f"{name} must lie between 0 and 1")
+        if not 0 < self.heartbeat < self.lease:
+            raise errors.Rejected("heartbeat must be positive and shorter than the lease")
+        sizes = split(self)
+        if any(size > 0 and slots == 0 for _, size, slots in sizes):
+            raise errors.Rejected("a mixed population needs at least two worker processes")
+
+
+def split(settings: Settings) -> list[tuple[bool, int, int]]:
+    """(idempotent, workflows, worker processes) for each non-empty population."""
+    non_idempotent = round(settings.workflows * settings.non_idempotent_share)
+    idempotent = settings.workflows - non_idempotent
+    if idempotent and non_idempotent:
+        non_slots = min(settings.workers - 1, max(1, round(settings.workers * (
+            settings.non_idempotent_share))))
+        return [(True, idempotent, settings.workers - non_slots), (False, non_idempotent,
+                                                                     non_slots)]
+    return [(bool(idempotent), settings.workflows, settings.workers)]
+
+
+@dataclass
+class _Counts:
+    """Fault and recovery counters; written by one thread each, read at the end."""
+
+    kills: int = 0
+    kill_misses: int = 0
+    backend_terminations: int = 0
+    termination_misses: int = 0
+    worker_starts: int = 0
+    worker_exits: Counter[str] = field(default_factory=Counter)
+    worker_items: Counter[str] = field(default_factory=Counter)
+    drain_kills: int = 0
+    leases_expired: int = 0
+    reconciled: Counter[str] = field(default_factory=Counter)
+    recoverer_errors: Counter[str] = field(default_factory=Counter)
+
+
+class _Population:
+    """One schema: its tool service, its workers, and an in-process reconciler."""
+
+    def __init__(
+        self, dsn: str, token: str, keys: sealing.KeyCatalog, idempotent: bool, size: int,
+        slots: int,
+    ):
+        self.label = "idempotent" if idempotent else "non_idempotent"
+        self.code = "i" if idempotent else "n"
+        self.schema = f"chaos_{token}_{self.code}"
+        self.idempotent = idempotent
+        self.size = size
+        self.slots: list[processes.WorkerProcess | None] = [None] * slots
+        self.generation = 0
+        self.dsn = dsn
+        self.token = token
+        self.keys = keys
+        self.service: tool.ToolService | None = None
+        self.db: store.Store | None = None
+        self.client: tool.ToolClient | None = None
+        self.reconciler: worker.Worker | None = None
+        self.open = {"ready": size, "running": 0, "unreviewed_unknown": 0}
+
+    def start(self) -> None:
+        store.create_schema(self.dsn, self.schema)
+        self.db = store.Store.open(
+            self.dsn, self.schema, application_name="lab-chaos", keys=self.keys
+        )
+        self.service = tool.ToolService(self.dsn, self.schema, idempotent=self.idempotent).start()
+        self.client = tool.ToolClient(self.service.endpoint, self.service.token)
+        self.reconciler = worker.Worker(
+            db=self.db, client=self.client, name="chaos-recoverer",
+            lease=timedelta(seconds=LEASE_S),
+        )
+
+    def close(self, drop: bool) -> None:
+        for child in self.slots:
+            if child is not None:
+                child.cleanup()
+        if self.client is not None:
+            self.client.close()
+        if self.service is not None:
+            self.service.stop()
+        if self.db is not None:
+            self.db.close()
+        if drop:
+            store.drop_schema(self.dsn, self.schema)
+
+    def refresh(self) -> dict[str, int]:
+        """Count what is still open: due or delayed ready work, running, unreviewed unknown."""
+        assert self.db is not None
+        row = self.db.execute(
+            """
+            SELECT count(*) FILTER (WHERE state = 'ready') AS ready,
+                   count(*) FILTER (WHERE state = 'running') AS running,
+                   count(*) FILTER (WHERE state = 'unknown' AND review_reason = '')
+                       AS unreviewed_unknown
+              FROM workflows
+            """
+        )[0]
+        self.open = {name: int(row[name]) for name in self.open}
+        return self.open
+
+
+class Chaos:
+    """One chaos run against the PostgreSQL server at ``dsn``."""
+
+    def __init__(
+        self,
+        dsn: str,
+        settings: Settings,
+        *,
+        log: Callable[[str], None] | None = None,
+        keep_schemas: bool = False,
+    ):
+        settings.validate()
+        self.dsn = dsn
+        self.settings = settings
+        self.keep_schemas = keep_schemas
+        self._log = log or (lambda message: None)
+        # Names only need to be unique on a shared server, so they do not come from the seed.
+        self.token = f"c{secrets.token_hex(4)}"
+        root = random.Random(settings.seed)
+        self._plans = random.Random(root.getrandbits(64))
+        self._kill_rng = random.Random(root.getrandbits(64))
+        self._term_rng = random.Random(root.getrandbits(64))
+        self._tool_seeds = [root.getrandbits(32) for _ in range(2)]
+        self.counts = _Counts()
+        # One key catalog for the run: every process seals results the checker can open.
+        self.keys = sealing.load_catalog()
+        self.populations = [
+            _Population(dsn, self.token, self.keys, idempotent, size, slots)
+            for idempotent, size, slots in split(settings)
+        ]
+        self._stop_recoverer = threading.Event()
+        self._recoverer_failure: BaseException | None = None
+        self._terminator: psycopg.Connection[Any] | None = None
+        self._items_done: dict[str, int] = {}
+
+    # -- the whole run -----------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Set up, inject faults, drain, check; returns the report (JSON-ready)."""
+        began = time.monotonic()
+        recoverer = threading.Thread(target=self._recover_loop, name="chaos-recoverer",
+                                     daemon=True)
+        try:
+            for population in self.populations:
+                population.start()
+            self._create_workflows()
+            self._terminator = psycopg.connect(
+                self.dsn, autocommit=True, application_name="lab-chaos-terminator"
+            )
+            setup_s = time.monotonic() - began
+            self._log(f"{self.settings.workflows} workflows approved in {setup_s:.1f}s; "
+                      f"schemas {', '.join(p.schema for p in self.populations)}")
+            for population, seed in zip(self.populations, self._tool_seeds, strict=False):
+                assert population.service is not None
+                population.service.randomize_faults(
+                    drop_reply_rate=self.settings.drop_replies,
+                    reject_rate=self.settings.reject_429,
+                    seed=seed,
+                )
+            recoverer.start()
+            warm_up_began = time.monotonic()
+            self._warm_up()
+            faults_began = time.monotonic()
+            self._log(f"first item done after {faults_began - warm_up_began:.1f}s; "
+                      "killing and terminating")
+            settled_in_faults = self._fault_phase()
+            open_after_faults = self._open_total()
+            drain_began = time.monotonic()
+            self._log(f"fault phase over after {drain_began - faults_began:.1f}s "
+                      f"({open_after_faults} open); draining")
+            for population in self.populations:
+                assert population.service is not None
+                population.service.randomize_faults(drop_reply_rate=0.0, reject_rate=0.0, seed=0)
+            self._drain(recoverer)
+            check_began = time.monotonic()
+            report = self._report()
+            ended = time.monotonic()
+            report["timing"] = {
+                "wall_s": round(ended - began, 2),
+                "setup_s": round(setup_s, 2),
+                "warm_up_s": round(faults_began - warm_up_began, 2),
+                "fault_phase_s": round(drain_began - faults_began, 2),
+                "drain_s": round(check_began - drain_began, 2),
+                "check_s": round(ended - check_began, 2),
+                "settled_during_faults": settled_in_faults,
+                "open_when_faults_stopped": open_after_faults,
+                "settled_before_drain": self.settings.workflows - open_after_faults,
+            }
+            return report
+        finally:
+            self._stop_recoverer.set()
+            if recoverer.is_alive():
+                recoverer.join(timeout=30)
+            if self._terminator is not None:
+                self._terminator.close()
+            for population in self.populations:
+                population.close(drop=not self.keep_schemas)
+
+    def _create_workflows(self) -> None:
+        for population in self.populations:
+            assert population.db is not None
+            for index in range(population.size):
+                tenant = self._plans.choice(TENANTS)
+                proposer = store.Actor(tenant, f"employee-{tenant}", "proposer")
+                approver = store.Actor(tenant, f"manager-{tenant}", "approver")
+                proposed = plan.Plan(
+                    version=plan.SUPPORTED_PLAN_VERSION,
+                    action=plan.ACTION,
+                    account=self._plans.choice(plan.ACCOUNTS),
+                    amount_minor=self._plans.randint(plan.MIN_AMOUNT_MINOR, plan.MAX_AMOUNT_MINOR),
+                    currency=plan.CURRENCY,
+                    idempotent=population.idempotent,
+                )
+                created = population.db.create(proposer, f"chaos-{population.code}-{index}",
+                                               proposed)
+                population.db.approve(approver, created.id, created.fingerprint, APPROVAL_TTL)
+
+    # -- fault phase -------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Start the workers; return once one of them finished an item (or after a minute).
+
+        The tool already drops replies and answers 429 here. Kills start only
+        afterwards, so ``duration`` measures crashes of working processes, not
+        the interpreter start-up of a loaded machine.
+        """
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        self._open_total(refresh=True)
+        while time.monotonic() < deadline:
+            self._check_recoverer()
+            self._maintain()
+            for _, _, child in self._live():
+                self._read_lines(child)
+            if any(self._items_done.values()) or self._open_total(refresh=True) == 0:
+                return
+            time.sleep(0.05)
+
+    def _fault_phase(self) -> bool:
+        """Kill and terminate until ``duration`` or until all work is settled."""
+        settings = self.settings
+        now = time.monotonic()
+        deadline = now + settings.duration
+        next_kill = now + self._interval(self._kill_rng, settings.kill_every_ms)
+        next_term = now + self._interval(self._term_rng, settings.terminate_every_ms)
+        next_count = now
+        while True:
+            self._check_recoverer()
+            now = time.monotonic()
+            if now >= next_count:
+                if self._open_total(refresh=True) == 0:
+                    return True
+                next_count = now + 0.25
+            if now >= deadline:
+                return False
+            self._maintain()
+            if now >= next_kill:
+                self._kill_one()
+                next_kill += self._interval(self._kill_rng, settings.kill_every_ms)
+                next_kill = max(next_kill, now)
+            if now >= next_term:
+                self._terminate_one()
+                next_term += self._interval(self._term_rng, settings.terminate_every_ms)
+                next_term = max(next_term, now)
+            wake = min(next_kill, next_term, next_count, deadline)
+            time.sleep(min(max(wake - time.monotonic(), 0.0), 0.05))
+
+    @staticmethod
+    def _interval(rng: random.Random, mean_ms: float) -> float:
+        """Seconds to the next fault, exponential with ``mean_ms`` (0 means never)."""
+        return math.inf if mean_ms <= 0 else rng.expovariate(1000.0 / mean_ms)
+
+    def _live(self) -> list[tuple[_Population, int, processes.WorkerProcess]]:
+        return [
+            (population, slot, child)
+            for population in self.populations
+            for slot, child in enumerate(population.slots)
+            if child is not None and child.alive()
+        ]
+
+    def _kill_one(self) -> None:
+        """SIGKILL a random worker among those that have finished at least one item.
+
+        A process still starting (importing modules, connecting) holds no claim,
+        so killing it would only test the interpreter's start-up time, and on a
+        loaded machine no incarnation would ever do any work. Once a worker has
+        finished one item it is always in the middle of the next one (or idle),
+        so the kill lands anywhere in the claim/dispatch/complete window. A
+        timer that finds no such worker is counted as a miss.
+        """
+        live = []
+        for entry in self._live():
+            self._read_lines(entry[2])
+            if self._items_done.get(entry[2].name, 0) > 0:
+                live.append(entry)
+        if not live:
+            self.counts.kill_misses += 1
+            return
+        population, slot, child = self._kill_rng.choice(live)
+        child.kill()
+        self.counts.kills += 1
+        self._reap(population, slot)
+
+    def _worker_backends(self) -> list[tuple[int, str]]:
+        """(pid, worker name) of every backend of this run's workers."""
+        assert self._terminator is not None
+        prefix = f"{WORKER_APP_PREFIX}{self.token}"
+        rows = self._terminator.execute(
+            "SELECT pid, application_name FROM pg_stat_activity "
+            "WHERE left(application_name, %s) = %s ORDER BY pid",
+            (len(prefix), prefix),
+        ).fetchall()
+        return [(int(pid), str(name)[len(WORKER_APP_PREFIX):]) for pid, name in rows]
+
+    def _terminate_one(self) -> None:
+        assert self._terminator is not None
+        pids = [pid for pid, _ in self._worker_backends()]
+        if not pids:
+            self.counts.termination_misses += 1
+            return
+        victim = self._term_rng.choice(pids)
+        row = self._terminator.execute("SELECT pg_terminate_backend(%s)", (victim,)).fetchone()
+        if row is not None and row[0]:
+            self.counts.backend_terminations += 1
+        else:
+            self.counts.termination_misses += 1
+
+    def _maintain(self) -> None:
+        """Reap workers that exited; start one in each empty slot while ready work is left."""
+        for population in self.populations:
+            for slot, child in enumerate(population.slots):
+                if child is not None and not child.alive():
+                    self._reap(population, slot)
+                if population.slots[slot] is None and population.open["ready"] > 0:
+                    self._spawn(population, slot)
+
+    def _spawn(self, population: _Population, slot: int) -> None:
+        assert population.service is not None
+        population.generation += 1
+        name = f"{self.token}{population.code}{slot}-{population.generation}"
+        s = self.settings
+        population.slots[slot] = processes.spawn_worker(
+            self.dsn, population.schema, population.service.endpoint, population.service.token,
+            name, "--loop", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
+            "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
+            extra_env={sealing.KEYS_ENV: self.keys.to_env()},
+        )
+        self.counts.worker_starts += 1
+
+    def _reap(self, population: _Population, slot: int) -> None:
+        child = population.slots[slot]
+        assert child is not None
+        population.slots[slot] = None
+        # kill() on an exited child sends nothing; it reaps it and joins its output readers.
+        code = child.kill()
+        child.cleanup()
+        if code == -9:
+            cause = "sigkill"
+        elif code == 0:
+            cause = "idle_exit"
+        else:
+            last = (child.stderr.strip().splitlines() or ["?"])[-1]
+            cause = f"exit_{code}:{last.split(':')[0]}"
+        self.counts.worker_exits[cause] += 1
+        self._read_lines(child)
+        self._items_done.pop(child.name, None)
+
+    def _read_lines(self, child: processes.WorkerProcess) -> None:
+        """Count the items a worker reported so far (its stdout, read without blocking)."""
+        while True:
+            try:
+                line = child.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line and line.startswith("BOOK_ITEM "):
+                self.counts.worker_items[line.split()[2]] += 1
+                self._items_done[child.name] = self._items_done.get(child.name, 0) + 1
+            elif line and line.startswith("BOOK_SKIP "):
+                self.counts.worker_items[f"skip:{line.split()[1]}"] += 1
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def _recover_loop(self) -> None:
+        try:
+            while not self._stop_recoverer.wait(RECOVER_EVERY_S):
+                for population in self.populations:
+                    self._recover(population)
+        except BaseException as exc:  # surfaced by the supervisor, never swallowed
+            self._recoverer_failure = exc
+
+    def _check_recoverer(self) -> None:
+        if self._recoverer_failure is not None:
+            raise RuntimeError("the chaos recoverer failed") from self._recoverer_failure
+
+    def _recover(self, population: _Population) -> None:
+        """Expired leases become unknown; unreviewed unknowns are reconciled by lookup."""
+        assert population.db is not None and population.reconciler is not None
+        try:
+            self.counts.leases_expired += population.db.recover_expired()
+            rows = population.db.execute(
+                "SELECT id FROM workflows WHERE state = 'unknown' AND review_reason = '' "
+                "ORDER BY updated_at"
+            )
+        except errors.LabError as exc:
+            self.counts.recoverer_errors[type(exc).__name__] += 1
+            return
+        for row in rows:
+            try:
+                settled = population.reconciler.reconcile(row["id"])
+            except errors.ManualReview as exc:
+                self.counts.reconciled[f"manual_review:{exc.reason}"] += 1
+            except errors.LabError as exc:  # a race (Stale) or a lookup that failed: next pass
+                self.counts.recoverer_errors[type(exc).__name__] += 1
+            else:
+                self.counts.reconciled[{"succeeded": "found", "ready": "requeued"}.get(
+                    settled.state, settled.state)] += 1
+
+    # -- drain -------------------------------------------------------------------------
+
+    def _open_total(self, refresh: bool = False) -> int:
+        total = 0
+        for population in self.populations:
+            counts = population.refresh() if refresh else population.open
+            total += sum(counts.values())
+        return total
+
+    def _drain(self, recoverer: threading.Thread) -> None:
+        """No more faults: let workers and the recoverer settle everything they can."""
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while time.monotonic() < deadline:
+            self._check_recoverer()
+            if self._open_total(refresh=True) == 0:
+                break
+            self._maintain()
+            time.sleep(0.1)
+        self._stop_recoverer.set()
+        recoverer.join(timeout=30)
+        self._check_recoverer()
+        # Workers leave by themselves once idle; whatever is left after that is stuck.
+        wait_until = time.monotonic() + self.settings.idle_exit + 15.0
+        while self._live() and time.monotonic() < wait_until:
+            time.sleep(0.1)
+        for population in self.populations:
+            for slot, child in enumerate(population.slots):
+                if child is None:
+                    continue
+                if child.alive():
+                    self.counts.drain_kills += 1
+                self._reap(population, slot)
+        # A last pass with no worker alive: leases of anything still running run out.
+        for _ in range(3):
+            if self._open_total(refresh=True) == 0:
+                break
+            time.sleep(self.settings.lease + 0.2)
+            for population in self.populations:
+                self._recover(population)
+
+    # -- the check and the report ----------------------------------------------------------
+
+    def _report(self) -> dict[str, Any]:
+        s = self.settings
+        per_population: list[dict[str, Any]] = []
+        violations: list[dict[str, str]] = []
+        states: Counter[str] = Counter()
+        reviews: Counter[str] = Counter()
+        events: Counter[str] = Counter()
+        effects = dropped = rejected = calls = lookups = 0
+        for population in self.populations:
+            assert population.service is not None
+            history = invariants.load(self.dsn, population.schema, open_result=self.keys.open)
+            found = invariants.check(history)
+            violations += [{"schema": population.schema, **v.to_json()} for v in found]
+            pop_states = Counter(wf.state for wf in history.workflows)
+            pop_reviews = Counter(
+                wf.review_reason for wf in history.workflows if wf.state == "unknown"
+            )
+            pop_events = Counter(e.kind for e in history.events)
+            service = population.service
+            per_population.append({
+                "label": population.label,
+                "schema": population.schema,
+                "workflows": len(history.workflows),
+                "worker_processes": len(population.slots),
+                "states": dict(sorted(pop_states.items())),
+                "effects": len(history.effects),
+                "tool_calls": service.calls,
+                "dropped_replies": service.dropped,
+                "rejected_429": service.rejected,
+                "lookups": service.lookups,
+                "manual_reviews": dict(sorted(pop_reviews.items())),
+                "events": dict(sorted(pop_events.items())),
+                "violations": len(found),
+            })
+            states += pop_states
+            reviews += pop_reviews
+            events += pop_events
+            effects += len(history.effects)
+            dropped += service.dropped
+            rejected += service.rejected
+            calls += service.calls
+            lookups += service.lookups
+        c = self.counts
+        return {
+            "run": {
+                "seed": s.seed,
+                "workflows": s.workflows,
+                "worker_processes": s.workers,
+                "max_fault_duration_s": s.duration,
+                "kill_every_ms_mean": s.kill_every_ms,
+                "terminate_backend_every_ms_mean": s.terminate_every_ms,
+                "drop_reply_rate": s.drop_replies,
+                "reject_429_rate": s.reject_429,
+                "non_idempotent_share": s.non_idempotent_share,
+                "lease_s": s.lease,
+                "heartbeat_s": s.heartbeat,
+                "backoff_s": s.backoff,
+                "idle_exit_s": s.idle_exit,
+                "max_attempts": store.DEFAULT_MAX_ATTEMPTS,
+                "layout": "one schema per tool mode, each with its own tool service and workers",
+            },
+            "states": dict(sorted(states.items())),
+            "effects": effects,
+            "faults": {
+                "kills": c.kills,
+                "kill_timer_without_target": c.kill_misses,
+                "backend_terminations": c.backend_terminations,
+                "termination_timer_without_backend": c.termination_misses,
+                "dropped_replies": dropped,
+                "rejected_429": rejected,
+            },
+            "tool": {"calls": calls, "lookups": lookups},
+            "workers": {
+                "starts": c.worker_starts,
+                "exits": dict(sorted(c.worker_exits.items())),
+                "items_reported": dict(sorted(c.worker_items.items())),
+                "killed_in_drain": c.drain_kills,
+            },
+            "recovery": {
+                "leases_expired": c.leases_expired,
+                "reconciled": dict(sorted(c.reconciled.items())),
+                "retried_next_pass": dict(sorted(c.recoverer_errors.items())),
+            },
+            "manual_reviews": sum(reviews.values()),
+            "manual_review_reasons": dict(sorted(reviews.items())),
+            "events": dict(sorted(events.items())),
+            "populations": per_population,
+            "violations": violations,
+            "violation_count": len(violations),
+            "violations_by_kind": invariants.count_by_kind(
+                invariants.Violation(**{k: v[k] for k in ("kind", "workflow_id", "effect_key",
+                                                          "detail")})
+                for v in violations
+            ),
+        }
+
+
+def run(
+    dsn: str,
+    settings: Settings,
+    *,
+    log: Callable[[str], None] | None = None,
+    keep_schemas: bool = False,
+) -> dict[str, Any]:
+    """Run one bounded chaos round against ``dsn`` and return its report.
+
+    The round creates its own schemas (``chaos_<token>_i`` / ``_n``) and drops
+    them at the end unless ``keep_schemas``.
+    """
+    return Chaos(dsn, settings, log=log, keep_schemas=keep_schemas).run()
+
+
+def summary_tables(report: dict[str, Any]) -> list[Table]:
+    """The report as rich tables: states per population, faults, invariants."""
+    populations = report["populations"]
+    states = Table(title="final states")
+    states.add_column("state")
+    for population in populations:
+        states.add_column(population["label"], justify="right")
+    states.add_column("total", justify="right")
+    for state in sorted(report["states"]):
+        states.add_row(state, *[str(p["states"].get(state, 0)) for p in populations],
+                       str(report["states"][state]))
+    states.add_row("effects in ledger", *[str(p["effects"]) for p in populations],
+                   str(report["effects"]))
+    states.add_row("manual reviews", *[str(sum(p["manual_reviews"].values()))
+                                       for p in populations], str(report["manual_reviews"]))
+
+    faults = Table(title="faults and recovery")
+    faults.add_column("what")
+    faults.add_column("count", justify="right")
+    f, w, r = report["faults"], report["workers"], report["recovery"]
+    rows = [
+        ("worker SIGKILLs", f["kills"]),
+        ("kill timers with no working process to hit", f["kill_timer_without_target"]),
+        ("backend terminations", f["backend_terminations"]),
+        ("replies dropped after commit", f["dropped_replies"]),
+        ("429 answers", f["rejected_429"]),
+        ("worker process starts", w["starts"]),
+        ("leases expired and recovered", r["leases_expired"]),
+        ("tool calls / lookups", f"{report['tool']['calls']} / {report['tool']['lookups']}"),
+    ]
+    rows += [(f"reconciled: {kind}", n) for kind, n in r["reconciled"].items()]
+    rows += [(f"manual review: {why}", n) for why, n in report["manual_review_reasons"].items()]
+    rows += [(f"worker exits: {cause}", n) for cause, n in w["exits"].items()]
+    for what, count in rows:
+        faults.add_row(what, str(count))
+
+    checks = Table(title="invariants")
+    checks.add_column("invariant")
+    checks.add_column("violations", justify="right")
+    for kind, count in report["violations_by_kind"].items():
+        checks.add_row(kind, str(count), style="red" if count else None)
+    checks.add_row("total", str(report["violation_count"]),
+                   style="bold red" if report["violation_count"] else "bold green")
+    return [states, faults, checks]
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """Print the report's tables, timing and any violations."""
+    for table in summary_tables(report):
+        console.print(table)
+    t, run_ = report["timing"], report["run"]
+    console.print(
+        f"seed {run_['seed']}; {run_['workflows']} workflows, {run_['worker_processes']} worker "
+        f"processes; lease {run_['lease_s']}s, heartbeat {run_['heartbeat_s']}s; "
+        f"wall {t['wall_s']}s (setup {t['setup_s']}s, warm-up {t['warm_up_s']}s, "
+        f"faults {t['fault_phase_s']}s, drain {t['drain_s']}s, check {t['check_s']}s); "
+        f"{t['settled_before_drain']} of {run_['workflows']} workflows settled before the drain"
+    )
+    for violation in report["violations"][:20]:
+        console.print(f"[red]{violation['kind']}[/red] {violation['workflow_id']} "
+                      f"{violation['effect_key']}: {violation['detail']}")
+    console.print(f"violations: {report['violation_count']}",
+                  style="bold red" if report["violation_count"] else "bold green")
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """Body of ``lab chaos``: provision PostgreSQL, run, print, write ``--output``.
+
+    Exit 0 when every invariant held, 1 when any was violated, 2 when the run
+    could not be made.
+    """
+    from lab import cluster
+
+    console = Console()
+    progress = Console(stderr=True)
+    try:
+        settings = Settings.from_args(args)
+        settings.validate()
+        running = cluster.start(mode=args.lab_postgres)
+    except errors.LabError as exc:
+        print(f"lab chaos: {exc}", file=sys.stderr)
+        return 2
+    try:
+        database = running.provisioned.describe()
+        progress.log(f"PostgreSQL {database.get('server_version')} via "
+                     f"{database.get('provider')}")
+        report = run(running.provisioned.dsn, settings, log=progress.log)
+    except errors.LabError as exc:
+        print(f"lab chaos: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        running.stop()
+    report["postgres"] = database
+    print_summary(report, console)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    console.print(f"report written to {output}")
+    return 0 if report["violation_count"] == 0 else 1
+
