@@ -485,22 +485,19 @@ class _Runner:
         return match.group(1) if match else out.strip()
 
 
+_INITDB_ARGS = (
+    f"--username={_SUPERUSER}",
+    "--auth=trust",  # replaced by _PG_HBA straight after
+    "--encoding=UTF8",
+    "--locale=C",
+    "--no-sync",  # a throwaway cluster: durability of its files is not the point
+    "--wal-segsize=1",  # 1 MB instead of 16 MB of WAL to copy from the template
+    "--no-instructions",
+)
+
+
 def _initdb(runner: _Runner, data: Path) -> None:
-    runner.run(
-        "initdb",
-        "-D",
-        str(data),
-        "-U",
-        _SUPERUSER,
-        "-A",
-        "trust",
-        "-E",
-        "UTF8",
-        "--locale=C",
-        "--no-sync",  # a throwaway cluster: durability of its files is not the point
-        "--wal-segsize=1",  # 1 MB instead of 16 MB of WAL to copy from the template
-        "--no-instructions",
-    )
+    runner.run("initdb", "-D", str(data), *_INITDB_ARGS)
     hba = data / "pg_hba.conf"
     hba.write_text(_PG_HBA)
     hba.chmod(0o600)
@@ -534,6 +531,7 @@ def _template_marker(runner: _Runner, version: str) -> dict[str, object]:
         "format": _TEMPLATE_FORMAT,
         "bindir": str(runner.bindir),
         "binaries_version": version,
+        "initdb_args": list(_INITDB_ARGS),
         "pg_hba": hashlib.sha256(_PG_HBA.encode()).hexdigest(),
     }
 
