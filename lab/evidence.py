@@ -91,6 +91,7 @@ ERROR = "error"
 SKIPPED = "skipped"
 XFAILED = "xfailed"
 XPASSED = "xpassed"
+NOT_RUN = "not run"  # setup and teardown passed but the body never ran (--setup-only)
 
 
 class EvidenceError(errors.LabError):
@@ -203,8 +204,10 @@ def _message(record: Mapping[str, Any]) -> str | None:
 def _fold(records: Sequence[Mapping[str, Any]]) -> str:
     """One test's outcome from its phase reports, as pytest's summary counts it."""
     outcome = PASSED
+    called = False
     for record in records:
         when, result = record.get("when"), record.get("outcome")
+        called = called or when == "call"
         xfail = "wasxfail" in record
         if when not in ("setup", "call", "teardown"):
             return FAILED  # xdist's report for a crashed worker's running test
@@ -218,6 +221,8 @@ def _fold(records: Sequence[Mapping[str, Any]]) -> str:
             outcome = XPASSED
     if not records:
         return FAILED
+    if outcome == PASSED and not called:
+        return NOT_RUN
     return outcome
 
 
@@ -288,7 +293,9 @@ def _experiments(
         elif outcomes == [PASSED]:
             outcome = PASSED
         else:
-            outcome = next(o for o in (FAILED, ERROR, XPASSED, XFAILED, SKIPPED) if o in outcomes)
+            outcome = next(
+                o for o in (FAILED, ERROR, NOT_RUN, XPASSED, XFAILED, SKIPPED) if o in outcomes
+            )
         row: dict[str, Any] = {
             "chapter": key[0],
             "name": key[1],
@@ -354,7 +361,7 @@ def compile_report(
     failures += [
         f"{t['nodeid']} {t['outcome']}"
         for t in tests
-        if t["experiment"] is None and t["outcome"] in (FAILED, ERROR)
+        if t["experiment"] is None and t["outcome"] in (FAILED, ERROR, NOT_RUN)
     ]
     if facts.database is None:
         failures.append("no real PostgreSQL database was provisioned for the run")

@@ -187,7 +187,7 @@ class Collector:
 
     def wanted(self) -> bool:
         """Evidence is written for experiment runs or when asked for; never for unit tests only."""
-        if self.config.getoption("lab_no_evidence", False):
+        if self.config.getoption("lab_no_evidence", False) or self.config.option.collectonly:
             return False
         if self.config.getoption("lab_evidence", None):
             return True

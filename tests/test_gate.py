@@ -269,6 +269,22 @@ def test_narrowed_run_is_partial(tree: pytest.Pytester, args: list[str], reason:
     result.stdout.fnmatch_lines(["*gate: PARTIAL*"])
 
 
+def test_setup_only_run_is_not_a_pass(tree: pytest.Pytester) -> None:
+    """--setup-only runs fixtures but no test body: nothing passed."""
+    result = _run(tree, "experiments", "--setup-only")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["status"] == evidence.FAIL
+    assert "experiments/ch01_x/test_a.py::test_db not run" in report["gate"]["failures"]
+
+
+def test_collect_only_writes_no_evidence(tree: pytest.Pytester) -> None:
+    """Listing the experiments is not a run: no evidence and pytest's own exit status."""
+    result = _run(tree, "experiments", "--collect-only")
+    assert result.ret == 0
+    assert not (tree.path / "evidence").exists()
+
+
 def test_unit_tests_alone_write_no_evidence(tree: pytest.Pytester) -> None:
     """A run of tests/ only is not an experiment run: no evidence, no gate."""
     tree.mkdir("tests")
