@@ -430,8 +430,14 @@ def test_check_command(tiny_report: dict[str, Any], tmp_path: Path) -> None:
 
 
 def test_command_writes_report_and_shows_progress(
-    tiny_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Two threads on a busy two-core machine make tiny models crawl (every op
+    # waits at a barrier for a descheduled thread); the setting is recorded.
+    monkeypatch.setattr(model, "THREADS", THREADS)
     output = tmp_path / "book" / "model-experiment.json"
     sha = hashlib.sha256(tiny_path.read_bytes()).hexdigest()
     argv = ["model", "run", "--model", str(tiny_path), "--expect-sha256", sha]
@@ -528,14 +534,23 @@ def test_cases_file_may_ask_for_what_admission_refuses(tmp_path: Path) -> None:
 
 
 def test_model_at_lab_model_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Run ``lab model run`` on LAB_MODEL_PATH and check the report it writes."""
+    """Run ``lab model run`` on LAB_MODEL_PATH and check the report it writes.
+
+    ``LAB_MODEL_THREADS`` sets the thread count (default ``model.THREADS``).
+    """
     path = os.environ.get("LAB_MODEL_PATH")
     if not path:
         pytest.skip("set LAB_MODEL_PATH to a GGUF model to run a real model")
     output = tmp_path / "model-experiment.json"
-    argv = ["model", "run", "--model", path, "--output", str(output)]
-    argv += ["--traces", str(tmp_path / "traces")]
-    assert cli.main(argv) == 0, capsys.readouterr().err
+    args = argparse.Namespace(
+        model=path,
+        expect_sha256=None,
+        cases=None,
+        threads=int(os.environ.get("LAB_MODEL_THREADS", model.THREADS)),
+        output=str(output),
+        traces=str(tmp_path / "traces"),
+    )
+    assert model.cli_main(args) == 0, capsys.readouterr().err
     report = json.loads(output.read_text())
     assert model.check(report) == []
     assert report["publication_model"] is (report["model_sha256"] == model.PINNED_SHA256)
