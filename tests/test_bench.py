@@ -1,0 +1,164 @@
+"""The benchmark's pure parts: percentiles, transaction accounting, parsing. No timing asserts."""
+
+from __future__ import annotations
+
+import textwrap
+from datetime import timedelta
+
+import pytest
+
+from lab import bench
+
+
+def test_percentile_interpolates_between_ranks_like_numpy() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert bench.percentile(values, 50) == pytest.approx(50.5)
+    assert bench.percentile(values, 99) == pytest.approx(99.01)
+    assert bench.percentile(values, 0) == 1.0
+    assert bench.percentile(values, 100) == 100.0
+    assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0  # order of input does not matter
+    assert bench.percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.parametrize(("values", "q"), [([], 50), ([1.0], -1), ([1.0], 101)])
+def test_percentile_refuses_nonsense(values: list[float], q: float) -> None:
+    with pytest.raises(ValueError):
+        bench.percentile(values, q)
+
+
+def test_latency_summary_reports_milliseconds_and_nothing_for_no_samples() -> None:
+    assert bench.latency_summary([0.010, 0.020, 0.030]) == {
+        "p50_ms": 20.0, "p99_ms": pytest.approx(29.8), "max_ms": 30.0
+    }
+    assert bench.latency_summary([]) == {"p50_ms": None, "p99_ms": None, "max_ms": None}
+
+
+def test_ratio_is_none_when_a_side_is_missing_or_zero() -> None:
+    assert bench.ratio(3.0, 2.0) == 1.5
+    assert bench.ratio(None, 2.0) is None
+    assert bench.ratio(3.0, None) is None
+    assert bench.ratio(3.0, 0.0) is None
+
+
+def test_xact_delta_subtracts_the_benchmarks_own_reads() -> None:
+    before = {"store": 100, "tool": 10}
+    after = {"store": 520, "tool": 110}
+    assert bench.xact_delta(before, after) == {"store": 420, "tool": 100}
+    assert bench.xact_delta(before, after, own={"store": 20}) == {"store": 400, "tool": 100}
+
+
+def test_xact_delta_refuses_snapshots_of_different_databases() -> None:
+    with pytest.raises(ValueError, match="disagree"):
+        bench.xact_delta({"store": 1}, {"tool": 2})
+
+
+def test_separate_databases_measure_the_tool_share() -> None:
+    split = bench.split_transactions(
+        {"store": 400, "tool": 103}, system_db="store", tool_db="tool", tool_calls=100
+    )
+    assert split == {"total": 503, "system": 400, "tool": 103, "tool_measured": True}
+
+
+def test_a_shared_database_estimates_one_tool_transaction_per_call() -> None:
+    split = bench.split_transactions(
+        {"db": 500}, system_db="db", tool_db="db", tool_calls=100
+    )
+    assert split == {"total": 500, "system": 400, "tool": 100, "tool_measured": False}
+
+
+def test_marginal_cost_removes_the_empty_runs_fixed_cost() -> None:
+    run = {"total": 5_040, "system": 4_030, "tool": 1_010}
+    empty = {"total": 40, "system": 30, "tool": 10}
+    assert bench.marginal_per_workflow(run, empty, 1_000) == {
+        "total": 5.0, "system": 4.0, "tool": 1.0
+    }
+    with pytest.raises(ValueError):
+        bench.marginal_per_workflow(run, empty, 0)
+
+
+def test_rounds_alternate_so_drift_cancels() -> None:
+    assert bench.alternating_order(3, ["lab", "dbos"]) == [
+        ["lab", "dbos"], ["dbos", "lab"], ["lab", "dbos"]
+    ]
+    assert bench.alternating_order(2, ["lab"]) == [["lab"], ["lab"]]
+
+
+DURATIONS = """\
+============================= slowest durations ==============================
+3.21s call     experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim
+0.40s setup    experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim
+0.30s call     experiments/ch07_retries/test_retries.py::test_trusted_429_uses_timed_retry
+0.01s teardown experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim
+26 passed in 9.12s
+"""
+
+
+def test_parse_durations_reads_pytests_slowest_durations_section() -> None:
+    rows = bench.parse_durations(DURATIONS)
+    assert len(rows) == 4
+    assert rows[0] == (
+        "experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim",
+        "call",
+        3.21,
+    )
+    assert {phase for _, phase, _ in rows} == {"setup", "call", "teardown"}
+
+
+SOURCE = textwrap.dedent(
+    """
+    from datetime import timedelta
+
+    def test_two_lease_waits(lab):
+        lab.recover_by_elapsed_lease(a)
+        lab.recover_by_elapsed_lease(b)
+
+    def test_backoff(lab):
+        rig.worker.backoff = timedelta(milliseconds=250)
+        lab.wait_until(lambda: True)
+
+    def test_no_wait(lab):
+        rig.worker.backoff = timedelta(0)
+
+    def helper(lab):
+        lab.recover_by_elapsed_lease(c)
+    """
+)
+
+
+def test_known_waits_count_real_lease_expiries_and_backoffs_only() -> None:
+    waits = bench.known_waits(SOURCE, lease_seconds=3.0)
+    assert waits == {"test_two_lease_waits": 6.0, "test_backoff": 0.25}
+
+
+def test_suite_breakdown_splits_wall_time() -> None:
+    durations = bench.parse_durations(DURATIONS)
+    waits = {
+        "test_sigkill_after_claim": 3.0,
+        "test_trusted_429_uses_timed_retry": 0.25,
+        "test_not_in_this_run": 99.0,
+    }
+    figures = bench.suite_breakdown(10.0, durations, waits)
+    assert figures["tests"] == 2
+    assert figures["inherent_wait_seconds"] == 3.25
+    assert figures["inherent_share_of_wall"] == 0.325
+    assert figures["overhead_seconds"] == 6.75
+    assert figures["outside_tests_seconds"] == pytest.approx(10.0 - 3.92)
+    assert figures["longest_test_seconds"] == pytest.approx(3.62)
+
+
+def test_the_benchmarked_claim_query_is_the_stores() -> None:
+    assert bench.claim_query_matches_store(), "update bench.CLAIM_QUERY from store.Store.claim"
+
+
+def test_dbos_url_carries_the_admin_dsns_server_and_credentials() -> None:
+    scratch = bench.Scratch(
+        "host=127.0.0.1 port=55440 user=lab password=p@ss dbname=postgres",
+        "s", "t", "lab_bench_x_dbos", separate=True,
+    )
+    assert scratch.dbos_url() == "postgresql://lab:p%40ss@127.0.0.1:55440/lab_bench_x_dbos"
+    assert scratch.databases() == ["lab_bench_x_dbos", "s", "t"]
+
+
+def test_literal_timedelta_ignores_what_it_cannot_evaluate() -> None:
+    assert bench.known_waits("def test_x():\n    w.backoff = timedelta(seconds=n)\n", 3.0) == {}
+    assert timedelta(milliseconds=250).total_seconds() == 0.25
