@@ -215,24 +215,43 @@ def choose_provider(
 
 
 def docker_answers(environ: Mapping[str, str] | None = None, timeout: float = 1.0) -> bool:
-    """Return whether a Docker daemon answers a ping (a few milliseconds when none runs)."""
+    """Return whether a Docker daemon answers (a few milliseconds when none runs)."""
     env = os.environ if environ is None else environ
-    # The SDK only ever looks at DOCKER_HOST or the default socket: with neither there is
-    # nothing to ask, and importing the SDK costs a noticeable part of a cold start.
-    if not env.get("DOCKER_HOST") and not os.path.exists("/var/run/docker.sock"):
+    host = env.get("DOCKER_HOST") or "unix:///var/run/docker.sock"  # what the SDK would use
+    # Importing the SDK costs a noticeable part of a cold start, and it leaks its socket when
+    # a unix-socket connect fails: find out first whether anything listens there at all.
+    if host.startswith("unix://") and not _unix_listener(host.removeprefix("unix://"), timeout):
         return False
     try:
         import docker
+        from docker import constants, utils
     except ImportError:
         return False
     try:
-        client = docker.from_env(timeout=timeout, environment=dict(env))
+        # A fixed API version makes the constructor send nothing; the unversioned /version
+        # request is the SDK's own handshake, answered by a daemon of any API version. (With
+        # version="auto" a failed handshake leaves the client's socket for the GC to close.)
+        api = docker.APIClient(
+            version=constants.MINIMUM_DOCKER_API_VERSION,
+            timeout=timeout,
+            **utils.kwargs_from_env(environment=dict(env)),
+        )
         try:
-            return bool(client.ping())
+            return bool(api.version(api_version=False).get("ApiVersion"))
         finally:
-            client.close()
+            api.close()
     except Exception:  # any failure to reach a daemon means "no daemon", whatever its type
         return False
+
+
+def _unix_listener(path: str, timeout: float) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def _server_binaries_in(bindir: Path) -> bool:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import socketserver
 import subprocess
 import sys
@@ -131,11 +132,30 @@ def test_an_explicit_mode_that_cannot_work_says_why(mode: str, needle: str) -> N
 # --- probes --------------------------------------------------------------------------------
 
 
-def test_no_docker_daemon_is_detected_quickly(tmp_path: Path) -> None:
-    started = time.perf_counter()
-    answered = cluster.docker_answers({"DOCKER_HOST": f"unix://{tmp_path}/docker.sock"})
-    assert answered is False
-    assert time.perf_counter() - started < 5
+def _closed_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("kind", ["missing socket", "dead socket", "closed tcp port"])
+def test_no_docker_daemon_is_detected_quickly(kind: str) -> None:
+    directory = tempfile.mkdtemp(prefix="lab-dk-", dir="/tmp")
+    path = os.path.join(directory, "docker.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if kind == "dead socket":
+            dead.bind(path)  # bound, never listening: connecting is refused
+        host = f"tcp://127.0.0.1:{_closed_tcp_port()}" if kind == "closed tcp port" else path
+        started = time.perf_counter()
+        answered = cluster.docker_answers(
+            {"DOCKER_HOST": host if host.startswith("tcp") else f"unix://{host}"}
+        )
+        assert answered is False
+        assert time.perf_counter() - started < 5
+    finally:
+        dead.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -396,6 +416,9 @@ def test_a_killed_owner_leaves_no_cluster_behind(bindir: Path, cache_dir: Path) 
     assert _alive(pid)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
+    owner.stdout.close()
+    assert owner.stdin is not None
+    owner.stdin.close()
     deadline = time.monotonic() + 30
     while (_alive(pid) or data.parent.exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
