@@ -918,25 +918,25 @@ def _fmt(value: Any) -> str:
 
 # -- claim latency --------------------------------------------------------------------------------
 
-_HISTORY_SQL: LiteralString = """
-INSERT INTO workflows (id, tenant, operation, proposed_by, plan, fingerprint, plan_version,
-                       effect_key, state, approved_by, fence, attempt, result,
-                       ready_at, created_at, updated_at)
-SELECT 'hist_' || g, 'tenant-h', 'history-' || g, 'employee-h', %(plan)s, %(fingerprint)s, 1,
-       'history-key-' || g, 'succeeded', 'manager-h', 1, 1, %(result)s,
-       now() - interval '1 day' + g * interval '1 ms',
-       now() - interval '1 day' + g * interval '1 ms',
-       now() - interval '1 day' + g * interval '1 ms' + interval '50 ms'
-  FROM generate_series(1, %(count)s) AS g
-"""
-
-_READY_SQL: LiteralString = """
-INSERT INTO workflows (id, tenant, operation, proposed_by, plan, fingerprint, plan_version,
-                       effect_key, state, approved_by, approval_expires, ready_at)
-SELECT 'ready_' || g, 'tenant-a', 'claim-' || g, 'employee-a', %(plan)s, %(fingerprint)s, 1,
-       'ready-key-' || g, 'ready', 'manager-a', now() + interval '1 hour',
-       now() - interval '1 minute' + g * interval '1 ms'
-  FROM generate_series(1, %(count)s) AS g
+# Rows are cloned from one workflow made through the API, so columns the schema gains later
+# are filled as the store fills them; only identity, state and times are overridden.
+_CLONE_SQL: LiteralString = """
+INSERT INTO workflows
+SELECT r.*
+  FROM workflows t
+ CROSS JOIN generate_series(1, %(count)s) AS g
+ -- LATERAL: "(f(x)).*" would call the function once per column.
+ CROSS JOIN LATERAL jsonb_populate_record(NULL::workflows, to_jsonb(t) || jsonb_build_object(
+           'id', %(prefix)s::text || g,
+           'operation', %(prefix)s::text || g,
+           'state', %(state)s::text,
+           'result', %(result)s::jsonb,
+           'fence', %(fence)s::bigint,
+           'attempt', %(fence)s::integer,
+           'ready_at', now() - %(age)s::interval + g * interval '1 ms',
+           'created_at', now() - %(age)s::interval + g * interval '1 ms',
+           'updated_at', now() - %(age)s::interval + g * interval '1 ms' + interval '50 ms')) AS r
+ WHERE t.id = %(template)s
 """
 
 
@@ -949,16 +949,18 @@ def claim_query_matches_store() -> bool:
 
 
 def _fill(dsn: str, schema: str, history: int, ready: int) -> float:
-    sample = harness.sample_plan()
-    values = {
-        "plan": Jsonb(sample.to_json()),
-        "fingerprint": sample.fingerprint(),
-        "result": Jsonb({"receipt": "history"}),
-    }
+    """Bulk-insert ``history`` succeeded and ``ready`` due workflows; return the seconds taken."""
+    with store.Store.open(dsn, schema, max_connections=1, application_name="lab-bench") as db:
+        created = db.create(harness.PROPOSER, "template", harness.sample_plan())
+        db.approve(harness.APPROVER, created.id, created.fingerprint, timedelta(hours=1))
     started = time.perf_counter()
     with psycopg.connect(dsn, autocommit=True, options=f"-c search_path={schema}") as conn:
-        conn.execute(_HISTORY_SQL, {**values, "count": history})
-        conn.execute(_READY_SQL, {**values, "count": ready})
+        conn.execute(_CLONE_SQL, {"prefix": "hist_", "state": "succeeded", "fence": 1,
+                                  "result": Jsonb({"receipt": "history"}), "age": "1 day",
+                                  "count": history, "template": created.id})
+        conn.execute(_CLONE_SQL, {"prefix": "ready_", "state": "ready", "fence": 0,
+                                  "result": None, "age": "1 minute",
+                                  "count": ready, "template": created.id})
         # As autovacuum would have by then: visibility map set, statistics current.
         conn.execute("VACUUM (ANALYZE) workflows")
     return time.perf_counter() - started
@@ -1237,6 +1239,10 @@ def cli_main(args: argparse.Namespace, console: Console | None = None) -> int:
             _print(command, report, out)
     except errors.LabError as exc:
         out.print(f"[red]{type(exc).__name__}: {exc}[/red]")
+        return 1
+    except psycopg.Error as exc:
+        # The SQLSTATE names the cause without echoing parameters.
+        out.print(f"[red]PostgreSQL error {exc.sqlstate or type(exc).__name__}[/red]")
         return 1
     path = _write(args.output_dir, command, report)
     out.print(f"wrote {path}")
