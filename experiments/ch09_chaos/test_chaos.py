@@ -20,7 +20,9 @@ def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):
         drop_replies=0.1,
         reject_429=0.1,
         non_idempotent_share=0.2,
-        seed=9,
+        # With seed 1 each tool's seeded fault stream answers 429 and drops a reply within
+        # its first six calls, so both faults happen however slow the machine is.
+        seed=1,
         drain_timeout=60.0,
     )
     report = chaos.run(lab_dsn, settings)
