@@ -38,6 +38,7 @@ import math
 import queue
 import random
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -427,8 +428,11 @@ class Chaos:
         return [(int(pid), str(name)[len(WORKER_APP_PREFIX):]) for pid, name in rows]
 
     def _terminate_one(self) -> None:
+        """``pg_terminate_backend`` on a random backend of a live worker of this run."""
         assert self._terminator is not None
-        pids = [pid for pid, _ in self._worker_backends()]
+        # A reaped worker's backend may linger for a moment: it is not a target.
+        live = {child.name for _, _, child in self._live()}
+        pids = [pid for pid, name in self._worker_backends() if name in live]
         if not pids:
             self.counts.termination_misses += 1
             return
@@ -468,7 +472,7 @@ class Chaos:
         # kill() on an exited child sends nothing; it reaps it and joins its output readers.
         code = child.kill()
         child.cleanup()
-        if code == -9:
+        if code == -signal.SIGKILL:
             cause = "sigkill"
         elif code == 0:
             cause = "idle_exit"
