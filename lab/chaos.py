@@ -3,7 +3,10 @@
 ``lab chaos`` creates and approves N workflows, runs M ``lab worker`` OS
 processes in loops, and while they work a supervisor (this process):
 
-- SIGKILLs a random live worker at exponential intervals and restarts it;
+- SIGKILLs a random worker at exponential intervals (seeded) and restarts it;
+  a target is a worker that has finished at least one item, because killing
+  a process still importing its modules tests nothing and, at a 200 ms mean,
+  would keep every incarnation from ever working on a loaded 2-core machine;
 - runs ``pg_terminate_backend`` on a random backend of this run's workers;
 - serves the credit tool, which drops replies after committing the effect and
   answers 429 at the given rates;
@@ -11,10 +14,12 @@ processes in loops, and while they work a supervisor (this process):
   original key; a non-idempotent one goes to manual review), as an operator's
   recoverer would.
 
-The fault phase ends at ``duration`` or as soon as every workflow is settled;
-then the drain stops every fault, lets the workers finish, waits for leases to
-expire and reconciles until nothing is left to do. ``lab.invariants`` then
-checks the final database and the whole event history.
+Kills and terminations start once a first item is done (the warm-up; the
+tool's faults are already on). The fault phase ends at ``duration`` or as
+soon as every workflow is settled; then the drain stops every fault, lets the
+workers finish, waits for leases to expire and reconciles until nothing is
+left to do. ``lab.invariants`` then checks the final database and the whole
+event history.
 
 A worker process talks to one tool endpoint, and a tool service is either
 idempotent or not, so the population is split into two schemas: idempotent
