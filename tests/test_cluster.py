@@ -339,6 +339,7 @@ def test_start_embedded_mode_uses_the_cache_by_default(bindir: Path, cache_dir: 
             "binaries_version": running.provisioned.details["binaries_version"],
             "method": "cached-copy",
             "run_as": "nobody" if os.geteuid() == 0 else "current user",
+            "storage": "ram" if data.is_relative_to(cluster.RAM_DIR) else "disk",
         }
     assert not _alive(pid)
     assert not data.parent.exists()
