@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     mrun.add_argument("--cases", default=None)
     mrun.add_argument("--output", default="book/model-experiment.json")
     mrun.add_argument("--traces", default="evidence/model-traces")
+    mrun.add_argument("--threads", type=int, default=2, help="CPU threads for generation")
     mdl.set_defaults(handler=_model)
 
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")

@@ -184,7 +184,7 @@ class WorkerProcess:
         self._proc.stdin.flush()
         self._on_event("experiment", f"release {self.name}")
 
-    def finish(self, timeout: float = 15.0) -> None:
+    def finish(self, timeout: float = 30.0) -> None:
         """Wait for a clean exit; raise with the child's stderr otherwise."""
         try:
             code = self._proc.wait(timeout=timeout)
