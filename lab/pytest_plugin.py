@@ -78,24 +78,16 @@ def pytest_configure(config: pytest.Config) -> None:
         if mode == "none":
             problem = "PostgreSQL disabled with --lab-postgres=none"
         else:
+            from lab import cluster
+
             try:
-                from lab import cluster
-            except ImportError:  # TEMPORARY until cluster.py lands
-                cluster = None  # type: ignore[assignment]
-            import os
-            if cluster is None and os.environ.get("BOOK_LAB_DSN"):
-                dsn = os.environ["BOOK_LAB_DSN"]
-                database = {"provider": "dsn", "server_version": "dev", "details": {}}
-            try:
-                if cluster is None:
-                    raise errors.ProvisioningError("cluster module missing")
                 running = cluster.start(
                     mode=mode,
                     dsn=config.getoption("--lab-dsn"),
                     allow_remote=config.getoption("--lab-allow-remote-dsn"),
                 )
             except errors.LabError as exc:
-                problem = None if dsn else str(exc)
+                problem = str(exc)
             else:
                 config.stash[_RUNNING_KEY] = running
                 dsn = running.provisioned.dsn
