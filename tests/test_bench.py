@@ -87,7 +87,8 @@ DURATIONS = """\
 ============================= slowest durations ==============================
 3.21s call     experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim
 0.40s setup    experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim
-0.30s call     experiments/ch07_retries/test_retries.py::test_trusted_429_uses_timed_retry
+0.30s call     experiments/ch07_retries/test_retries.py::test_trusted_429_uses_timed_retry[a]
+0.31s call     experiments/ch07_retries/test_retries.py::test_trusted_429_uses_timed_retry[b]
 0.01s teardown experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim
 26 passed in 9.12s
 """
@@ -95,7 +96,7 @@ DURATIONS = """\
 
 def test_parse_durations_reads_pytests_slowest_durations_section() -> None:
     rows = bench.parse_durations(DURATIONS)
-    assert len(rows) == 4
+    assert len(rows) == 5
     assert rows[0] == (
         "experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim",
         "call",
@@ -119,15 +120,18 @@ SOURCE = textwrap.dedent(
     def test_no_wait(lab):
         rig.worker.backoff = timedelta(0)
 
+    def test_chaos(lab_dsn):
+        chaos.run(lab_dsn, chaos.Settings(workflows=120, duration=20.0, seed=1))
+
     def helper(lab):
         lab.recover_by_elapsed_lease(c)
     """
 )
 
 
-def test_known_waits_count_real_lease_expiries_and_backoffs_only() -> None:
+def test_known_waits_count_lease_expiries_backoffs_and_fault_phases_only() -> None:
     waits = bench.known_waits(SOURCE, lease_seconds=3.0)
-    assert waits == {"test_two_lease_waits": 6.0, "test_backoff": 0.25}
+    assert waits == {"test_two_lease_waits": 6.0, "test_backoff": 0.25, "test_chaos": 20.0}
 
 
 def test_suite_breakdown_splits_wall_time() -> None:
@@ -138,12 +142,17 @@ def test_suite_breakdown_splits_wall_time() -> None:
         "test_not_in_this_run": 99.0,
     }
     figures = bench.suite_breakdown(10.0, durations, waits)
-    assert figures["tests"] == 2
-    assert figures["inherent_wait_seconds"] == 3.25
-    assert figures["inherent_share_of_wall"] == 0.325
-    assert figures["overhead_seconds"] == 6.75
-    assert figures["outside_tests_seconds"] == pytest.approx(10.0 - 3.92)
+    assert figures["tests"] == 3
+    # Each parametrized instance waits its own backoff.
+    assert figures["inherent_wait_seconds"] == 3.5
+    assert figures["inherent_share_of_wall"] == 0.35
+    assert figures["overhead_seconds"] == 6.5
+    assert figures["outside_tests_seconds"] == pytest.approx(10.0 - 4.23)
     assert figures["longest_test_seconds"] == pytest.approx(3.62)
+    parallel = bench.suite_breakdown(2.0, durations, waits, serial=False)
+    # Under xdist the tests overlap: time outside them and shares are not defined.
+    assert parallel["outside_tests_seconds"] is None
+    assert parallel["inherent_share_of_wall"] is None
 
 
 def test_the_benchmarked_claim_query_is_the_stores() -> None:
