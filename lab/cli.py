@@ -1,4 +1,4 @@
-"""The ``lab`` command.
+"""The lab command: admit, run, verify, publish.
 
 Subcommands are thin: each parses its arguments and calls one module's entry
 point, so every behaviour lives (and is tested) in its module.
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     mrun.add_argument("--cases", default=None)
     mrun.add_argument("--output", default="book/model-experiment.json")
     mrun.add_argument("--traces", default="evidence/model-traces")
-    mrun.add_argument("--threads", type=int, default=2, help="CPU threads for generation")
+    mrun.add_argument("--threads", type=int, default=None, help="CPU threads (default 2)")
     mdl.set_defaults(handler=_model)
 
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
