@@ -3,14 +3,15 @@
 A run leaves three files behind (plus the signer's public key)::
 
     tests.jsonl          one record per pytest result, in pytest's report-log shape
-    runtime.json         the report: status, versions, outcomes, observations, sources
+    runtime.json         the report: status, versions, outcomes, observations, each
+                         experiment's sanitised event history and process timeline, sources
     runtime.intoto.json  a DSSE envelope around an in-toto Statement whose subjects
                          are every source file and runtime.json, signed with Ed25519
     runtime.pub.pem      the public key that signed it
 
 Everything here is pure of pytest: the recorder hands plain report-log dicts in.
 The report is deterministic: two runs of one commit differ only in times,
-durations and the signature.
+durations, trace ids and the signature.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import datetime
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -76,6 +78,9 @@ LIMITS = (
     "produced it; publications are signed with a key given in LAB_EVIDENCE_KEY.",
     "Experiments run on one machine against one PostgreSQL server; they measure "
     "correctness under faults, not throughput or availability.",
+    "Trace ids are random and times (durations, event and timeline times) are measured, "
+    "so both differ between runs of one commit; random identifiers inside event details "
+    "are replaced by per-experiment aliases.",
 )
 
 # Option names whose value is a secret, and the shapes of secrets inside a value.
@@ -83,6 +88,14 @@ _SECRET_NAME = re.compile(r"(dsn|pass|pwd|token|secret|credential|auth|apikey|ap
 _URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
 _KEYWORD_SECRET = re.compile(r"\b(password|passwd|pwd|token|secret|sslpassword)\s*=\s*\S+", re.I)
 REDACTED = "<redacted>"
+
+# What an experiment's event history and timeline may carry into the report.
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+_RANDOM_ID = re.compile(r"\b(?P<prefix>[a-z][a-z0-9]*)_[0-9a-f]{32}\b")
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,39}")
+_DETAIL_TOKEN = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]{0,39})=(?P<value>[A-Za-z0-9_.:-]{0,80})")
+_MAX_TEXT = 160
 
 # Outcomes of one test, folded from its setup, call and teardown reports.
 PASSED = "passed"
@@ -239,6 +252,7 @@ def _tests(facts: RunFacts) -> list[dict[str, Any]]:
         props = max((_props(r) for r in records), key=len, default=[])
         first = {key: value for key, value in reversed(props)}
         observations = [v for k, v in props if k == "lab_observation"]
+        events, timeline, trace_ids = _history(first)
         outcome = _fold(records)
         where = experiment_of(nodeid, facts.experiments_prefix)
         test: dict[str, Any] = {
@@ -251,12 +265,107 @@ def _tests(facts: RunFacts) -> list[dict[str, Any]]:
             "database": any(k == "lab_database" and v is True for k, v in props),
             "needs_database": any(k == "lab_needs_database" and v is True for k, v in props),
             "observations": observations,
+            "events": events,
+            "timeline": timeline,
+            "trace_ids": trace_ids,
         }
         if outcome != PASSED:
             reasons = [m for m in (_message(r) for r in records) if m]
             test["message"] = reasons[0] if reasons else None
         tests.append(test)
     return tests
+
+
+class _Aliases:
+    """Stable names for random identifiers, in order of first appearance in one test.
+
+    ``st1_<32 hex>`` becomes ``st1-1``: the report stays deterministic and still
+    shows which events share an identifier.
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, text: str) -> str:
+        def alias(match: re.Match[str]) -> str:
+            raw, prefix = match.group(0), match.group("prefix")
+            if raw not in self.names:
+                self.counts[prefix] = self.counts.get(prefix, 0) + 1
+                self.names[raw] = f"{prefix}-{self.counts[prefix]}"
+            return self.names[raw]
+
+        return _RANDOM_ID.sub(alias, text)
+
+
+def _history(
+    props: Mapping[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """The test's event history, process timeline and trace ids, sanitised for the report.
+
+    Only the known fields of each entry survive, identifiers must look like
+    identifiers, an event detail is ``key=value`` tokens (any other token is
+    redacted), free text is scrubbed like the rest of the report, and random
+    identifiers are aliased.
+    """
+    aliases = _Aliases()
+    events: list[dict[str, Any]] = []
+    for item in _entries(props.get("lab_events")):
+        fence = item.get("fence")
+        events.append(
+            {
+                "t": _seconds(item.get("t")),
+                "workflow": _identifier(item.get("workflow"), _NAME, aliases),
+                "kind": _identifier(item.get("kind"), _KIND, aliases),
+                "fence": fence if isinstance(fence, int) and not isinstance(fence, bool) else None,
+                "detail": _detail(item.get("detail"), aliases),
+            }
+        )
+    timeline = [
+        {
+            "t": _seconds(item.get("t")),
+            "actor": _identifier(item.get("actor"), _NAME, aliases),
+            "what": aliases(_redact_text(str(item.get("what", ""))))[:_MAX_TEXT],
+        }
+        for item in _entries(props.get("lab_timeline"))
+    ]
+    raw_ids = props.get("lab_trace_ids")
+    trace_ids = [
+        str(value)
+        for value in (raw_ids if isinstance(raw_ids, list) else [])
+        if isinstance(value, str) and _TRACE_ID.fullmatch(value)
+    ]
+    return events, timeline, trace_ids
+
+
+def _entries(value: Any) -> list[Mapping[str, Any]]:
+    return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return round(number, 3) if math.isfinite(number) else None
+
+
+def _identifier(value: Any, shape: re.Pattern[str], aliases: _Aliases) -> str:
+    text = aliases(str(value)) if value is not None else ""
+    return text if shape.fullmatch(text) else REDACTED
+
+
+def _detail(value: Any, aliases: _Aliases) -> str:
+    """``key=value`` tokens with identifier values; anything else is redacted."""
+    tokens: list[str] = []
+    for token in aliases(_redact_text(str(value or ""))).split():
+        match = _DETAIL_TOKEN.fullmatch(token)
+        if match is None:
+            tokens.append(REDACTED)
+        elif _is_secret_name(match.group("key")):
+            tokens.append(f"{match.group('key')}={REDACTED}")
+        else:
+            tokens.append(token)
+    return " ".join(tokens)
 
 
 def _collection_errors(facts: RunFacts) -> list[dict[str, Any]]:
