@@ -934,25 +934,32 @@ def _fmt(value: Any) -> str:
 # -- claim latency --------------------------------------------------------------------------------
 
 # Rows are cloned from one workflow made through the API, so columns the schema gains later
-# are filled as the store fills them; only identity, state and times are overridden.
-_CLONE_SQL: LiteralString = """
-INSERT INTO workflows
-SELECT r.*
-  FROM workflows t
- CROSS JOIN generate_series(1, %(count)s) AS g
- -- LATERAL: "(f(x)).*" would call the function once per column.
- CROSS JOIN LATERAL jsonb_populate_record(NULL::workflows, to_jsonb(t) || jsonb_build_object(
-           'id', %(prefix)s::text || g,
-           'operation', %(prefix)s::text || g,
-           'state', %(state)s::text,
-           'result', %(result)s::jsonb,
-           'fence', %(fence)s::bigint,
-           'attempt', %(fence)s::integer,
-           'ready_at', now() - %(age)s::interval + g * interval '1 ms',
-           'created_at', now() - %(age)s::interval + g * interval '1 ms',
-           'updated_at', now() - %(age)s::interval + g * interval '1 ms' + interval '50 ms')) AS r
- WHERE t.id = %(template)s
-"""
+# are copied as the store filled them; only identity, state and times are overridden.
+_CLONE_OVERRIDES: dict[str, sql.Composable] = {
+    "id": sql.SQL("%(prefix)s::text || g"),
+    "operation": sql.SQL("%(prefix)s::text || g"),
+    "state": sql.SQL("%(state)s::text"),
+    "result": sql.SQL("%(result)s::jsonb"),
+    "fence": sql.SQL("%(fence)s::bigint"),
+    "attempt": sql.SQL("%(fence)s::integer"),
+    "ready_at": sql.SQL("now() - %(age)s::interval + g * interval '1 ms'"),
+    "created_at": sql.SQL("now() - %(age)s::interval + g * interval '1 ms'"),
+    "updated_at": sql.SQL("now() - %(age)s::interval + g * interval '1 ms' + interval '50 ms'"),
+}
+
+
+def clone_query(columns: Sequence[str]) -> sql.Composed:
+    """One ``INSERT ... SELECT ... generate_series`` cloning the template row ``count`` times."""
+    return sql.SQL(
+        "INSERT INTO workflows ({columns}) SELECT {values} FROM workflows AS t "
+        "CROSS JOIN generate_series(1, %(count)s) AS g WHERE t.id = %(template)s"
+    ).format(
+        columns=sql.SQL(", ").join(sql.Identifier(name) for name in columns),
+        values=sql.SQL(", ").join(
+            _CLONE_OVERRIDES.get(name, sql.SQL("t.{}").format(sql.Identifier(name)))
+            for name in columns
+        ),
+    )
 
 
 def claim_query_matches_store() -> bool:
@@ -970,12 +977,17 @@ def _fill(dsn: str, schema: str, history: int, ready: int) -> float:
         db.approve(harness.APPROVER, created.id, created.fingerprint, timedelta(hours=1))
     started = time.perf_counter()
     with psycopg.connect(dsn, autocommit=True, options=f"-c search_path={schema}") as conn:
-        conn.execute(_CLONE_SQL, {"prefix": "hist_", "state": "succeeded", "fence": 1,
-                                  "result": Jsonb({"receipt": "history"}), "age": "1 day",
-                                  "count": history, "template": created.id})
-        conn.execute(_CLONE_SQL, {"prefix": "ready_", "state": "ready", "fence": 0,
-                                  "result": None, "age": "1 minute",
-                                  "count": ready, "template": created.id})
+        columns = [str(row[0]) for row in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'workflows'::regclass "
+            "AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum"
+        ).fetchall()]
+        query = clone_query(columns)
+        conn.execute(query, {"prefix": "hist_", "state": "succeeded", "fence": 1,
+                             "result": Jsonb({"receipt": "history"}), "age": "1 day",
+                             "count": history, "template": created.id})
+        conn.execute(query, {"prefix": "ready_", "state": "ready", "fence": 0,
+                             "result": None, "age": "1 minute",
+                             "count": ready, "template": created.id})
         # As autovacuum would have by then: visibility map set, statistics current.
         conn.execute("VACUUM (ANALYZE) workflows")
     return time.perf_counter() - started

@@ -171,3 +171,12 @@ def test_dbos_url_carries_the_admin_dsns_server_and_credentials() -> None:
 def test_literal_timedelta_ignores_what_it_cannot_evaluate() -> None:
     assert bench.known_waits("def test_x():\n    w.backoff = timedelta(seconds=n)\n", 3.0) == {}
     assert timedelta(milliseconds=250).total_seconds() == 0.25
+
+
+def test_clone_query_overrides_identity_and_copies_every_other_column() -> None:
+    text = bench.clone_query(["id", "tenant", "trace_id", "state"]).as_string(None)
+    assert text.startswith('INSERT INTO workflows ("id", "tenant", "trace_id", "state") SELECT ')
+    assert "%(prefix)s::text || g" in text
+    assert 't."tenant"' in text and 't."trace_id"' in text
+    assert 't."id"' not in text and 't."state"' not in text
+    assert "generate_series(1, %(count)s)" in text
