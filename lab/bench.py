@@ -827,6 +827,8 @@ def throughput(
     finally:
         if scratch.separate:
             scratch.drop()
+        elif dbos_schema != "dbos":  # only the scratch schema made for this run
+            store.drop_schema(admin_dsn, dbos_schema)
     by_system: dict[str, list[RunResult]] = {s: [] for s in systems}
     for round_results in rounds:
         for result in round_results:
