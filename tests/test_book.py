@@ -1,0 +1,710 @@
+"""The book: built only from verified evidence, deterministic, with readable figures.
+
+The main evidence comes from a real run: an inner pytest, through the lab's
+entry point and against the outer run's PostgreSQL, of a tiny but complete
+experiment tree with its own manifest. Its SIGKILL experiment is the real
+chapter 5 experiment, copied from ``experiments/`` so the figure shows what
+the book's experiment does: a worker process killed after the tool committed,
+its lease expiring on the database clock, and a reconciliation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from lab import book, cli, evidence, figures
+
+REPO = Path(__file__).resolve().parents[1]
+SIGKILL = "test_sigkill_after_tool_reconciles_existing_effect"
+SIGKILL_SOURCE = REPO / "experiments" / "ch05_crashes" / "test_crashes.py"
+SVG = "{http://www.w3.org/2000/svg}"
+
+MANIFEST = {
+    "experiments": [
+        {"chapter": "ch01_pure", "name": "test_pure", "results": 1, "database": False},
+        {"chapter": "ch02_params", "name": "test_created", "results": 2},
+        {"chapter": "ch05_crashes", "name": SIGKILL, "results": 1},
+    ]
+}
+PURE = '''
+def test_pure(observe):
+    """A pure claim | with a pipe."""
+    observe({"pure": True, "note": "<b>not markup</b>"})
+'''
+PARAMS = '''
+import pytest
+
+
+@pytest.mark.parametrize("mode", ["a", "b"])
+def test_created(lab, observe, mode):
+    """Creating and approving a workflow records two events."""
+    job = lab.approved(idempotent=mode == "a")
+    observe({"state": lab.state(job.id).state})
+'''
+QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio")
+
+# The order a reader must find in the SIGKILL figure.
+STORY = [
+    "claim w1",
+    "SIGKILL",
+    "lease expired",
+    "unknown",
+    "reconciled w1",
+    "final state: w1 succeeded",
+]
+
+
+def _only(path: Path, name: str) -> str:
+    """The module at ``path`` with ``name`` as its only test function."""
+    module = ast.parse(path.read_text(encoding="utf-8"))
+    module.body = [
+        node
+        for node in module.body
+        if not (
+            isinstance(node, ast.FunctionDef) and node.name.startswith("test") and node.name != name
+        )
+    ]
+    assert any(isinstance(n, ast.FunctionDef) and n.name == name for n in module.body), (
+        f"{name} is no longer in {path}"
+    )
+    return ast.unparse(module) + "\n"
+
+
+def _inner(
+    root: Path, dsn: str, *args: str, postgres: str = "dsn"
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "BOOK_")) and k != evidence.KEY_ENV
+    }
+    env["BOOK_LAB_DSN"] = dsn
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *QUIET, f"--lab-postgres={postgres}", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory, lab_dsn: str) -> Path:
+    """A complete experiment tree, run once for real: PASS evidence in ``evidence/``,
+    FAIL evidence (no PostgreSQL) in ``ev-fail/``, PARTIAL evidence (``-k``) in ``ev-partial/``."""
+    root = tmp_path_factory.mktemp("book-tree")
+    (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+    experiments = root / "experiments"
+    for chapter, text in (
+        ("ch01_pure", PURE),
+        ("ch02_params", PARAMS),
+        ("ch05_crashes", _only(SIGKILL_SOURCE, SIGKILL)),
+    ):
+        (experiments / chapter).mkdir(parents=True)
+        (experiments / chapter / f"test_{chapter[5:]}.py").write_text(text)
+    (experiments / "manifest.json").write_text(json.dumps(MANIFEST, indent=2))
+    run = _inner(root, lab_dsn, "--lab-evidence", "evidence")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    failed = _inner(root, lab_dsn, "--lab-evidence", "ev-fail", postgres="none")
+    assert failed.returncode != 0
+    partial = _inner(root, lab_dsn, "--lab-evidence", "ev-partial", "-k", "pure")
+    assert partial.returncode != 0
+    for directory, status in (
+        ("evidence", evidence.PASS),
+        ("ev-fail", evidence.FAIL),
+        ("ev-partial", evidence.PARTIAL),
+    ):
+        report = json.loads((root / directory / evidence.REPORT_FILE).read_text())
+        assert report["status"] == status, (directory, report["gate"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def built(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The book built once from the passing run."""
+    out = tmp_path_factory.mktemp("book") / "book"
+    book.build(tree / "evidence", out, root=tree)
+    return out
+
+
+def _texts(svg_path: Path) -> list[str]:
+    """The step labels of a figure, in document (time) order."""
+    root = ET.parse(svg_path).getroot()  # noqa: S314 - the build's own output
+    steps = root.find(f"{SVG}g[@class='steps']")
+    assert steps is not None
+    return [t.text or "" for t in steps.iter(f"{SVG}text") if "step" in t.get("class", "")]
+
+
+def _in_order(texts: list[str], wanted: list[str]) -> list[int]:
+    """Positions of each wanted phrase in the joined texts; each after the previous one."""
+    joined = "\n".join(texts)
+    positions: list[int] = []
+    start = 0
+    for phrase in wanted:
+        found = joined.find(phrase, start)
+        assert found >= 0, f"{phrase!r} not found after position {start} in:\n{joined}"
+        positions.append(found)
+        start = found + 1
+    return positions
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _build_args(evidence_dir: Path, out: Path, public_key: Path | None = None) -> list[str]:
+    args = ["book", "build", "--evidence", str(evidence_dir), "--out", str(out)]
+    return [*args, "--public-key", str(public_key)] if public_key else args
+
+
+# --------------------------------------------------------------------------- a real run
+
+
+def test_sigkill_figure_tells_the_story_in_order(built: Path) -> None:
+    """The SIGKILL experiment's figure names the claim, the kill, the lease expiry, the
+    unknown state, the reconciliation and the final state, in that order, in both forms."""
+    path = built / "figures" / f"{SIGKILL}.svg"
+    texts = _texts(path)
+    _in_order(texts, STORY)
+    # The tool effect happened once: one call, one receipt, then only a lookup.
+    assert sum("call the tool" in t for t in texts) == 1
+    assert any("look up the original effect key" in t for t in texts)
+    root = ET.parse(path).getroot()  # noqa: S314 - the build's own output
+    lanes = root.find(f"{SVG}g[@class='lanes']")
+    assert lanes is not None
+    labels = [t.text for t in lanes.iter(f"{SVG}text")]
+    for lane in ("experiment", "crashed", "restarted", "PostgreSQL", "credit tool"):
+        assert lane in labels, labels
+
+    markdown = (built / book.MARKDOWN_FILE).read_text()
+    section = markdown.split(f"### Sequence: `{SIGKILL}`", 1)[1]
+    diagram = section.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert diagram.startswith("sequenceDiagram\n")
+    assert "E-xP1: " in diagram and "SIGKILL" in diagram
+    _in_order(diagram.splitlines(), STORY)
+    assert f"![Sequence of {SIGKILL}](figures/{SIGKILL}.svg)" in section
+
+
+def test_every_figure_is_well_formed_svg(built: Path) -> None:
+    """Each figure parses as XML, is an SVG with a title, and labels its lanes."""
+    names = sorted(p.name for p in (built / "figures").iterdir())
+    assert names == sorted([f"{SIGKILL}.svg", "test_created--a.svg", "test_created--b.svg"])
+    for name in names:
+        root = ET.parse(built / "figures" / name).getroot()  # noqa: S314 - the build's own output
+        assert root.tag == f"{SVG}svg"
+        title = root.find(f"{SVG}title")
+        assert title is not None and title.text
+        texts = _texts(built / "figures" / name)
+        assert "create w1 → waiting_approval" in texts
+        assert texts[-1].startswith("final state: w1 ")
+
+
+def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
+    """Per chapter a table of claim, result, duration and observations; then provenance."""
+    report = json.loads((tree / "evidence" / evidence.REPORT_FILE).read_text())
+    markdown = (built / book.MARKDOWN_FILE).read_text()
+    chapters = [line for line in markdown.splitlines() if line.startswith("## ch")]
+    assert chapters == ["## ch01_pure", "## ch02_params", "## ch05_crashes"]
+    pure = next(line for line in markdown.splitlines() if line.startswith("| `test_pure`"))
+    assert "A pure claim \\| with a pipe." in pure
+    assert "note=&lt;b&gt;not markup&lt;/b&gt;, pure=true" in pure
+    created = next(line for line in markdown.splitlines() if line.startswith("| `test_created`"))
+    assert "passed (2 results)" in created
+    assert "[a] state=ready<br>[b] state=ready" in created
+    sigkill = next(line for line in markdown.splitlines() if line.startswith(f"| `{SIGKILL}`"))
+    assert "signal=SIGKILL" in sigkill and "| passed |" in sigkill
+    signing = report["signing"]
+    assert f"- Signer: key id `{signing['keyid']}`, an **ephemeral** key" in markdown
+    assert report["postgresql"]["server_version"] in markdown
+    assert "provided by `dsn`" in markdown
+    assert f"- Run finished: {report['timestamp_utc']} (UTC)." in markdown
+    assert "- Commit: `unknown`" in markdown  # the tree is not a git repository
+    assert "with the public key the evidence carries" in markdown
+    assert "Trace ids are random" in markdown  # the report's limits, carried over
+    for trace in report["tests"][-1]["trace_ids"]:
+        assert f"`{trace}`" in markdown
+
+
+def test_manifest_lists_every_file_written(built: Path, tree: Path) -> None:
+    """MANIFEST.sha256 covers exactly the files the build wrote, with their digests,
+    and the evidence copies are byte-identical to the verified originals."""
+    lines = (built / book.MANIFEST_FILE).read_text().splitlines()
+    listed: dict[str, str] = {}
+    for line in lines:
+        digest, name = line.split("  ", 1)
+        listed[name] = digest
+    files = _files(built)
+    del files[book.MANIFEST_FILE]
+    assert sorted(listed) == sorted(files) == [line.split("  ", 1)[1] for line in lines]
+    for name, data in files.items():
+        assert hashlib.sha256(data).hexdigest() == listed[name], name
+    for name in (evidence.REPORT_FILE, evidence.ENVELOPE_FILE, evidence.PUBLIC_KEY_FILE):
+        assert files[f"evidence/{name}"] == (tree / "evidence" / name).read_bytes(), name
+    # The copy verifies on its own, pinned to the key beside it.
+    key = evidence.load_public_key(files["evidence/runtime.pub.pem"])
+    assert evidence.verify(built / "evidence", public_key=key, check_sources=True, root=tree).ok
+
+
+def test_two_builds_are_byte_identical(tree: Path, tmp_path: Path) -> None:
+    """Same evidence, same bytes; a rebuild in place removes what the last build wrote."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    written = book.build(tree / "evidence", one, root=tree)
+    assert book.build(tree / "evidence", two, root=tree) == written
+    assert _files(one) == _files(two)
+    assert sorted([*written, book.MANIFEST_FILE]) == sorted(_files(one))
+
+    first = _files(one)
+    (one / "figures" / "renamed.svg").write_text("<svg/>")
+    with (one / book.MANIFEST_FILE).open("a") as manifest:
+        manifest.write(f"{'0' * 64}  figures/renamed.svg\n")
+    (one / "notes.txt").write_text("not the build's")
+    book.build(tree / "evidence", one, root=tree)
+    again = _files(one)
+    assert again.pop("notes.txt") == b"not the build's"
+    assert again == first
+
+
+def test_cli_builds_with_a_pinned_key(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lab book build --public-key`` builds from evidence signed by that key."""
+    monkeypatch.chdir(tree)
+    out = tmp_path / "book"
+    code = cli.main(_build_args(Path("evidence"), out, tree / "evidence" / "runtime.pub.pem"))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out.startswith(f"wrote 7 files to {out} (3 figures)")
+    assert "against the pinned public key" in (out / book.MARKDOWN_FILE).read_text()
+
+
+def test_model_experiment_report_is_copied(tree: Path, tmp_path: Path) -> None:
+    """A model report beside the evidence (or already in the book) is copied and listed."""
+    model = {
+        "model": "stories260K",
+        "model_sha256": "270c" + "0" * 60,
+        "summary": {"constrained": {"admitted": 2, "generations": 3}},
+    }
+    data = (json.dumps(model, indent=2) + "\n").encode()
+    source = tmp_path / "evidence"
+    shutil.copytree(tree / "evidence", source)
+    (source / "model-experiment.json").write_bytes(data)
+    out = tmp_path / "book"
+    written = book.build(source, out, root=tree)
+    assert "evidence/model-experiment.json" in written
+    assert (out / "evidence" / "model-experiment.json").read_bytes() == data
+    assert "  evidence/model-experiment.json\n" in (out / book.MANIFEST_FILE).read_text()
+    markdown = (out / book.MARKDOWN_FILE).read_text()
+    assert "## Model experiment" in markdown
+    assert "- `evidence/model-experiment.json`: stories260K" in markdown
+    assert "  - constrained: admitted 2, generations 3" in markdown
+
+    # `lab model run` writes book/model-experiment.json by default: that one is copied too.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / book.MODEL_REPORT).write_bytes(data)
+    assert "evidence/model-experiment.json" in book.build(tree / "evidence", other, root=tree)
+    assert (other / book.MODEL_REPORT).read_bytes() == data
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], out: Path) -> str:
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("lab book build: refused: ")
+    assert not (out / book.MARKDOWN_FILE).exists()
+    assert not (out / book.MANIFEST_FILE).exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("directory", "reason"),
+    [
+        pytest.param("ev-fail", "gate: status is FAIL, not PASS", id="FAIL"),
+        pytest.param("ev-partial", "gate: status is PARTIAL, not PASS", id="PARTIAL"),
+    ],
+)
+def test_refuses_evidence_that_did_not_pass(
+    tree: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    directory: str,
+    reason: str,
+) -> None:
+    """Validly signed evidence of a failed or narrowed run is not published."""
+    monkeypatch.chdir(tree)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(Path(directory), out), out)
+    assert reason in line
+
+
+def _flip_payload_letter(envelope: bytes, word: bytes) -> bytes:
+    """The envelope with ONE byte changed: a base64 character whose lowest bit is the
+    lowest bit of a lowercase letter inside ``word`` in the payload, so the payload
+    still decodes to valid JSON but says something else."""
+    parsed = json.loads(envelope)
+    payload = base64.b64decode(parsed["payload"])
+    at = payload.index(word)
+    # Byte 3k+2 of the payload is the low 6 bits of base64 character 4k+3.
+    position = next(
+        p for p in range(at, at + len(word)) if p % 3 == 2 and chr(payload[p]).islower()
+    )
+    char_index = (position // 3) * 4 + 3
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    start = envelope.index(parsed["payload"].encode())
+    old = envelope[start + char_index]
+    new = alphabet[alphabet.index(old) ^ 1]
+    tampered = bytearray(envelope)
+    tampered[start + char_index] = new
+    changed = base64.b64decode(json.loads(bytes(tampered))["payload"])
+    assert changed != payload and json.loads(changed)  # still JSON, different content
+    return bytes(tampered)
+
+
+def _flip_signature(envelope: bytes) -> bytes:
+    parsed = json.loads(envelope)
+    sig = parsed["signatures"][0]["sig"].encode()
+    start = envelope.index(sig) + 10
+    tampered = bytearray(envelope)
+    tampered[start] = ord("A") if tampered[start] != ord("A") else ord("B")
+    return bytes(tampered)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        pytest.param(
+            lambda data: _flip_payload_letter(data, b"SIGKILLed"),
+            "signature: does not verify over the payload",
+            id="payload-byte",
+        ),
+        pytest.param(
+            _flip_signature, "signature: does not verify over the payload", id="signature-byte"
+        ),
+    ],
+)
+def test_refuses_tampered_evidence(
+    tree: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tamper: Any,
+    reason: str,
+) -> None:
+    """One byte of the envelope changed: the signature no longer verifies."""
+    copy = tmp_path / "evidence"
+    shutil.copytree(tree / "evidence", copy)
+    envelope = copy / evidence.ENVELOPE_FILE
+    original = envelope.read_bytes()
+    envelope.write_bytes(tamper(original))
+    assert sum(a != b for a, b in zip(original, envelope.read_bytes(), strict=True)) == 1
+    monkeypatch.chdir(tree)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(copy, out), out)
+    assert reason in line
+
+
+def test_refuses_a_different_signer(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pinned to another key, genuine evidence is refused: it is not that signer's."""
+    other = tmp_path / "other.pem"
+    other.write_text(evidence.public_pem(ed25519.Ed25519PrivateKey.generate().public_key()))
+    monkeypatch.chdir(tree)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(Path("evidence"), out, other), out)
+    assert "not by the expected key" in line
+
+
+def test_refuses_a_public_key_file_of_another_signer(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """runtime.pub.pem is published beside the evidence: it must be the signer's key."""
+    copy = tmp_path / "evidence"
+    shutil.copytree(tree / "evidence", copy)
+    (copy / evidence.PUBLIC_KEY_FILE).write_text(
+        evidence.public_pem(ed25519.Ed25519PrivateKey.generate().public_key())
+    )
+    monkeypatch.chdir(tree)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(copy, out), out)
+    assert "runtime.pub.pem is not the key that signed the evidence" in line
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        pytest.param(
+            "edit",
+            "source experiments/ch01_pure/test_pure.py: differs from the signed digest",
+            id="changed",
+        ),
+        pytest.param(
+            "add",
+            "source experiments/ch01_pure/test_new.py: present in",
+            id="added",
+        ),
+    ],
+)
+def test_refuses_stale_evidence(
+    tree: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    change: str,
+    reason: str,
+) -> None:
+    """A source file changed (or added) after the run: the evidence no longer describes it."""
+    copy = tmp_path / "tree"
+    shutil.copytree(tree, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    chapter = copy / "experiments" / "ch01_pure"
+    if change == "edit":
+        path = chapter / "test_pure.py"
+        path.write_text(path.read_text() + "\n# changed after the run\n")
+    else:
+        (chapter / "test_new.py").write_text("def test_new():\n    pass\n")
+    monkeypatch.chdir(copy)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(Path("evidence"), out), out)
+    assert reason in line
+
+
+def test_refuses_to_overwrite_its_own_evidence(tree: Path, tmp_path: Path) -> None:
+    """``--out`` whose evidence/ is the input directory would destroy the input."""
+    copy = tmp_path / "evidence"
+    shutil.copytree(tree / "evidence", copy)
+    with pytest.raises(book.Refused, match="would overwrite the evidence"):
+        book.build(copy, tmp_path, root=tree)
+    assert (copy / evidence.REPORT_FILE).read_bytes() == (
+        tree / "evidence" / evidence.REPORT_FILE
+    ).read_bytes()
+
+
+def test_missing_evidence_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No evidence at all: a one-line reason, no book."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(tmp_path / "absent", out), out)
+    assert "envelope: cannot read" in line
+
+
+# --------------------------------------------------------------------------- the report's history
+
+
+def _history_records(start: str, trace: str, shift: float) -> list[dict[str, Any]]:
+    props: list[Any] = [
+        ["lab_claim", "A claim."],
+        ["lab_needs_database", True],
+        ["lab_database", True],
+        [
+            "lab_events",
+            [
+                {"t": 0.01 + shift, "workflow": "w1", "kind": "created", "fence": 0,
+                 "detail": "plan_version=1"},
+                {"t": 0.5 + shift, "workflow": "w1", "kind": "dispatching", "fence": 1,
+                 "detail": f"start={start}", "account": "acct-123"},
+                {"t": 0.6 + shift, "workflow": "w1", "kind": "unknown", "fence": 1,
+                 "detail": "cause=x password=hunter2 token=abc free text"},
+                {"t": float("nan"), "workflow": "wf with spaces", "kind": "Bad Kind",
+                 "fence": True, "detail": None},
+            ],
+        ],
+        [
+            "lab_timeline",
+            [
+                {"t": 0.2 + shift, "actor": "crashed", "what": "started"},
+                {"t": 0.3 + shift, "actor": "experiment",
+                 "what": f"saw postgresql://lab:pw@127.0.0.1/db and {start}"},
+            ],
+        ],
+        ["lab_trace_ids", [trace, "not-a-trace-id", 7]],
+    ]
+    nodeid = "experiments/ch01_x/test_a.py::test_a"
+    return [
+        {"$report_type": "TestReport", "nodeid": nodeid, "when": when, "outcome": "passed",
+         "duration": 0.01, "longrepr": None, "user_properties": props}
+        for when in ("setup", "call", "teardown")
+    ]
+
+
+def _compile(records: list[dict[str, Any]], root: Path) -> dict[str, Any]:
+    facts = evidence.RunFacts(
+        records=records,
+        collected=[records[0]["nodeid"]],
+        experiments_prefix="experiments/",
+        expected=[evidence.Expected("ch01_x", "test_a")],
+        database={"provider": "dsn", "server_version": "15", "details": {}},
+        command=["pytest"],
+    )
+    return evidence.compile_report(facts, root=root, signing={})
+
+
+def test_report_carries_the_sanitised_history(tmp_path: Path) -> None:
+    """Events, timeline and trace ids reach runtime.json: known fields only, random ids
+    aliased, secrets and free text redacted, malformed trace ids dropped."""
+    start = "st1_" + "ab" * 16
+    report = _compile(_history_records(start, "c" * 32, 0.0), tmp_path)
+    test = report["tests"][0]
+    assert test["events"] == [
+        {"t": 0.01, "workflow": "w1", "kind": "created", "fence": 0, "detail": "plan_version=1"},
+        {"t": 0.5, "workflow": "w1", "kind": "dispatching", "fence": 1, "detail": "start=st1-1"},
+        {"t": 0.6, "workflow": "w1", "kind": "unknown", "fence": 1,
+         "detail": "cause=x <redacted> <redacted> <redacted> <redacted>"},
+        {"t": None, "workflow": "<redacted>", "kind": "<redacted>", "fence": None, "detail": ""},
+    ]
+    assert test["timeline"] == [
+        {"t": 0.2, "actor": "crashed", "what": "started"},
+        {"t": 0.3, "actor": "experiment",
+         "what": "saw postgresql://<redacted>@127.0.0.1/db and st1-1"},
+    ]
+    assert test["trace_ids"] == ["c" * 32]
+    text = json.dumps(report)
+    for secret in ("hunter2", "abc free", ":pw@", "acct-123", "ab" * 16):
+        assert secret not in text
+    assert any("Trace ids are random" in limit for limit in report["limits"])
+
+
+def test_history_differs_between_runs_only_in_times_and_trace_ids(tmp_path: Path) -> None:
+    """Another run has other start ids, trace ids and times; nothing else changes."""
+    one = _compile(_history_records("st1_" + "ab" * 16, "c" * 32, 0.0), tmp_path)
+    two = _compile(_history_records("st1_" + "cd" * 16, "d" * 32, 0.25), tmp_path)
+
+    def comparable(report: dict[str, Any]) -> list[Any]:
+        test = report["tests"][0]
+        strip = [{k: v for k, v in e.items() if k != "t"} for e in test["events"]]
+        marks = [{k: v for k, v in m.items() if k != "t"} for m in test["timeline"]]
+        return [strip, marks]
+
+    assert one["tests"][0] != two["tests"][0]
+    assert comparable(one) == comparable(two)
+
+
+# --------------------------------------------------------------------------- figures alone
+
+
+def _mark(t: float, actor: str, what: str) -> dict[str, Any]:
+    return {"t": t, "actor": actor, "what": what}
+
+
+def _event(t: float, kind: str, fence: int, detail: str = "") -> dict[str, Any]:
+    return {"t": t, "workflow": "w1", "kind": kind, "fence": fence, "detail": detail}
+
+
+@pytest.mark.parametrize(
+    ("timeline", "source"),
+    [
+        pytest.param([_mark(0.1, "one", "started")], "P1", id="the-only-process-alive"),
+        pytest.param(
+            [_mark(0.1, "one", "started"), _mark(0.2, "one", "exited 0")],
+            "E",
+            id="none-alive-the-experiment",
+        ),
+        pytest.param(
+            [_mark(0.1, "one", "started"), _mark(0.1, "two", "started")],
+            "DB",
+            id="several-alive-a-note",
+        ),
+    ],
+)
+def test_reconciliation_is_drawn_from_the_process_that_can_have_written_it(
+    timeline: list[dict[str, Any]], source: str
+) -> None:
+    """An event without an owner is drawn from the only live worker process, from the
+    experiment when none is alive, and as a note over PostgreSQL when it is ambiguous."""
+    figure = figures.sequence([_event(1.0, "reconciled", 1, "lookup=found")], timeline)
+    reconciled = next(s for s in figure.steps if s.text.startswith("reconciled w1"))
+    assert reconciled.source == source
+    assert reconciled.target == "DB"
+
+
+def test_fenced_steps_are_drawn_from_the_claims_owner() -> None:
+    """Dispatch and completion belong to the owner of the claim with that fence; an
+    in-process owner is named on the experiment's lane."""
+    events = [
+        _event(0.5, "claimed", 1, "owner=one"),
+        _event(0.6, "dispatching", 1, "start=st1-1"),
+        _event(1.5, "claimed", 2, "owner=worker-a"),
+        _event(1.6, "completed", 2),
+    ]
+    timeline = [_mark(0.1, "one", "started"), _mark(0.1, "two", "started")]
+    figure = figures.sequence(events, timeline)
+    drawn = [(s.source, s.target, s.text) for s in figure.steps if s.t and s.t >= 0.5]
+    assert drawn == [
+        ("P1", "DB", "claim w1 (fence 1) → running"),
+        ("P1", "DB", "start barrier st1-1 for w1 (fence 1)"),
+        ("P1", "T", "call the tool with the effect key"),
+        ("E", "DB", "worker-a: claim w1 (fence 2)"),
+        ("E", "DB", "worker-a: complete w1 with the receipt → succeeded"),
+    ]
+    assert figure.steps[-1].text == "final state: w1 succeeded"
+
+
+def test_markup_in_labels_is_escaped_in_both_renderings() -> None:
+    """Text from the evidence cannot break the SVG or end a Mermaid statement."""
+    timeline = [_mark(0.1, "experiment", "odd <b>&amp; text; #1")]
+    figure = figures.sequence([], timeline)
+    document = figures.svg(figure, "title <&>", "caption & <more>")
+    root = ET.fromstring(document.encode())  # noqa: S314 - the build's own output
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "odd <b>&amp; text; #1" in texts and "title <&>" in texts
+    diagram = figures.mermaid(figure)
+    assert "Note over E: 0.100 s · odd #lt;b#gt;&amp#59; text#59; #35;1" in diagram
+    assert diagram.count("\n") == len(figure.lanes) + len(figure.steps) + 1
+
+
+def test_figures_without_a_history_are_not_drawn() -> None:
+    """Only experiments with events get a figure; names follow parameters and chapters."""
+    tests: list[dict[str, Any]] = [
+        {"nodeid": "experiments/a/t.py::test_x[p/q]", "chapter": "a", "experiment": "test_x",
+         "events": [_event(0, "created", 0)]},
+        {"nodeid": "experiments/b/t.py::test_x", "chapter": "b", "experiment": "test_x",
+         "events": [_event(0, "created", 0)]},
+        {"nodeid": "experiments/b/t.py::test_y", "chapter": "b", "experiment": "test_y",
+         "events": []},
+    ]
+    assert book.figure_names(tests) == {
+        "experiments/a/t.py::test_x[p/q]": "a--test_x--p_q",
+        "experiments/b/t.py::test_x": "b--test_x",
+    }
+
+
+def test_cli_rejects_an_unreadable_public_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --public-key that is not a PEM key is a one-line refusal."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a key")
+    args = argparse.Namespace(
+        book_command="build", evidence=str(tmp_path), out=str(tmp_path / "b"),
+        public_key=str(bad),
+    )
+    assert book.cli_main(args) == 1
+    assert capsys.readouterr().err.startswith("lab book build: refused: cannot use --public-key")
