@@ -11,10 +11,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lab import errors, proposal
+from lab import errors
 
 
 def _plancheck(args: argparse.Namespace) -> int:
+    # Imported here: jsonschema would add to every worker process's start-up.
+    from lab import proposal
+
     raw = sys.stdin.buffer.read(proposal.MAX_PROPOSAL_BYTES + 1)
     try:
         plan = proposal.admit(raw)

@@ -76,14 +76,20 @@ def worker_main(args: argparse.Namespace) -> int:
 def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
     """Run items until none was due for ``idle_exit`` seconds (or ``max_items`` ran).
 
-    A stale fence or a manual-review decision ends one item, not the loop: the
-    database has already refused or recorded what it must.
+    A stale fence, a manual-review decision, a tool failure or a lost database
+    connection ends one item, not the loop: the database has already refused or
+    recorded what it must, and the pool replaces a terminated backend.
     """
     done = 0
     idle_since = time.monotonic()
     while max_items <= 0 or done < max_items:
         try:
             item = runner.run_one()
+        except errors.StoreError as exc:
+            # A lost backend is replaced by the pool; a database that stays away
+            # lets the idle timer run out instead of spinning forever.
+            print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
+            item = None
         except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
             print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
             item = None

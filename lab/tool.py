@@ -15,6 +15,7 @@ import json
 import random
 import re
 import secrets
+import sys
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -172,7 +173,7 @@ class ToolService:
         class Handler(_Handler):
             tool = service
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="credit-tool", daemon=True
@@ -252,6 +253,20 @@ class ToolService:
                 (effect_key,),
             ).fetchone()
         return None if row is None else Receipt(row["receipt"], effect_key, row["fingerprint"])
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A threading server that does not print a traceback when a client vanishes.
+
+    Killed workers drop their connections mid-request by design; anything else
+    is still reported.
+    """
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionResetError | BrokenPipeError):
+            return
+        super().handle_error(request, client_address)
 
 
 _EFFECT_FIELDS = {
