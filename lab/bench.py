@@ -30,7 +30,6 @@ import ast
 import concurrent.futures
 import contextlib
 import importlib
-import inspect
 import json
 import math
 import os
@@ -46,7 +45,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, LiteralString
+from typing import Any
 from urllib.parse import quote
 
 import psycopg
@@ -92,18 +91,6 @@ DBOS_URL_ENV = "LAB_BENCH_DBOS_URL"
 DBOS_SCHEMA_ENV = "LAB_BENCH_DBOS_SCHEMA"
 TOOL_ENV = "LAB_BENCH_TOOL"
 _DBOS_CHILD = "import sys; from lab import bench; sys.exit(bench.dbos_worker_main(sys.argv[1:]))"
-
-# The claim query of ``store.Store.claim``; the benchmark EXPLAINs it and checks it has not drifted.
-CLAIM_QUERY: LiteralString = """
-                    SELECT *, (approval_expires IS NULL
-                               OR approval_expires <= clock_timestamp()) AS approval_lapsed
-                      FROM workflows
-                     WHERE state = 'ready' AND ready_at <= clock_timestamp()
-                     ORDER BY ready_at, created_at
-                     LIMIT 1
-                       FOR UPDATE SKIP LOCKED
-"""
-
 
 # -- pure arithmetic and parsing ---------------------------------------------------------
 
@@ -964,14 +951,6 @@ def clone_query(columns: Sequence[str]) -> sql.Composed:
     )
 
 
-def claim_query_matches_store() -> bool:
-    """True while ``CLAIM_QUERY`` is still the query ``store.Store.claim`` runs."""
-    def squash(text: str) -> str:
-        return " ".join(text.split())
-
-    return squash(CLAIM_QUERY) in squash(inspect.getsource(store.Store.claim))
-
-
 def _fill(dsn: str, schema: str, history: int, ready: int) -> float:
     """Bulk-insert ``history`` succeeded and ``ready`` due workflows; return the seconds taken."""
     with store.Store.open(dsn, schema, max_connections=1, application_name="lab-bench") as db:
@@ -997,7 +976,7 @@ def _fill(dsn: str, schema: str, history: int, ready: int) -> float:
 
 def _explain(dsn: str, schema: str) -> str:
     with psycopg.connect(dsn, options=f"-c search_path={schema}") as conn:
-        rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + CLAIM_QUERY).fetchall()
+        rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + store.CLAIM_QUERY).fetchall()
         conn.rollback()
     return "\n".join(str(row[0]) for row in rows)
 
@@ -1008,8 +987,7 @@ def claim_latency(dsn: str, sizes: Sequence[int], samples: int = CLAIM_SAMPLES) 
         raise errors.Rejected("history sizes must be non-negative")
     schemas = {size: _new_schema("bench_claim") for size in sizes}
     stores: dict[int, store.Store] = {}
-    report: dict[str, Any] = {"samples": samples, "warmup": CLAIM_WARMUP,
-                              "query_matches_store": claim_query_matches_store(), "sizes": {}}
+    report: dict[str, Any] = {"samples": samples, "warmup": CLAIM_WARMUP, "sizes": {}}
     try:
         for size, schema in schemas.items():
             store.create_schema(dsn, schema)
@@ -1326,8 +1304,6 @@ def _print(command: str, report: Mapping[str, Any], out: Console) -> None:
                   f"{_fmt(report['ratio_p50_largest_over_smallest'])}; p99: "
                   f"{_fmt(report['ratio_p99_largest_over_smallest'])} "
                   f"(goal <= {GOALS['claim_ratio_1m_over_1k']})")
-        if not report["query_matches_store"]:
-            out.print("[yellow]CLAIM_QUERY no longer matches store.Store.claim[/yellow]")
         out.print(f"plan with {report['largest']:,} finished workflows:")
         out.print(report["sizes"][report["largest"]]["plan"], markup=False, highlight=False)
     elif command == "startup":

@@ -155,10 +155,6 @@ def test_suite_breakdown_splits_wall_time() -> None:
     assert parallel["inherent_share_of_wall"] is None
 
 
-def test_the_benchmarked_claim_query_is_the_stores() -> None:
-    assert bench.claim_query_matches_store(), "update bench.CLAIM_QUERY from store.Store.claim"
-
-
 def test_dbos_url_carries_the_admin_dsns_server_and_credentials() -> None:
     scratch = bench.Scratch(
         "host=127.0.0.1 port=55440 user=lab password=p@ss dbname=postgres",
