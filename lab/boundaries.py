@@ -236,6 +236,7 @@ def check_endpoint(endpoint: str) -> str:
         parsed = httpx.URL(base)
     except httpx.InvalidURL:
         raise _refuse("could not be normalised") from None
-    if parsed.host != address or parsed.port != port:
+    # httpx reports the scheme's default port (80) as None.
+    if parsed.host != address or (parsed.port or 80) != port:
         raise _refuse("parses differently in the HTTP client")
     return base

@@ -313,12 +313,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         if status == HTTPStatus.TOO_MANY_REQUESTS:
             self.send_header("Retry-After", "0")
         self.end_headers()
         self.wfile.write(data)
 
     def do_POST(self) -> None:
+        # Until the body is read, an early answer must close the connection: the
+        # unread body would otherwise be parsed as the next request.
+        self.close_connection = True
         if self.path != EFFECTS_PATH:
             self._reply(HTTPStatus.NOT_FOUND, {"error": "not_found"})
             return
@@ -333,8 +338,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": "body_too_large"})
             return
+        raw = self.rfile.read(length)
+        self.close_connection = False
         try:
-            body = json.loads(self.rfile.read(length))
+            body = json.loads(raw)
         except ValueError:
             self._reply(HTTPStatus.BAD_REQUEST, {"error": "malformed_json"})
             return
