@@ -1272,7 +1272,7 @@ def cli_main(args: argparse.Namespace, console: Console | None = None) -> int:
                       f"fsync={environment['postgres']['fsync']}")
             _print(command, report, out)
     except errors.LabError as exc:
-        out.print(f"[red]{type(exc).__name__}: {exc}[/red]")
+        out.print(f"{type(exc).__name__}: {exc}", style="red", markup=False)
         return 1
     except psycopg.Error as exc:
         # The SQLSTATE names the cause without echoing parameters.
