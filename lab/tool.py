@@ -294,6 +294,9 @@ def _valid_effect_body(body: object) -> bool:
 class _Handler(BaseHTTPRequestHandler):
     tool: ToolService
     protocol_version = "HTTP/1.1"
+    # Headers and body leave in two writes; with Nagle on, the second waits for the
+    # client's delayed ACK (about 40 ms per call on Linux). Measured in lab bench.
+    disable_nagle_algorithm = True
     server_version = "credit-tool"
     sys_version = ""
 
