@@ -136,6 +136,11 @@ def print_summary(
         out.print(
             f"PostgreSQL: {database.get('provider', '?')}, {database.get('server_version', '?')}"
         )
+        details = database.get("details") or {}
+        # Provenance: the binaries path, the image digest or the DSN's host, as recorded.
+        for name in ("binaries", "method", "image", "image_digest", "host", "port"):
+            if details.get(name):
+                out.print(Text(f"  {name}: {details[name]}"))
     else:
         out.print(Text("PostgreSQL: none reached", style="red"))
 
