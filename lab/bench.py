@@ -1044,7 +1044,8 @@ def _claim_table(report: Mapping[str, Any]) -> Table:
 def suite_command(extra: Sequence[str]) -> list[str]:
     """The pytest command the suite benchmark times, with ``extra`` (``-n 4``) appended."""
     return [sys.executable, "-m", "pytest", "experiments", "-q", "-p", "no:cacheprovider",
-            "--lab-no-evidence", "--durations=0", "--durations-min=0", *extra]
+            "-p", "no:hypothesispytest", "--lab-no-evidence", "--durations=0",
+            "--durations-min=0", *extra]
 
 
 def suite_waits(experiments: Path) -> dict[str, float]:

@@ -23,7 +23,7 @@ def test_command_runs_pytest_on_the_experiments_with_evidence() -> None:
     command = runner.pytest_command(_args("-n", "2", "--evidence", "out", "--", "-x", "-q"))
     assert command == [
         sys.executable, "-m", "pytest", "experiments", "-p", "no:cacheprovider",
-        "--lab-evidence", "out", "-n", "2", "-x", "-q",
+        "-p", "no:hypothesispytest", "--lab-evidence", "out", "-n", "2", "-x", "-q",
     ]  # fmt: skip
     narrowed = runner.pytest_command(_args("--chapter", "ch01_admission", "--chapter", "ch05"))
     assert narrowed[3:5] == ["experiments/ch01_admission", "experiments/ch05"]
