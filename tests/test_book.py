@@ -370,10 +370,14 @@ def _flip_payload_letter(envelope: bytes, word: bytes) -> bytes:
     still decodes to valid JSON but says something else."""
     parsed = json.loads(envelope)
     payload = base64.b64decode(parsed["payload"])
-    at = payload.index(word)
-    # Byte 3k+2 of the payload is the low 6 bits of base64 character 4k+3.
+    # Byte 3k+2 of the payload is the low 6 bits of base64 character 4k+3. Where the
+    # word lands depends on the run (commit, times), so every occurrence is a candidate,
+    # then any letter of the claim that holds it.
+    starts = [i for i in range(len(payload)) if payload.startswith(word, i)]
+    spans = [range(at, at + len(word)) for at in starts]
+    spans += [range(at, payload.index(b'"', at)) for at in starts]
     position = next(
-        p for p in range(at, at + len(word)) if p % 3 == 2 and chr(payload[p]).islower()
+        p for span in spans for p in span if p % 3 == 2 and chr(payload[p]).islower()
     )
     char_index = (position // 3) * 4 + 3
     alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
