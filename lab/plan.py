@@ -91,23 +91,9 @@ class Plan:
     @classmethod
     def from_json(cls, value: Any) -> Plan:
         """Rebuild a stored plan; raise ``Rejected`` if the stored shape is not a plan."""
-        if not isinstance(value, dict) or set(value) != {
-            "version",
-            "action",
-            "account",
-            "amount_minor",
-            "currency",
-            "idempotent",
-        }:
+        if not isinstance(value, dict) or set(value) != set(cls.__dataclass_fields__):
             raise errors.Rejected("stored plan has an unexpected shape")
-        return cls(
-            version=value["version"],
-            action=value["action"],
-            account=value["account"],
-            amount_minor=value["amount_minor"],
-            currency=value["currency"],
-            idempotent=value["idempotent"],
-        )
+        return cls(**value)
 
 
 def effect_key(tenant: str, operation: str) -> str:

@@ -893,16 +893,7 @@ def _barrier_row(
 
 def _verified_barrier(row: dict[str, Any]) -> StartBarrier:
     """Rebuild a stored barrier and verify it; any mismatch fails closed."""
-    barrier = StartBarrier(
-        start_id=row["start_id"],
-        workflow_id=row["workflow_id"],
-        fence=row["fence"],
-        attempt=row["attempt"],
-        effect_key=row["effect_key"],
-        fingerprint=row["fingerprint"],
-        trace_id=row["trace_id"],
-        span_id=row["span_id"],
-    )
+    barrier = StartBarrier(**{name: row[name] for name in StartBarrier.__dataclass_fields__})
     barrier.verify(row["digest"], row["audit_event"])
     return barrier
 
