@@ -497,6 +497,29 @@ def _approved_backlog(dsn: str, schema: str, count: int) -> None:
                 pass
 
 
+def _costs(
+    scratch: Scratch,
+    meter: CpuMeter,
+    before: Mapping[str, int],
+    wal_before: int | None,
+    system_db: str,
+    calls: int,
+    own: Mapping[str, int] | None = None,
+) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """CPU, WAL syncs and transactions one round cost, split between system and tool.
+
+    ``own`` names the benchmark's own polling transactions to leave out.
+    """
+    cpu = meter.read()
+    after = xact_snapshot(scratch.admin_dsn, scratch.databases())
+    cpu["wal_syncs"] = _difference(wal_syncs(scratch.admin_dsn), wal_before)
+    delta = xact_delta(before, after, own)
+    xacts = split_transactions(
+        delta, system_db=system_db, tool_db=scratch.tool_db, tool_calls=calls
+    )
+    return cpu, xacts
+
+
 def lab_round(scratch: Scratch, workflows: int, workers: int) -> RunResult:
     """Drain ``workflows`` approved workflows with ``workers`` ``lab worker`` processes."""
     schema = _new_schema("bench_lab")
@@ -530,13 +553,7 @@ def lab_round(scratch: Scratch, workflows: int, workers: int) -> RunResult:
         for child in children:
             child.cleanup()
         service.stop()
-    cpu = meter.read()
-    after = xact_snapshot(scratch.admin_dsn, scratch.databases())
-    cpu["wal_syncs"] = _difference(wal_syncs(scratch.admin_dsn), wal_before)
-    delta = xact_delta(before, after)
-    xacts = split_transactions(
-        delta, system_db=scratch.store_db, tool_db=scratch.tool_db, tool_calls=calls
-    )
+    cpu, xacts = _costs(scratch, meter, before, wal_before, scratch.store_db, calls)
     with store.Store.open(store_dsn, schema, max_connections=1) as db:
         rows = db.execute(
             """
@@ -692,12 +709,8 @@ def dbos_round(scratch: Scratch, dbos_schema: str, workflows: int, workers: int)
         for child in children:
             child.cleanup()
         service.stop()
-    cpu = meter.read()
-    after = xact_snapshot(scratch.admin_dsn, scratch.databases())
-    cpu["wal_syncs"] = _difference(wal_syncs(scratch.admin_dsn), wal_before)
-    delta = xact_delta(before, after, own={scratch.dbos_db: polls})
-    xacts = split_transactions(
-        delta, system_db=scratch.dbos_db, tool_db=scratch.tool_db, tool_calls=calls
+    cpu, xacts = _costs(
+        scratch, meter, before, wal_before, scratch.dbos_db, calls, own={scratch.dbos_db: polls}
     )
     with psycopg.connect(scratch.dsn(scratch.dbos_db), autocommit=True) as conn:
         cur = conn.cursor(row_factory=dict_row)
