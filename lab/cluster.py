@@ -70,9 +70,11 @@ BINARIES_ENV = "LAB_PG_BINARIES"
 MODES = ("auto", "dsn", "container", "embedded")
 METHODS = ("auto", "initdb", "cached-copy")
 
-# postgres:16-alpine as published on Docker Hub, pinned by its digest as used in several
-# independent public projects; it could not be checked against the registry from the machine
-# this was written on (no Docker daemon, no access to Docker Hub). Override with LAB_POSTGRES_IMAGE.
+# postgres:16-alpine as published on Docker Hub (the 16.14-alpine3.24 build), pinned by its
+# digest. Independent public projects pin the same digest under those tags, and one records
+# the server it ran as 16.14; it could not be checked against the registry itself from the
+# machine this was written on (no Docker daemon, no access to Docker Hub). The tests drive the
+# pinned reference through a real daemon where one answers. Override with LAB_POSTGRES_IMAGE.
 POSTGRES_IMAGE = (
     "postgres:16-alpine@sha256:57c72fd2a128e416c7fcc499958864df5301e940bca0a56f58fddf30ffc07777"
 )
@@ -430,14 +432,25 @@ def start_container(
     except Exception as exc:  # docker and testcontainers raise many unrelated types
         raise errors.ProvisioningError(f"could not start a container from {image}: {exc}") from exc
     try:
+        host = container.get_container_host_ip()
         dsn = conninfo.make_conninfo(
-            host=container.get_container_host_ip(),
+            host=host,
             port=str(container.get_exposed_port(5432)),
             user="lab",
             password=password,
             dbname="lab",
         )
-        checked = dsn if allow_remote else boundaries.check_dsn(dsn, env)
+        try:
+            checked = dsn if allow_remote else boundaries.check_dsn(dsn, env)
+        except errors.BoundaryViolation as exc:
+            # Docker outside this host (a remote DOCKER_HOST, TC_HOST) or a container network
+            # (Docker-outside-of-Docker) gives an address the loopback rule refuses.
+            raise errors.BoundaryViolation(
+                f"the container from {image} is reachable only at {host!r}, not on loopback "
+                f"({exc}); the container was removed. Publish it on this host's loopback "
+                "(TESTCONTAINERS_HOST_OVERRIDE=127.0.0.1 when the Docker daemon runs here), "
+                "or accept a remote database with --lab-allow-remote-dsn."
+            ) from None
         version = _server_version(checked, f"the container from {image}")
         digests = container.get_wrapped_container().image.attrs.get("RepoDigests") or []
         details = {

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shutil
 import signal
 import socket
-import socketserver
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
+from docker_standin import DockerStandIn
 from psycopg import conninfo
 
 from lab import cluster, errors
@@ -158,52 +156,9 @@ def test_no_docker_daemon_is_detected_quickly(kind: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-
-class _DockerStandIn(http.server.BaseHTTPRequestHandler):
-    """Answers the two requests the Docker SDK makes to ping: /version and /_ping."""
-
-    def address_string(self) -> str:
-        return "unix"
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        if self.path.endswith("/version"):
-            body = json.dumps({"ApiVersion": "1.44", "Version": "stand-in"}).encode()
-            kind = "application/json"
-        elif self.path.endswith("/_ping"):
-            body, kind = b"OK", "text/plain"
-        else:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-@pytest.fixture
-def docker_stand_in() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="lab-dk-", dir="/tmp")
-    path = os.path.join(directory, "docker.sock")
-    server = _UnixHTTPServer(path, _DockerStandIn)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"unix://{path}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def test_a_daemon_answering_the_docker_api_counts(docker_stand_in: str) -> None:
-    assert cluster.docker_answers({"DOCKER_HOST": docker_stand_in}) is True
+def test_a_daemon_answering_the_docker_api_counts() -> None:
+    with DockerStandIn() as stand_in:
+        assert cluster.docker_answers({"DOCKER_HOST": stand_in.host}) is True
 
 
 def test_the_container_provider_uses_the_non_deprecated_module() -> None:
