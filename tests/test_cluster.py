@@ -285,6 +285,31 @@ def test_embedded_cluster_starts_on_loopback_and_leaves_nothing(
     _check_stopped(running, data, pid)
 
 
+def test_binaries_the_server_user_cannot_reach_are_copied_once(
+    bindir: Path, cache_dir: Path
+) -> None:
+    """A private install (a venv under /root, a mktemp -d) still runs, from a readable copy."""
+    private = Path(tempfile.mkdtemp(prefix="lab-private-", dir="/tmp"))  # 0700
+    try:
+        shutil.copytree(bindir.parent, private / "pg", symlinks=True)
+        hidden = private / "pg" / bindir.name
+        with cluster.start_embedded(hidden, method="initdb", cache_dir=cache_dir) as running:
+            _check_running(running)
+            details = running.provisioned.details
+        assert details["binaries"] == str(hidden)  # provenance names what the user installed
+        if os.geteuid() != 0:  # the server runs as us, and we can read our own files
+            assert "binaries_copy" not in details
+            return
+        copy = Path(details["binaries_copy"])
+        assert copy.is_relative_to(cache_dir / "binaries")
+        assert (copy / "postgres").stat().st_mode & 0o005 == 0o005
+        with cluster.start_embedded(hidden, method="initdb", cache_dir=cache_dir) as again:
+            assert again.provisioned.details["binaries_copy"] == str(copy)  # reused
+        assert [p.name for p in (cache_dir / "binaries").iterdir()] == [copy.parents[1].name]
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def test_start_embedded_mode_uses_the_cache_by_default(bindir: Path, cache_dir: Path) -> None:
     environ = {**os.environ, cluster.CACHE_ENV: str(cache_dir)}
     with cluster.start(mode="embedded", environ=environ) as running:
