@@ -912,10 +912,12 @@ def _stage_binaries(bindir: Path, root: Path | None) -> Path:
     staged = target / installed / bindir.name
     if _server_binaries_in(staged):
         return staged
+    _prune_binary_copies(parent)
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
     try:
         for relative, source in copies.items():
             shutil.copytree(source, build / relative, symlinks=True)
+        (build / "source").write_text(str(install))
         for path in (build, *build.rglob("*")):
             if path.is_symlink():
                 continue
@@ -937,6 +939,17 @@ def _stage_binaries(bindir: Path, root: Path | None) -> Path:
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return staged
+
+
+def _prune_binary_copies(parent: Path) -> None:
+    """Drop copies whose installation is gone (a deleted venv or clone), and dead builds."""
+    for entry in parent.iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.startswith("."):
+                if time.time() - entry.lstat().st_mtime > 3600:
+                    shutil.rmtree(entry)
+            elif not Path((entry / "source").read_text()).exists():
+                _discard(entry)
 
 
 def run_parent() -> str:

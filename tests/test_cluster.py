@@ -306,6 +306,12 @@ def test_binaries_the_server_user_cannot_reach_are_copied_once(
         with cluster.start_embedded(hidden, method="initdb", cache_dir=cache_dir) as again:
             assert again.provisioned.details["binaries_copy"] == str(copy)  # reused
         assert [p.name for p in (cache_dir / "binaries").iterdir()] == [copy.parents[1].name]
+        moved = private / "moved"  # the installation moves: its old copy is pruned
+        (private / "pg").rename(moved)
+        with cluster.start_embedded(moved / bindir.name, method="initdb", cache_dir=cache_dir):
+            pass
+        assert len(list((cache_dir / "binaries").iterdir())) == 1
+        assert not copy.exists()
     finally:
         shutil.rmtree(private, ignore_errors=True)
 
