@@ -119,9 +119,12 @@ def pytest_configure_node(node: Any) -> None:
 def pytest_report_header(config: pytest.Config) -> str | None:
     database = config.stash.get(_DATABASE_KEY, None)
     if database is not None:
+        details = database.get("details") or {}
+        # Where the server came from, as the evidence records it (never the DSN itself).
+        source = details.get("image_digest") or details.get("binaries") or details.get("host")
         return (
             f"lab: PostgreSQL {database.get('server_version')} "
-            f"via {database.get('provider')}"
+            f"via {database.get('provider')}" + (f" ({source})" if source else "")
         )
     return f"lab: no PostgreSQL ({config.stash.get(_PROBLEM_KEY, None)})"
 

@@ -62,7 +62,9 @@ class Engine:
 
 @pytest.fixture
 def engine() -> Iterator[Engine]:
-    if cluster.docker_answers():
+    """A Docker daemon that answers, else the stand-in (``LAB_DOCKER_STAND_IN=1`` forces it:
+    a daemon that cannot pull from Docker Hub, say)."""
+    if cluster.docker_answers() and os.environ.get("LAB_DOCKER_STAND_IN") != "1":
         yield Engine(os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock", None)
         return
     with DockerStandIn() as stand_in:
@@ -250,7 +252,9 @@ def test_a_parallel_run_shares_one_container_and_records_it_in_the_evidence(
     results = [json.loads(line) for line in (evidence_dir / "tests.jsonl").read_text().splitlines()]
     calls = [r for r in results if r.get("$report_type") == "TestReport" and r["when"] == "call"]
     assert calls and all(r["outcome"] == "passed" for r in calls), out
-    assert out.count("via container") == 1  # one report header: the controller's server
+    # One report header, the controller's: the server it started, named by its digest.
+    assert out.count("via container") == 1
+    assert f"via container (postgres@{PINNED_DIGEST}" in out
 
     runtime = json.loads((evidence_dir / "runtime.json").read_text())
     database = runtime["postgresql"]
