@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -46,18 +47,16 @@ class Engine:
         return docker.DockerClient(base_url=self.host, version="auto", timeout=30)
 
     def session_containers(self, session_id: str) -> list[Any]:
-        with contextlib.closing(self.client()) as client:
-            return list(
-                client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={session_id}"})
-            )
+        return self._listed({"label": f"{SESSION_LABEL}={session_id}"})
 
     def reaper_containers(self, session_id: str) -> list[Any]:
+        return self._listed({"name": f"testcontainers-ryuk-{session_id}"})
+
+    def _listed(self, filters: dict[str, str]) -> list[Any]:
+        # ignore_removed: one removed between the listing and its inspection is gone, as
+        # the tests expect, not an error.
         with contextlib.closing(self.client()) as client:
-            return list(
-                client.containers.list(
-                    all=True, filters={"name": f"testcontainers-ryuk-{session_id}"}
-                )
-            )
+            return list(client.containers.list(all=True, ignore_removed=True, filters=filters))
 
 
 @pytest.fixture
@@ -103,7 +102,9 @@ def _hold(engine: Engine, mode: str, **extra: str) -> Holder:
         text=True,
     )
     assert process.stdout is not None
-    line = process.stdout.readline()
+    # Pulling and starting take seconds; a holder silent for minutes is stuck, not slow.
+    ready, _, _ = select.select([process.stdout], [], [], 300)
+    line = process.stdout.readline() if ready else ""
     if not line:
         process.kill()
         _, err = process.communicate(timeout=30)
