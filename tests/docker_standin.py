@@ -321,6 +321,11 @@ class DockerStandIn:
                 self.remove(container_id, force=True)
         shutil.rmtree(self._directory, ignore_errors=True)
 
+    def record(self, method: str, path: str) -> None:
+        """Note a request (tests may check what the SDK asked for)."""
+        with self._lock:
+            self.requests.append((method, path))
+
     def containers(self) -> list[Container]:
         """The containers that exist now, running or not."""
         with self._lock:
@@ -461,7 +466,7 @@ class DockerStandIn:
         return exec_id
 
     def exec_run(self, exec_id: str) -> tuple[int, bytes, bytes]:
-        record = self._exec(exec_id)
+        record = self.exec_record(exec_id)
         container = self.find(record["container"])
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **container.env, **record["env"]}
         if container.postgres is not None:
@@ -482,7 +487,8 @@ class DockerStandIn:
         record["running"], record["exit_code"] = False, code
         return code, out, err
 
-    def _exec(self, exec_id: str) -> dict[str, Any]:
+    def exec_record(self, exec_id: str) -> dict[str, Any]:
+        """The exec instance, or a 404 as the daemon answers for an unknown id."""
         with self._lock:
             record = self._execs.get(exec_id)
         if record is None:
@@ -490,7 +496,7 @@ class DockerStandIn:
         return record
 
     def exec_inspect(self, exec_id: str) -> dict[str, Any]:
-        record = self._exec(exec_id)
+        record = self.exec_record(exec_id)
         return {
             "ID": exec_id,
             "ContainerID": record["container"],
@@ -510,11 +516,12 @@ class DockerStandIn:
                 f"You cannot remove a running container {container.id}. "
                 "Stop the container before attempting removal or force remove",
             )
-        self._stop(container)
+        self.stop(container)
         with self._lock:
             self._containers.pop(container.id, None)
 
-    def _stop(self, container: Container) -> None:
+    def stop(self, container: Container) -> None:
+        """Stop what runs the container (its server, its reaper); the container stays."""
         postgres, container.postgres = container.postgres, None
         ryuk, container.ryuk = container.ryuk, None
         if postgres is not None:
@@ -662,8 +669,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         engine = self.server.engine
-        with engine._lock:
-            engine.requests.append((method, path))
+        engine.record(method, path)
         try:
             body = json.loads(raw) if raw else {}
             self._route(method, path, query, body)
@@ -721,7 +727,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             engine.start(container)
             self._send(204, b"")
         elif method == "POST" and action in ("stop", "kill"):
-            engine._stop(container)
+            engine.stop(container)
             if container.auto_remove:
                 engine.remove(container.id, force=True)
             self._send(204, b"")
@@ -749,7 +755,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise EngineError(
                 501, f"the Docker API stand-in does not emulate {method} /exec/{action}"
             )
-        engine._exec(exec_id)  # 404 before switching protocols
+        engine.exec_record(exec_id)  # 404 before switching protocols
         # As the daemon does: switch protocols, then stream multiplexed frames until EOF. The
         # headers go out before the command runs, so the client reads them on their own.
         self.wfile.write(
