@@ -611,6 +611,14 @@ def _template_valid(template: Path, runner: _Runner, version: str) -> bool:
     return re.search(r"^Database cluster state:\s+shut down$", control, re.MULTILINE) is not None
 
 
+def _remove_abandoned(directory: Path) -> None:
+    """Remove builds and discards left by a run killed midway (an hour is far beyond any)."""
+    for stale in (*directory.glob(".build-*"), *directory.glob(".discard-*")):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.lstat().st_mtime > 3600:
+                shutil.rmtree(stale)
+
+
 def _discard(path: Path) -> None:
     """Move ``path`` aside atomically, then delete it, so no reader sees half a directory."""
     aside = path.with_name(f".discard-{secrets.token_hex(6)}")
@@ -636,11 +644,7 @@ def _open_cache_root(root: Path) -> Path:
 def _template(runner: _Runner, version: str, root: Path) -> Path:
     """Return a valid cached template for these binaries, building it atomically if needed."""
     _open_cache_root(root)
-    for stale in (*root.glob(".build-*"), *root.glob(".discard-*")):
-        # Left by a run killed while building or discarding; an hour is far beyond any build.
-        with contextlib.suppress(OSError):
-            if time.time() - stale.lstat().st_mtime > 3600:
-                shutil.rmtree(stale)
+    _remove_abandoned(root)
     digest = hashlib.sha256(str(runner.bindir).encode()).hexdigest()[:10]
     template = root / f"pg-{version}-{digest}-template"
     if template.exists():
@@ -943,12 +947,10 @@ def _stage_binaries(bindir: Path, root: Path | None) -> Path:
 
 def _prune_binary_copies(parent: Path) -> None:
     """Drop copies whose installation is gone (a deleted venv or clone), and dead builds."""
+    _remove_abandoned(parent)
     for entry in parent.iterdir():
         with contextlib.suppress(OSError):
-            if entry.name.startswith("."):
-                if time.time() - entry.lstat().st_mtime > 3600:
-                    shutil.rmtree(entry)
-            elif not Path((entry / "source").read_text()).exists():
+            if not entry.name.startswith(".") and not Path((entry / "source").read_text()).exists():
                 _discard(entry)
 
 

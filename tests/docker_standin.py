@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +211,6 @@ class Ryuk:
         self._listener.listen()
         self._listener.settimeout(0.1)
         self.port: int = self._listener.getsockname()[1]
-        self.reaped: list[str] = []
         self._thread = threading.Thread(target=self._serve, name="ryuk", daemon=True)
         self._thread.start()
 
@@ -275,7 +274,7 @@ class Ryuk:
     def _reap(self) -> None:
         with self._lock:
             filters = list(self._filters)
-        self.reaped = self._engine.remove_matching(filters)
+        self._engine.remove_matching(filters)
         self._engine.retire(self)
 
 
@@ -286,7 +285,6 @@ class DockerStandIn:
         self.registry = {
             repo: dict(tags) for repo, tags in (registry or default_registry()).items()
         }
-        self.requests: list[tuple[str, str]] = []
         self.created: list[str] = []  # references of every container created, in order
         self._images: dict[str, Image] = {}
         self._containers: dict[str, Container] = {}
@@ -320,11 +318,6 @@ class DockerStandIn:
             with contextlib.suppress(EngineError):
                 self.remove(container_id, force=True)
         shutil.rmtree(self._directory, ignore_errors=True)
-
-    def record(self, method: str, path: str) -> None:
-        """Note a request (tests may check what the SDK asked for)."""
-        with self._lock:
-            self.requests.append((method, path))
 
     def containers(self) -> list[Container]:
         """The containers that exist now, running or not."""
@@ -530,8 +523,8 @@ class DockerStandIn:
             ryuk.stop()
         container.status = "exited"
 
-    def remove_matching(self, filters: list[dict[str, str]]) -> list[str]:
-        """Remove the containers whose labels match any filter; return their ids (Ryuk's job)."""
+    def remove_matching(self, filters: list[dict[str, str]]) -> None:
+        """Remove the containers whose labels match any filter (Ryuk's job)."""
         with self._lock:
             doomed = [
                 c for c in self._containers.values()
@@ -540,7 +533,6 @@ class DockerStandIn:
         for container in doomed:
             with contextlib.suppress(EngineError):
                 self.remove(container.id, force=True)
-        return [c.id for c in doomed]
 
     def retire(self, ryuk: Ryuk) -> None:
         """The reaper has done its job and exits; its container was made with auto-remove."""
@@ -650,9 +642,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._dispatch("GET")
 
-    def do_HEAD(self) -> None:
-        self._dispatch("HEAD")
-
     def do_POST(self) -> None:
         self._dispatch("POST")
 
@@ -668,8 +657,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         query = dict(urllib.parse.parse_qsl(parsed.query))
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        engine = self.server.engine
-        engine.record(method, path)
         try:
             body = json.loads(raw) if raw else {}
             self._route(method, path, query, body)
@@ -681,16 +668,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _route(self, method: str, path: str, query: dict[str, str], body: Any) -> None:
         engine = self.server.engine
         parts = [p for p in path.split("/") if p]
-        if method in ("GET", "HEAD") and path == "/_ping":
-            self._send(200, b"OK", "text/plain", {"Api-Version": API_VERSION})
-        elif method == "GET" and path == "/version":
+        if method == "GET" and path == "/version":
             self._json(200, {
                 "ApiVersion": API_VERSION, "MinAPIVersion": MIN_API_VERSION,
                 "Version": "stand-in", "Os": "linux", "Arch": "amd64",
                 "Components": [{"Name": "lab Docker API stand-in", "Version": "1"}],
             })  # fmt: skip
-        elif method == "GET" and path == "/info":
-            self._json(200, {"ServerVersion": "stand-in", "OperatingSystem": "lab stand-in"})
         elif method == "GET" and path == "/networks":
             self._json(200, [])
         elif method == "POST" and path == "/images/create":
@@ -703,9 +686,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             container = engine.create(body, query.get("name"))
             self._json(201, {"Id": container.id, "Warnings": []})
         elif method == "GET" and path == "/containers/json":
-            filters = json.loads(query.get("filters") or "{}")
-            if isinstance(filters, dict):  # older clients send {"label": {"k=v": true}}
-                filters = {k: list(v) for k, v in filters.items()}
+            # list(): older clients send {"label": {"k=v": true}} rather than lists
+            filters = {k: list(v) for k, v in json.loads(query.get("filters") or "{}").items()}
             wanted = engine.listed(query.get("all") in ("1", "true", "True"), filters)
             self._json(200, [c.summary() for c in wanted])
         elif parts[:1] == ["containers"] and len(parts) >= 2:
@@ -726,11 +708,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif method == "POST" and action == "start":
             engine.start(container)
             self._send(204, b"")
-        elif method == "POST" and action in ("stop", "kill"):
-            engine.stop(container)
-            if container.auto_remove:
-                engine.remove(container.id, force=True)
-            self._send(204, b"")
         elif method == "DELETE" and not action:
             engine.remove(container.id, force=query.get("force") in ("1", "true", "True"))
             self._send(204, b"")
@@ -740,8 +717,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             data = bytes(container.log)
             self._send(200, _frame(_STDERR, data) if data else b"",
                        "application/vnd.docker.multiplexed-stream")  # fmt: skip
-        elif method == "POST" and action == "wait":
-            self._json(200, {"StatusCode": container.exit_code})
         else:
             raise EngineError(501, f"the Docker API stand-in does not emulate {method} "
                               f"/containers/{{id}}/{action}")  # fmt: skip
@@ -772,22 +747,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _json(self, status: int, payload: Any) -> None:
         self._send(status, json.dumps(payload).encode(), "application/json")
 
-    def _send(
-        self, status: int, body: bytes, kind: str = "text/plain",
-        headers: Mapping[str, str] | None = None,
-    ) -> None:  # fmt: skip
+    def _send(self, status: int, body: bytes, kind: str = "text/plain") -> None:
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
         self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-
-@contextlib.contextmanager
-def running() -> Iterator[DockerStandIn]:
-    """A started stand-in, closed (with every container removed) on exit."""
-    with DockerStandIn() as engine:
-        yield engine
+        self.wfile.write(body)
