@@ -55,7 +55,7 @@ from psycopg.types.json import Jsonb
 from rich.console import Console
 from rich.table import Table
 
-from lab import boundaries, errors, harness, plan, processes, store, tool
+from lab import boundaries, cluster, errors, harness, plan, processes, store, tool
 
 DEFAULT_HISTORY = (1_000, 100_000, 1_000_000)
 CLAIM_SAMPLES = 300
@@ -241,25 +241,9 @@ def _literal_timedelta(node: ast.expr) -> float:
 
 @contextlib.contextmanager
 def _postgres(mode: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The server to measure: ``lab.cluster`` provides it; ``BOOK_LAB_DSN`` without it."""
-    try:
-        cluster: Any = importlib.import_module("lab.cluster")
-    except ImportError:
-        cluster = None
-    if cluster is None:
-        dsn = os.environ.get(processes.DSN_ENV, "")
-        if not dsn:
-            raise errors.ProvisioningError(
-                f"lab.cluster is unavailable and {processes.DSN_ENV} is not set"
-            )
-        yield boundaries.check_dsn(dsn), {"provider": "dsn", "source": processes.DSN_ENV}
-        return
-    running = cluster.start(mode=mode)
-    try:
-        described: dict[str, Any] = dict(running.provisioned.describe())
-        yield running.provisioned.dsn, described
-    finally:
-        running.stop()
+    """The server to measure, as ``lab.cluster`` provides it for ``mode``."""
+    with cluster.start(mode=mode) as running:
+        yield running.provisioned.dsn, dict(running.provisioned.describe())
 
 
 def _server_facts(dsn: str) -> dict[str, Any]:
@@ -483,6 +467,15 @@ class CpuMeter:
                 "worker_cpu_seconds": round(_children_cpu() - self.children, 3)}
 
 
+def _release_together(children: list[processes.WorkerProcess], meter: CpuMeter) -> None:
+    """Start lab's and DBOS's workers the same way: all ready, the meter started, all go."""
+    for child in children:
+        child.wait_for("BOOK_READY", timeout=60)
+    meter.released()
+    for child in children:
+        child.release()
+
+
 def _approved_backlog(dsn: str, schema: str, count: int) -> None:
     """Create and approve ``count`` sample workflows through the store's API."""
     sample = harness.sample_plan()
@@ -541,11 +534,7 @@ def lab_round(scratch: Scratch, workflows: int, workers: int) -> RunResult:
                     "--loop", "--idle-exit", str(IDLE_EXIT_SECONDS), "--start-gate",
                 )
             )
-        for child in children:
-            child.wait_for("BOOK_READY", timeout=60)
-        meter.released()
-        for child in children:
-            child.release()
+        _release_together(children, meter)
         for child in children:
             child.finish(timeout=60 + workflows * 0.5)
         calls = service.calls + service.lookups
@@ -677,11 +666,7 @@ def dbos_round(scratch: Scratch, dbos_schema: str, workflows: int, workers: int)
     try:
         for index in range(workers):
             children.append(_dbos_child("worker", f"dbos-{tag}-{index}", env))
-        for child in children:
-            child.wait_for("BOOK_READY", timeout=60)
-        meter.released()
-        for child in children:
-            child.release()
+        _release_together(children, meter)
         for child in children:
             child.wait_for("BOOK_LAUNCHED", timeout=60)
         deadline = time.monotonic() + 60 + workflows * 0.5
@@ -1177,28 +1162,23 @@ def _samples(measure: Callable[[], float], count: int) -> dict[str, Any]:
 def startup(dsn: str, repeat: int = STARTUP_REPEAT) -> dict[str, Any]:
     """Provisioning time of the embedded cluster and a worker's spawn-to-ready time."""
     report: dict[str, Any] = {}
-    try:
-        cluster: Any = importlib.import_module("lab.cluster")
-    except ImportError:
-        report["provisioning"] = {"skipped": "lab.cluster is unavailable"}
-    else:
-        ups: list[float] = []
-        downs: list[float] = []
-        methods: list[str] = []
-        for _ in range(PROVISION_REPEAT):
-            started = time.perf_counter()
-            running = cluster.start(mode="embedded")
-            ups.append(time.perf_counter() - started)
-            methods.append(str(running.provisioned.describe().get("details", {}).get("method")))
-            started = time.perf_counter()
-            running.stop()
-            downs.append(time.perf_counter() - started)
-        report["provisioning"] = {
-            "start_median_ms": round(statistics.median(ups) * 1000, 1),
-            "start_all_ms": [round(u * 1000, 1) for u in ups],
-            "stop_median_ms": round(statistics.median(downs) * 1000, 1),
-            "methods": methods,
-        }
+    ups: list[float] = []
+    downs: list[float] = []
+    methods: list[str] = []
+    for _ in range(PROVISION_REPEAT):
+        started = time.perf_counter()
+        running = cluster.start(mode="embedded")
+        ups.append(time.perf_counter() - started)
+        methods.append(running.provisioned.details.get("method", "?"))
+        started = time.perf_counter()
+        running.stop()
+        downs.append(time.perf_counter() - started)
+    report["provisioning"] = {
+        "start_median_ms": round(statistics.median(ups) * 1000, 1),
+        "start_all_ms": [round(u * 1000, 1) for u in ups],
+        "stop_median_ms": round(statistics.median(downs) * 1000, 1),
+        "methods": methods,
+    }
     report["bare_python"] = _samples(lambda: _time_exit([sys.executable, "-c", "pass"]), repeat)
     report["import_worker_modules"] = _samples(
         lambda: _time_exit([sys.executable, "-c", "import lab.cli, lab.processes"]), repeat
@@ -1236,12 +1216,9 @@ def _startup_table(report: Mapping[str, Any]) -> Table:
     table.add_column("median ms", justify="right")
     table.add_column("min / max ms", justify="right")
     provisioning = report["provisioning"]
-    if "skipped" in provisioning:
-        table.add_row("embedded PostgreSQL start", provisioning["skipped"], "")
-    else:
-        table.add_row("embedded PostgreSQL start", _fmt(provisioning["start_median_ms"]),
-                      " / ".join(_fmt(v) for v in provisioning["start_all_ms"]))
-        table.add_row("embedded PostgreSQL stop", _fmt(provisioning["stop_median_ms"]), "")
+    table.add_row("embedded PostgreSQL start", _fmt(provisioning["start_median_ms"]),
+                  " / ".join(_fmt(v) for v in provisioning["start_all_ms"]))
+    table.add_row("embedded PostgreSQL stop", _fmt(provisioning["stop_median_ms"]), "")
     for key, label in (("bare_python", "python -c pass"),
                        ("import_worker_modules", "python -c 'import lab.cli, lab.processes'"),
                        ("worker_spawn_to_ready", "lab worker --start-gate → BOOK_READY")):

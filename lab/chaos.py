@@ -69,7 +69,6 @@ DRAIN_TIMEOUT_S = 120.0
 WARM_UP_TIMEOUT_S = 60.0
 APPROVAL_TTL = timedelta(hours=6)  # far beyond any run: expiry is not a fault of this run
 TENANTS = ("tenant-a", "tenant-b")
-WORKER_APP_PREFIX = "lab-worker:"
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,6 @@ class _Population:
         self.slots: list[processes.WorkerProcess | None] = [None] * slots
         self.generation = 0
         self.dsn = dsn
-        self.token = token
         self.keys = keys
         self.service: tool.ToolService | None = None
         self.db: store.Store | None = None
@@ -179,9 +177,8 @@ class _Population:
         self.open = {"ready": size, "running": 0, "unreviewed_unknown": 0}
 
     def start(self) -> None:
-        store.create_schema(self.dsn, self.schema)
         self.db = store.Store.open(
-            self.dsn, self.schema, application_name="lab-chaos", keys=self.keys
+            self.dsn, self.schema, create=True, application_name="lab-chaos", keys=self.keys
         )
         self.service = tool.ToolService(self.dsn, self.schema, idempotent=self.idempotent).start()
         self.client = tool.ToolClient(self.service.endpoint, self.service.token)
@@ -416,21 +413,20 @@ class Chaos:
         if not live:
             self.counts.kill_misses += 1
             return
-        population, slot, child = self._kill_rng.choice(live)
-        child.kill()
+        population, slot, _ = self._kill_rng.choice(live)
         self.counts.kills += 1
         self._reap(population, slot)
 
     def _worker_backends(self) -> list[tuple[int, str]]:
         """(pid, worker name) of every backend of this run's workers."""
         assert self._terminator is not None
-        prefix = f"{WORKER_APP_PREFIX}{self.token}"
+        prefix = f"{processes.WORKER_APP_PREFIX}{self.token}"
         rows = self._terminator.execute(
             "SELECT pid, application_name FROM pg_stat_activity "
             "WHERE left(application_name, %s) = %s ORDER BY pid",
             (len(prefix), prefix),
         ).fetchall()
-        return [(int(pid), str(name)[len(WORKER_APP_PREFIX):]) for pid, name in rows]
+        return [(int(pid), str(name)[len(processes.WORKER_APP_PREFIX):]) for pid, name in rows]
 
     def _terminate_one(self) -> None:
         """``pg_terminate_backend`` on a random backend of a live worker of this run."""
@@ -466,7 +462,7 @@ class Chaos:
             self.dsn, population.schema, population.service.endpoint, population.service.token,
             name, "--loop", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
             "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
-            extra_env={sealing.KEYS_ENV: self.keys.to_env()},
+            keys=self.keys,
         )
         self.counts.worker_starts += 1
 
@@ -474,9 +470,7 @@ class Chaos:
         child = population.slots[slot]
         assert child is not None
         population.slots[slot] = None
-        # kill() on an exited child sends nothing; it reaps it and joins its output readers.
-        code = child.kill()
-        child.cleanup()
+        code = child.cleanup()  # SIGKILLs it if it still runs: -SIGKILL either way
         if code == -signal.SIGKILL:
             cause = "sigkill"
         elif code == 0:
@@ -584,6 +578,7 @@ class Chaos:
         s = self.settings
         per_population: list[dict[str, Any]] = []
         violations: list[dict[str, str]] = []
+        found_all: list[invariants.Violation] = []
         states: Counter[str] = Counter()
         reviews: Counter[str] = Counter()
         events: Counter[str] = Counter()
@@ -593,6 +588,7 @@ class Chaos:
             history = invariants.load(self.dsn, population.schema, open_result=self.keys.open)
             found = invariants.check(history)
             violations += [{"schema": population.schema, **v.to_json()} for v in found]
+            found_all += found
             pop_states = Counter(wf.state for wf in history.workflows)
             pop_reviews = Counter(
                 wf.review_reason for wf in history.workflows if wf.state == "unknown"
@@ -669,11 +665,7 @@ class Chaos:
             "populations": per_population,
             "violations": violations,
             "violation_count": len(violations),
-            "violations_by_kind": invariants.count_by_kind(
-                invariants.Violation(**{k: v[k] for k in ("kind", "workflow_id", "effect_key",
-                                                          "detail")})
-                for v in violations
-            ),
+            "violations_by_kind": invariants.count_by_kind(found_all),
         }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from lab import processes, sealing, store, tool, worker
+from lab import processes, store, tool, worker
 from lab.plan import Plan
 
 PROPOSER = store.Actor(tenant="tenant-a", subject="employee-a", role="proposer")
@@ -99,7 +99,7 @@ class Harness:
             *extra,
             on_event=self.mark,
             # The child must seal results with the same keys this experiment reads them with.
-            extra_env={sealing.KEYS_ENV: self.store.keys.to_env()},
+            keys=self.store.keys,
         )
         self._processes.append(child)
         self.mark(name, "started")

@@ -21,9 +21,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import IO
 
-from lab import egress, errors, store, tool, worker
+from lab import egress, errors, sealing, store, tool, worker
 
 DSN_ENV = "BOOK_LAB_DSN"
+# Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
+WORKER_APP_PREFIX = "lab-worker:"
 TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret; the token travels in the environment, never in argv
 
 
@@ -46,7 +48,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     try:
         with store.Store.open(
-            dsn, args.schema, max_connections=2, application_name=f"lab-worker:{args.name}"
+            dsn, args.schema, max_connections=2, application_name=f"{WORKER_APP_PREFIX}{args.name}"
         ) as db, tool.ToolClient(args.tool, token) as client:
             runner = worker.Worker(
                 db=db,
@@ -212,12 +214,18 @@ class WorkerProcess:
         self._on_event(self.name, f"killed (exit {code})")
         return code
 
-    def cleanup(self) -> None:
-        """Kill the child if it is still alive and close its pipes."""
+    def cleanup(self) -> int:
+        """Kill the child if it is still alive, reap it, close its pipes; return its exit code.
+
+        The output readers are joined first, so every line the child wrote is read.
+        """
         if self.alive():
             self._proc.kill()
         try:
-            self._proc.wait(timeout=10)
+            code = self._proc.wait(timeout=10)
+            for reader in self._readers:
+                reader.join(timeout=5)
+            return code
         finally:
             for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
                 if stream is not None:
@@ -236,9 +244,13 @@ def spawn_worker(
     name: str,
     *extra: str,
     on_event: Callable[[str, str], None] | None = None,
-    extra_env: dict[str, str] | None = None,
+    keys: sealing.KeyCatalog | None = None,
 ) -> WorkerProcess:
-    """Start ``lab worker`` as a child of this interpreter (not whatever is on PATH)."""
+    """Start ``lab worker`` as a child of this interpreter (not whatever is on PATH).
+
+    ``keys``: the catalog the child seals results with (else it loads its own from the
+    environment).
+    """
     argv = [
         sys.executable,
         "-m",
@@ -252,6 +264,7 @@ def spawn_worker(
         name,
         *extra,
     ]
-    env = {**os.environ, **(extra_env or {}), DSN_ENV: dsn, TOKEN_ENV: token,
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, DSN_ENV: dsn, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    if keys is not None:
+        env[sealing.KEYS_ENV] = keys.to_env()
     return WorkerProcess(argv, env, name, on_event)
