@@ -406,9 +406,6 @@ def _md(text: str) -> str:
 
 def cli_main(args: argparse.Namespace) -> int:
     """``lab book build``: 0 when the book was written, 1 with a one-line reason when refused."""
-    if args.book_command != "build":
-        print(f"lab book: unknown command {args.book_command!r}", file=sys.stderr)
-        return 2
     pinned: ed25519.Ed25519PublicKey | None = None
     try:
         if args.public_key:

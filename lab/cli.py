@@ -65,22 +65,19 @@ def _model(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     from lab import chaos
 
-    code: int = chaos.cli_main(args)
-    return code
+    return chaos.cli_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from lab import bench
 
-    code: int = bench.cli_main(args)
-    return code
+    return bench.cli_main(args)
 
 
 def _book(args: argparse.Namespace) -> int:
     from lab import book
 
-    code: int = book.cli_main(args)
-    return code
+    return book.cli_main(args)
 
 
 def _review(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -461,10 +461,9 @@ def compile_report(
         for t in tests
         if t["experiment"] is not None and t["outcome"] in (SKIPPED, XFAILED)
     ]
+    collection_errors = _collection_errors(facts)
     failures = list(facts.problems)
-    failures += [
-        f"collection error in {c['nodeid']}: {c['message']}" for c in _collection_errors(facts)
-    ]
+    failures += [f"collection error in {c['nodeid']}: {c['message']}" for c in collection_errors]
     failures += [f"{nodeid} was collected but never reported" for nodeid in unreported]
     failures += findings
     failures += [
@@ -501,7 +500,7 @@ def compile_report(
         "command": redact_command(facts.command, env),
         "exitstatus": facts.exitstatus,
         "versions": versions(),
-        "postgresql": _database(facts.database),
+        "postgresql": _scrub(facts.database),
         "signing": dict(signing),
         "experiments_dir": facts.experiments_prefix,
         "expected": [
@@ -510,7 +509,7 @@ def compile_report(
         ],
         "missing": missing,
         "skips": skips,
-        "collection_errors": _collection_errors(facts),
+        "collection_errors": collection_errors,
         "experiments": rows,
         "tests": tests,
         "observations": [
@@ -519,12 +518,6 @@ def compile_report(
         "sources": sources,
         "limits": list(LIMITS),
     }
-
-
-def _database(database: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if database is None:
-        return None
-    return {str(k): _scrub(v) for k, v in sorted(database.items()) if not _is_secret_name(str(k))}
 
 
 def _is_secret_name(name: str) -> bool:
@@ -632,11 +625,8 @@ def source_files(root: Path) -> list[str]:
 
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
     with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 16), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def source_digests(root: Path) -> dict[str, str]:
@@ -774,7 +764,8 @@ def write(
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Compile, sign and write the evidence of one run into ``directory``; return the report."""
-    report = compile_report(facts, root=root, signing=signer.describe(), environ=environ)
+    signing = signer.describe()
+    report = compile_report(facts, root=root, signing=signing, environ=environ)
     directory.mkdir(parents=True, exist_ok=True)
     lines = list(facts.records)
     if session_records is not None:
@@ -790,7 +781,7 @@ def write(
     ).encode()
     envelope = sign_envelope(payload, signer)
     (directory / ENVELOPE_FILE).write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
-    (directory / PUBLIC_KEY_FILE).write_text(signer.describe()["public_key"], encoding="ascii")
+    (directory / PUBLIC_KEY_FILE).write_text(signing["public_key"], encoding="ascii")
     return report
 
 
@@ -878,7 +869,7 @@ def verify(
         )
     verdict.signer_keyid = keyid(key)
     try:
-        verify_signature(envelope, key)
+        _check_signature(envelope, payload, key)
     except EvidenceError as exc:
         problems.append(str(exc))
     if isinstance(signing, dict) and signing.get("key_source") == "ephemeral":
@@ -888,26 +879,24 @@ def verify(
         )
     if not isinstance(parsed, dict):
         return verdict
-    _check_statement(parsed, report_path, problems)
+    sources = _check_statement(parsed, report_path, problems)
     if isinstance(predicate, dict):
         verdict.report = predicate
         _check_gate(predicate, problems)
     if check_sources:
-        _check_sources(parsed, root or Path.cwd(), problems)
+        _check_sources(sources, root or Path.cwd(), problems)
     return verdict
 
 
-def verify_signature(envelope: Mapping[str, Any], key: ed25519.Ed25519PublicKey) -> bytes:
-    """The payload of a DSSE envelope one of whose signatures ``key`` made.
+def _check_signature(
+    envelope: Mapping[str, Any], payload: bytes, key: ed25519.Ed25519PublicKey
+) -> None:
+    """Return if one of the envelope's signatures is ``key``'s over ``payload``.
 
     Standard and URL-safe base64 are both accepted. Raises ``EvidenceError`` naming
     the cause: no signature, undecodable fields, a different signer, or a signature
     that does not cover this payload and payload type.
     """
-    try:
-        payload = b64decode(envelope.get("payload"))  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise EvidenceError(f"payload: {exc}") from exc
     signatures = envelope.get("signatures")
     if not isinstance(signatures, list) or not signatures:
         raise EvidenceError("signature: the envelope carries no signatures")
@@ -920,7 +909,7 @@ def verify_signature(envelope: Mapping[str, Any], key: ed25519.Ed25519PublicKey)
             key.verify(b64decode(item.get("sig")), message)
         except (InvalidSignature, ValueError, AttributeError):
             continue
-        return payload
+        return
     # keyid is an unauthenticated hint: it only sharpens the message.
     ids = sorted({str(i["keyid"]) for i in signatures if isinstance(i, dict) and i.get("keyid")})
     if ids and keyid(key) not in ids:
@@ -932,7 +921,10 @@ def verify_signature(envelope: Mapping[str, Any], key: ed25519.Ed25519PublicKey)
     )
 
 
-def _check_statement(statement_: Mapping[str, Any], report_path: Path, problems: list[str]) -> None:
+def _check_statement(
+    statement_: Mapping[str, Any], report_path: Path, problems: list[str]
+) -> dict[str, str]:
+    """Check the statement against ``runtime.json``; return the source subjects it signs."""
     if statement_.get("_type") != STATEMENT_TYPE:
         problems.append(f"statement: _type {statement_.get('_type')!r} is not {STATEMENT_TYPE!r}")
     if statement_.get("predicateType") != PREDICATE_TYPE:
@@ -957,6 +949,7 @@ def _check_statement(statement_: Mapping[str, Any], report_path: Path, problems:
     declared = {k: v for k, v in subjects.items() if k != REPORT_FILE}
     if sources != declared:
         problems.append("subjects: the source subjects differ from the report's sources")
+    return declared
 
 
 def _subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
@@ -990,16 +983,15 @@ def _check_gate(report: Mapping[str, Any], problems: list[str]) -> None:
         problems.append("gate: no real PostgreSQL database was reached")
 
 
-def _check_sources(statement_: Mapping[str, Any], root: Path, problems: list[str]) -> None:
-    subjects = {k: v for k, v in _subjects(statement_, []).items() if k != REPORT_FILE}
-    for name, digest in sorted(subjects.items()):
+def _check_sources(sources: Mapping[str, str], root: Path, problems: list[str]) -> None:
+    for name, digest in sorted(sources.items()):
         path = root / name
         if not path.is_file():
             problems.append(f"source {name}: missing from {root}")
         elif sha256_file(path) != digest:
             problems.append(f"source {name}: differs from the signed digest")
     for name in source_files(root):
-        if name not in subjects:
+        if name not in sources:
             problems.append(f"source {name}: present in {root} but not covered by the evidence")
 
 
@@ -1044,10 +1036,3 @@ def format_verdict(verdict: Verdict) -> str:
     lines += [f"  note: {n}" for n in verdict.notes]
     return "\n".join(lines)
 
-
-def iter_json_lines(path: Path) -> Iterable[dict[str, Any]]:
-    """Records of a ``tests.jsonl`` file."""
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)

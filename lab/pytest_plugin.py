@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lab import egress, errors, store
+from lab import egress, errors, recorder, store
 from lab import harness as lab_harness
 
 log = logging.getLogger("lab.plugin")
@@ -25,14 +25,6 @@ _RUNNING_KEY = pytest.StashKey[Any]()
 _DSN_KEY = pytest.StashKey[str | None]()
 _DATABASE_KEY = pytest.StashKey[dict[str, Any] | None]()
 _PROBLEM_KEY = pytest.StashKey[str | None]()
-
-
-def _recorder() -> Any:
-    try:
-        from lab import recorder
-    except ImportError:  # the evidence recorder is optional for the runtime itself
-        return None
-    return recorder
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,9 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="keep a failed test's schema for inspection instead of dropping it",
     )
     parser.addini("lab_postgres", "default for --lab-postgres", default="auto")
-    rec = _recorder()
-    if rec is not None:
-        rec.addoption(parser)
+    recorder.addoption(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,9 +86,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DSN_KEY] = dsn
     config.stash[_DATABASE_KEY] = database
     config.stash[_PROBLEM_KEY] = problem
-    rec = _recorder()
-    if rec is not None:
-        rec.register(config, database)
+    recorder.register(config, database)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

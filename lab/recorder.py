@@ -74,13 +74,6 @@ def register(config: pytest.Config, database: Mapping[str, Any] | None) -> None:
         manager.register(Collector(config, database), COLLECTOR)
 
 
-def set_database(config: pytest.Config, database: Mapping[str, Any] | None) -> None:
-    """Tell the collector which database the run reached, if it was provisioned late."""
-    collector = config.pluginmanager.get_plugin(COLLECTOR)
-    if isinstance(collector, Collector):
-        collector.database = database
-
-
 def manifest_path(config: pytest.Config) -> Path:
     """The manifest: ``--lab-manifest`` (relative to the invocation dir) or the default."""
     given = config.getoption("lab_manifest", None)
