@@ -46,6 +46,10 @@ PREDICATE_TYPE = "https://durable-agent-lab.dev/runtime-evidence/v1"
 
 TESTS_FILE = "tests.jsonl"
 REPORT_FILE = "runtime.json"
+# Test properties the gate reads: a test that reached the run's database, and one that
+# asked for it (lab.pytest_plugin and lab.recorder write them).
+REACHED_DATABASE = "lab_database"
+NEEDS_DATABASE = "lab_needs_database"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
 KEY_ENV = "LAB_EVIDENCE_KEY"
@@ -262,8 +266,8 @@ def _tests(facts: RunFacts) -> list[dict[str, Any]]:
             "outcome": outcome,
             "duration": round(sum(float(r.get("duration") or 0.0) for r in records), 6),
             "claim": first.get("lab_claim"),
-            "database": any(k == "lab_database" and v is True for k, v in props),
-            "needs_database": any(k == "lab_needs_database" and v is True for k, v in props),
+            "database": any(k == REACHED_DATABASE and v is True for k, v in props),
+            "needs_database": any(k == NEEDS_DATABASE and v is True for k, v in props),
             "observations": observations,
             "events": events,
             "timeline": timeline,

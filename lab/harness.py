@@ -35,6 +35,13 @@ def sample_plan(idempotent: bool = True) -> Plan:
     )
 
 
+def sample_proposal() -> dict[str, Any]:
+    """The seed's sample proposal as a model sends it: the plan without the registry's say."""
+    fields = sample_plan().to_json()
+    del fields["idempotent"]
+    return fields
+
+
 @dataclass
 class Rig:
     """A running credit tool, a client for it, and an in-process worker using both."""
@@ -75,16 +82,9 @@ class Harness:
         )
         return Rig(service=service, client=client, worker=runner)
 
-    def client_for(self, service: tool.ToolService) -> tool.ToolClient:
-        """Another client of ``service``, closed at teardown."""
-        client = tool.ToolClient(service.endpoint, service.token)
-        self._clients.append(client)
-        return client
-
-    def approved(self, idempotent: bool = True, operation: str | None = None) -> store.Workflow:
-        """Create and approve the sample plan (one minute of approval), as the seed does."""
-        operation = operation or store.new_id("op")
-        created = self.store.create(PROPOSER, operation, sample_plan(idempotent))
+    def approved(self, idempotent: bool = True, plan: Plan | None = None) -> store.Workflow:
+        """Create and approve ``plan`` (default: the sample plan) for a minute, as the seed does."""
+        created = self.store.create(PROPOSER, store.new_id("op"), plan or sample_plan(idempotent))
         self.store.approve(APPROVER, created.id, created.fingerprint, timedelta(minutes=1))
         return self.store.get(created.id)
 

@@ -116,7 +116,7 @@ class Annotator:
             props.append(("lab_claim", claim))
         if DATABASE_FIXTURE in getattr(item, "fixturenames", ()):
             # The gate then requires the test to have reached the database too.
-            props.append(("lab_needs_database", True))
+            props.append((evidence.NEEDS_DATABASE, True))
         try:
             parts = item.path.resolve().relative_to(self.experiments.resolve()).parts
         except ValueError:

@@ -22,11 +22,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
-    "long",
-    max_examples=10_000,
-    deadline=None,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
+    "long", parent=settings.get_profile("ci"), max_examples=10_000, derandomize=False
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

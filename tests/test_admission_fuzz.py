@@ -25,15 +25,9 @@ import pytest
 from hypothesis import assume, event, example, given, note
 from hypothesis import strategies as st
 
-from lab import errors, plan, proposal
+from lab import errors, harness, plan, proposal
 
-FIELDS: dict[str, Any] = {
-    "version": 1,
-    "action": "issue_credit",
-    "account": "account-a",
-    "amount_minor": 500,
-    "currency": "CNY",
-}
+FIELDS: dict[str, Any] = harness.sample_proposal()
 SEED = json.dumps(FIELDS, separators=(",", ":")).encode()
 REGISTRY = list(proposal.TOOL_REGISTRY.values())
 LIMIT = proposal.MAX_PROPOSAL_BYTES

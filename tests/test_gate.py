@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg import conninfo
 
 from lab import evidence
 
@@ -389,14 +390,7 @@ def test_real_plugin_against_postgresql_passes(
 
 
 def _password(dsn: str) -> str | None:
-    from urllib.parse import urlsplit
-
-    if "://" in dsn:
-        return urlsplit(dsn).password
-    for part in dsn.split():
-        if part.startswith("password="):
-            return part.split("=", 1)[1]
-    return os.environ.get("PGPASSWORD")
+    return conninfo.conninfo_to_dict(dsn).get("password") or os.environ.get("PGPASSWORD")
 
 
 def test_signing_key_from_environment_is_used(

@@ -10,16 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lab import errors, plan
+from lab import errors, harness, plan
 
-SEED = plan.Plan(
-    version=1,
-    action="issue_credit",
-    account="account-a",
-    amount_minor=500,
-    currency="CNY",
-    idempotent=True,
-)
+SEED = harness.sample_plan()
 
 # One changed value per field: the fingerprint must notice each.
 CHANGES: dict[str, Any] = {

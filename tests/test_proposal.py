@@ -6,19 +6,10 @@ import json
 
 import pytest
 
-from lab import errors, plan, proposal
+from lab import errors, harness, plan, proposal
 
-BASE = (
-    b'{"version":1,"action":"issue_credit","account":"account-a",'
-    b'"amount_minor":500,"currency":"CNY"}'
-)
-FIELDS = {
-    "version": 1,
-    "action": "issue_credit",
-    "account": "account-a",
-    "amount_minor": 500,
-    "currency": "CNY",
-}
+FIELDS = harness.sample_proposal()
+BASE = json.dumps(FIELDS, separators=(",", ":")).encode()
 
 
 def with_field(text: str) -> bytes:

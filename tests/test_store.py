@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from lab import errors, harness, plan, store
+from lab import errors, harness, store
 
 SECOND = timedelta(seconds=1)
 
@@ -23,7 +24,7 @@ def snapshot(lab: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]
 
 def test_unknown_plan_version_is_rejected_before_any_write(lab):
     before = snapshot(lab)
-    future = plan.Plan(**{**harness.sample_plan().to_json(), "version": 2})
+    future = dataclasses.replace(harness.sample_plan(), version=2)
     with pytest.raises(errors.Rejected, match="version"):
         lab.store.create(harness.PROPOSER, "op-v2", future)
     assert snapshot(lab) == before
@@ -33,7 +34,7 @@ def test_invalid_plan_fields_are_rejected_before_any_write(lab):
     before = snapshot(lab)
     for field, value in [("amount_minor", 0), ("currency", "USD"), ("account", "a b"),
                          ("action", "drop_tables")]:
-        bad = plan.Plan(**{**harness.sample_plan().to_json(), field: value})
+        bad = dataclasses.replace(harness.sample_plan(), **{field: value})
         with pytest.raises(errors.Rejected):
             lab.store.create(harness.PROPOSER, f"op-{field}", bad)
     assert snapshot(lab) == before

@@ -17,13 +17,13 @@ VALID_BODY = {
 
 
 @pytest.fixture
-def service(lab):
-    rig = lab.credit_tool()
+def rig(lab):
+    return lab.credit_tool()
+
+
+@pytest.fixture
+def service(rig):
     return rig.service
-
-
-def ledger(lab) -> int:
-    return lab.effects()
 
 
 @pytest.mark.parametrize(
@@ -41,7 +41,7 @@ def test_bad_tokens_get_401_and_never_touch_the_ledger(lab, service, authorizati
     assert post.status_code == 401
     assert get.status_code == 401
     assert service.calls == 0 and service.lookups == 0
-    assert ledger(lab) == 0
+    assert lab.effects() == 0
     assert service.token not in post.text
 
 
@@ -63,22 +63,22 @@ def test_malformed_or_oversized_bodies_get_4xx_without_a_write(lab, service, bod
     with httpx.Client(base_url=service.endpoint, trust_env=False) as client:
         response = client.post("/effects", content=body, headers=headers)
     assert response.status_code == status
-    assert ledger(lab) == 0
+    assert lab.effects() == 0
 
 
-def test_idempotent_tool_keeps_one_effect_per_key_and_refuses_key_reuse(lab, service):
-    client = lab.client_for(service)
+def test_idempotent_tool_keeps_one_effect_per_key_and_refuses_key_reuse(lab, rig, service):
+    client = rig.client
     job = lab.approved()
     first = client.call(job)
     again = client.call(job)
     assert first == again
-    assert ledger(lab) == 1
+    assert lab.effects() == 1
     with httpx.Client(base_url=service.endpoint, trust_env=False) as raw:
         other_plan = {**VALID_BODY, "effect_key": job.effect_key, "fingerprint": "0" * 64}
         reused = raw.post("/effects", json=other_plan,
                           headers={"Authorization": f"Bearer {service.token}"})
     assert reused.status_code == 409
-    assert ledger(lab) == 1
+    assert lab.effects() == 1
 
 
 def test_non_idempotent_tool_records_every_call_and_has_no_lookup(lab):
@@ -86,17 +86,17 @@ def test_non_idempotent_tool_records_every_call_and_has_no_lookup(lab):
     job = lab.approved(idempotent=False)
     rig.client.call(job)
     rig.client.call(job)
-    assert ledger(lab) == 2  # a replay would be visible, which is the point
+    assert lab.effects() == 2  # a replay would be visible, which is the point
     with pytest.raises(errors.ToolRefused):
         rig.client.lookup(job.effect_key)
 
 
-def test_dropped_reply_is_an_unknown_outcome_after_the_commit(lab, service):
-    client = lab.client_for(service)
+def test_dropped_reply_is_an_unknown_outcome_after_the_commit(lab, rig, service):
+    client = rig.client
     service.drop_responses = True
     with pytest.raises(errors.OutcomeUnknown):
         client.call(lab.approved())
-    assert ledger(lab) == 1
+    assert lab.effects() == 1
     assert service.dropped == 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lab import errors, harness, plan, proposal
@@ -55,7 +57,7 @@ def test_operation_identity_rejects_parameter_drift(lab, observe):
     first = lab.store.create(harness.PROPOSER, "same-operation", harness.sample_plan(True))
     again = lab.store.create(harness.PROPOSER, "same-operation", harness.sample_plan(True))
     assert first.id == again.id, "duplicate workflow"
-    changed = plan.Plan(**{**harness.sample_plan(True).to_json(), "amount_minor": 501})
+    changed = dataclasses.replace(harness.sample_plan(True), amount_minor=501)
     with pytest.raises(errors.Conflict):
         lab.store.create(harness.PROPOSER, "same-operation", changed)
     assert lab.store.execute("SELECT count(*) AS n FROM workflows")[0]["n"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -130,7 +131,7 @@ def test_receipt_fingerprint_mismatch_cannot_complete_or_reconcile(lab, observe)
     claimed = lab.store.claim("owner", SECOND)
     assert claimed is not None
     receipt = rig.client.call(claimed)
-    forged = type(receipt)(receipt.receipt_id, receipt.effect_key, "wrong")
+    forged = dataclasses.replace(receipt, fingerprint="wrong")
     events_before = len(lab.store.events())
     with pytest.raises(errors.ReceiptMismatch):
         lab.store.complete(claimed, forged)

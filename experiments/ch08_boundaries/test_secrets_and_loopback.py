@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+import dataclasses
 
 import pytest
 from psycopg import conninfo
 
-from lab import boundaries, errors, harness, plan, store, tool
+from lab import boundaries, errors, harness, store, tool
 
 REMOTE_DSNS = [
     "postgres://book:book-lab-only@192.0.2.1:25432/book?sslmode=disable",
@@ -25,10 +25,9 @@ UNSAFE_ENDPOINTS = [
 def test_events_exclude_raw_sensitive_inputs(lab, lab_dsn, observe):
     """The audit trail records kinds and identifiers only: no account, amount, token,
     header or database password appears in any event of a full successful run."""
-    private = plan.Plan(**{**harness.sample_plan(True).to_json(),
-                           "account": "private-account-DO-NOT-LOG-81925"})
-    created = lab.store.create(harness.PROPOSER, store.new_id("op"), private)
-    lab.store.approve(harness.APPROVER, created.id, created.fingerprint, timedelta(minutes=1))
+    private = dataclasses.replace(harness.sample_plan(True),
+                                  account="private-account-DO-NOT-LOG-81925")
+    created = lab.approved(plan=private)
     rig = lab.credit_tool(idempotent=True)
     assert rig.worker.run_one() is not None
     assert lab.state(created.id).state == "succeeded"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lab import chaos
+from lab import chaos, pytest_plugin
 
 
 def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):
@@ -10,7 +10,6 @@ def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):
     dropped after commit and 429s answered, all at once: after the drain no effect is
     duplicated, lost, replayed or recorded under a stale fence, and every workflow is
     finished or waiting for a person with a reason."""
-    request.node.user_properties.append(("lab_database", True))
     settings = chaos.Settings(
         workflows=120,
         workers=3,
@@ -26,6 +25,7 @@ def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):
         drain_timeout=60.0,
     )
     report = chaos.run(lab_dsn, settings)
+    pytest_plugin.reached_database(request.node)
     faults = report["faults"]
     observe({
         "seed": settings.seed,
