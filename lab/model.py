@@ -26,21 +26,25 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import platform
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import jsonschema
 
 from lab import errors, grammar, plan, proposal
+
+if TYPE_CHECKING:
+    from llama_cpp.llama_types import ChatCompletionRequestMessage
 
 GGUF_MAGIC = b"GGUF"
 MODES = ("unconstrained", "constrained")
@@ -284,6 +288,22 @@ def schema_valid(candidate: str) -> bool:
     return bool(_SCHEMA.is_valid(value))
 
 
+def chat_messages(prompt: str) -> list[ChatCompletionRequestMessage]:
+    """The chat sent to the model for ``prompt`` (and recorded, as sent, in its trace)."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": prompt},
+    ]
+
+
+def _parsed(candidate: str) -> Any:
+    """The candidate's JSON value, or None when it is not JSON."""
+    try:
+        return json.loads(candidate)
+    except ValueError:
+        return None
+
+
 def judge(text: str, finish_reason: str | None, mode: str, case: Case) -> dict[str, Any]:
     """Pick the candidate of one generation and record every admission decision."""
     if finish_reason != "stop":
@@ -308,10 +328,7 @@ def judge(text: str, finish_reason: str | None, mode: str, case: Case) -> dict[s
             "admission_agrees": True,
         }
     candidate = found[0]
-    try:
-        parsed: Any = json.loads(candidate)
-    except ValueError:
-        parsed = None
+    parsed = _parsed(candidate)
     in_process = admit_in_process(candidate)
     by_plancheck = admit_by_plancheck(candidate)
     return {
@@ -462,10 +479,7 @@ class Engine:
         # previous call, which would make a generation depend on its predecessor.
         self.llm.reset()  # type: ignore[no-untyped-call]
         response = self.llm.create_chat_completion(
-            messages=[
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": prompt},
-            ],
+            messages=chat_messages(prompt),
             temperature=TEMPERATURE,
             seed=SEED,
             max_tokens=MAX_TOKENS,
@@ -515,7 +529,7 @@ def run(
     if progress is not None:
         task = progress.add_task("generating", total=len(cases) * len(MODES))
     results: list[dict[str, Any]] = []
-    for case, mode in _each(cases):
+    for case, mode in itertools.product(cases, MODES):
         if progress is not None:
             progress.update(task, description=f"{case.id} {mode}")
         began = time.monotonic()
@@ -550,10 +564,7 @@ def run(
         trace = {
             "case": case.id,
             "mode": mode,
-            "messages": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": case.prompt},
-            ],
+            "messages": chat_messages(case.prompt),
             "chat_format": engine.llm.chat_format,
             "grammar": grammar.PROPOSAL.gbnf if mode == "constrained" else None,
             "sampling": _sampling(engine.threads),
@@ -608,12 +619,6 @@ def run(
         "summary": _summary(results),
         "limitations": _limitations(identity, cases),
     }
-
-
-def _each(cases: Sequence[Case]) -> Iterator[tuple[Case, str]]:
-    for case in cases:
-        for mode in MODES:
-            yield case, mode
 
 
 def _sampling(threads: int) -> dict[str, Any]:
@@ -712,10 +717,7 @@ def _check_row(row: dict[str, Any]) -> list[str]:
             now["admitted"] and now["fingerprint"] != admission.get("fingerprint")
         ):
             problems.append("admission decision differs from admission re-run now")
-        try:
-            parsed: Any = json.loads(candidate)
-        except ValueError:
-            parsed = None
+        parsed = _parsed(candidate)
         expected = matches_request(
             parsed, row.get("expected_account", ""), row.get("expected_amount_minor", 0)
         )
