@@ -9,6 +9,8 @@ for the book's figures.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from lab.plan import Plan
 
 PROPOSER = store.Actor(tenant="tenant-a", subject="employee-a", role="proposer")
 APPROVER = store.Actor(tenant="tenant-a", subject="manager-a", role="approver")
+REVIEWER = store.Actor(tenant="tenant-a", subject="reviewer-a", role="reviewer")
 SEED_LEASE = timedelta(seconds=3)
 
 
@@ -104,6 +107,14 @@ class Harness:
         self._processes.append(child)
         self.mark(name, "started")
         return child
+
+    def run_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``lab *args`` as a child process on this experiment's database and keys."""
+        return subprocess.run(
+            [sys.executable, "-m", "lab.cli", *args],
+            env=processes.child_env(self.dsn, self.store.keys),
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
 
     # -- reading state ----------------------------------------------------------------
 

@@ -264,7 +264,14 @@ def spawn_worker(
         name,
         *extra,
     ]
-    env = {**os.environ, DSN_ENV: dsn, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    env = {**child_env(dsn, keys), TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    return WorkerProcess(argv, env, name, on_event)
+
+
+def child_env(dsn: str, keys: sealing.KeyCatalog | None = None) -> dict[str, str]:
+    """The environment of a ``lab`` child process: ours, plus the database and, when
+    given, the key catalog to seal and open results with (never argv: both are secrets)."""
+    env = {**os.environ, DSN_ENV: dsn}
     if keys is not None:
         env[sealing.KEYS_ENV] = keys.to_env()
-    return WorkerProcess(argv, env, name, on_event)
+    return env

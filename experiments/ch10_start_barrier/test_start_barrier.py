@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
-import sys
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from lab import barrier, errors, sealing, store
+from lab import barrier, errors, harness, sealing, store
 
 SECOND = timedelta(seconds=1)
 
@@ -161,15 +159,15 @@ def test_failure_completion_carries_fixed_facts(lab, observe):
     for _ in range(4):
         rig.worker.run_one()
     assert lab.state(job.id).state == "failed"
-    completions = lab.store.execute("SELECT outcome, summary FROM completions ORDER BY start_id")
-    outcomes = sorted(row["outcome"] for row in completions)
+    rows = lab.store.execute("SELECT outcome, summary FROM completions ORDER BY start_id")
+    outcomes = sorted(row["outcome"] for row in rows)
     assert outcomes == ["rate_limited", "rate_limited", "rate_limited_budget_spent"]
-    for row in completions:
+    for row in rows:
         assert row["summary"] == barrier.FAILURE_FACTS[row["outcome"]]
     observe({"outcomes": outcomes, "summaries": "fixed facts", "effects": lab.effects()})
 
 
-def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, lab_dsn, observe):
+def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, observe):
     """A non-idempotent worker SIGKILLed before its start barrier still waits for a person,
     but the database proves it was never dispatched; the reviewer requeues it with that
     proof through `lab review`, and it then succeeds with exactly one effect."""
@@ -184,15 +182,11 @@ def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, lab_
     held = lab.state(job.id)
     assert held.review_reason == "not_dispatched_no_start_barrier"
     assert lab.store.barrier_for(job.id, held.fence) is None
-    env = {**os.environ, "BOOK_LAB_DSN": lab_dsn,
-           sealing.KEYS_ENV: lab.store.keys.to_env()}
-    review = [sys.executable, "-m", "lab.cli", "review", "--schema", lab.schema,
-              "--reviewer", "reviewer-a"]
-    listed = subprocess.run([*review, "list"], env=env, capture_output=True, text=True,
-                            timeout=30, check=True)
+    review = ("review", "--schema", lab.schema, "--reviewer", harness.REVIEWER.subject)
+    listed = lab.run_cli(*review, "list")
+    assert listed.returncode == 0, listed.stderr
     assert job.id in listed.stdout and "not_dispatched_no_start_barrier" in listed.stdout
-    requeued = subprocess.run([*review, "requeue", job.id],
-                              env=env, capture_output=True, text=True, timeout=30)
+    requeued = lab.run_cli(*review, "requeue", job.id)
     assert requeued.returncode == 0, requeued.stderr
     lab.mark("reviewer", "requeue (proof: no start barrier)")
     restarted = lab.spawn_worker(rig, "restarted")
@@ -207,7 +201,7 @@ def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, lab_
              "post_calls": rig.service.calls})
 
 
-def test_requeue_of_a_dispatched_workflow_needs_force(lab, lab_dsn, observe):
+def test_requeue_of_a_dispatched_workflow_needs_force(lab, observe):
     """A non-idempotent workflow whose barrier proves it may have been dispatched cannot be
     requeued without --force and a reason, which the audit keeps."""
     rig = lab.credit_tool(idempotent=False)
@@ -216,7 +210,7 @@ def test_requeue_of_a_dispatched_workflow_needs_force(lab, lab_dsn, observe):
     rig.worker.run_one()
     with pytest.raises(errors.ManualReview):
         rig.worker.reconcile(job.id)
-    reviewer = store.Actor(tenant="tenant-a", subject="reviewer-a", role="reviewer")
+    reviewer = harness.REVIEWER
     with pytest.raises(errors.Denied, match="force"):
         lab.store.requeue_reviewed(reviewer, job.id)
     assert lab.state(job.id).state == "unknown"
