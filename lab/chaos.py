@@ -58,7 +58,7 @@ import psycopg
 from rich.console import Console
 from rich.table import Table
 
-from lab import errors, invariants, plan, processes, sealing, store, tool, worker
+from lab import errors, invariants, plan, processes, protocol, sealing, store, tool, worker
 
 LEASE_S = 1.0
 HEARTBEAT_S = 0.25
@@ -489,10 +489,10 @@ class Chaos:
                 line = child.lines.get_nowait()
             except queue.Empty:
                 return
-            if line and line.startswith("BOOK_ITEM "):
+            if line and line.startswith(f"{protocol.ITEM} "):
                 self.counts.worker_items[line.split()[2]] += 1
                 self._items_done[child.name] = self._items_done.get(child.name, 0) + 1
-            elif line and line.startswith("BOOK_SKIP "):
+            elif line and line.startswith(f"{protocol.SKIP} "):
                 self.counts.worker_items[f"skip:{line.split()[1]}"] += 1
 
     # -- recovery ----------------------------------------------------------------------

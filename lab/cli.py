@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import errors
+from lab import errors, protocol
 
 
 def _plancheck(args: argparse.Namespace) -> int:
@@ -118,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--schema", required=True, help="the experiment's isolated schema")
     worker.add_argument("--tool", required=True, help="loopback tool endpoint")
     worker.add_argument("--name", default="worker-process", help="owner name for claims")
-    worker.add_argument("--pause", choices=["after_claim", "after_tool"], default=None)
+    worker.add_argument("--pause", choices=protocol.PROCESS_STAGES, default=None,
+                        help="wait for a stdin newline at this boundary")
+    worker.add_argument("--crash-at", choices=protocol.PROCESS_STAGES, default=None,
+                        help="SIGKILL itself the moment it reaches this boundary")
     worker.add_argument("--start-gate", action="store_true", help="wait for a stdin newline")
     worker.add_argument("--reconcile", default=None, help="reconcile this unknown workflow first")
     worker.add_argument("--lease", type=float, default=3.0, help="lease seconds")

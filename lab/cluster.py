@@ -59,11 +59,11 @@ from typing import Any
 import psycopg
 from psycopg import conninfo, sql
 
-from lab import boundaries, errors
+from lab import boundaries, errors, protocol
 
 log = logging.getLogger("lab.cluster")
 
-DSN_ENV = "BOOK_LAB_DSN"
+DSN_ENV = protocol.DSN_ENV  # an alias: the name is defined once, in lab.protocol
 IMAGE_ENV = "LAB_POSTGRES_IMAGE"
 CACHE_ENV = "LAB_PG_CACHE"
 BINARIES_ENV = "LAB_PG_BINARIES"

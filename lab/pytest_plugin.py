@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lab import egress, errors, evidence, recorder, store
+from lab import egress, errors, evidence, protocol, recorder, store
 from lab import harness as lab_harness
 
 log = logging.getLogger("lab.plugin")
@@ -189,7 +189,7 @@ def observe(request: pytest.FixtureRequest) -> Any:
 
     def record(value: dict[str, Any]) -> None:
         text = json.dumps(value, sort_keys=True)
-        print(f"BOOK_OBSERVATION {text}")
+        print(f"{protocol.OBSERVATION} {text}")
         request.node.user_properties.append(("lab_observation", json.loads(text)))
 
     return record

@@ -28,7 +28,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from lab import barrier as barriers
-from lab import boundaries, errors, store
+from lab import boundaries, errors, protocol, store
 from lab.plan import Receipt
 
 MAX_BODY_BYTES = 4096
@@ -62,6 +62,9 @@ class ToolService:
         self.token = token or secrets.token_urlsafe(24)
         self.drop_responses = False
         self.on_lookup: Callable[[str], None] | None = None
+        # Called with (boundary, effect key) at the named boundaries inside request
+        # handling (``protocol.TOOL_STAGES``), in the handler's thread: it may hold it.
+        self.on_stage: Callable[[str, str], None] | None = None
         self._lock = threading.Lock()
         self._reject_remaining = 0
         self._calls = 0
@@ -354,6 +357,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.tool._count_call():
             self._reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": "rate_limited"})
             return
+        if self.tool.on_stage is not None:
+            self.tool.on_stage(protocol.AFTER_REQUEST, body["effect_key"])
         trace = _TRACEPARENT.fullmatch(self.headers.get("traceparent", ""))
         start = self.headers.get(START_HEADER, "")
         status, receipt = self.tool.record_effect(
@@ -364,6 +369,8 @@ class _Handler(BaseHTTPRequestHandler):
         if receipt is None:
             self._reply(status, {"error": "effect_key_reused_with_other_plan"})
             return
+        if self.tool.on_stage is not None:
+            self.tool.on_stage(protocol.AFTER_EFFECT, body["effect_key"])
         if self.tool._drop_this_reply():
             # The effect is committed; the caller never learns it.
             self.close_connection = True
