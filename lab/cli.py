@@ -100,6 +100,12 @@ def _book(args: argparse.Namespace) -> int:
     return book.cli_main(args)
 
 
+def _crashpoints(args: argparse.Namespace) -> int:
+    from lab import crashpoints
+
+    return crashpoints.cli_main(args)
+
+
 def _review(args: argparse.Namespace) -> int:
     from lab import review
 
@@ -177,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--lab-postgres", default="auto",
                        choices=["auto", "dsn", "container", "embedded"])
     chaos.set_defaults(handler=_chaos)
+
+    crash = commands.add_parser(
+        "crashpoints", help="every named boundary, fault and tool kind, then the invariants"
+    )
+    crash.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
+    crash.add_argument("--seed", type=int, default=17)
+    crash.add_argument("--only", action="append", default=[],
+                       help="only cells whose id (boundary/fault/kind) starts with this")
+    crash.add_argument("--output", default="evidence/crashpoints.json")
+    crash.add_argument("--lab-postgres", default="auto",
+                       choices=["auto", "dsn", "container", "embedded"])
+    crash.set_defaults(handler=_crashpoints)
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

@@ -202,6 +202,25 @@ class WorkerProcess:
         self._proc.stdin.flush()
         self._on_event("experiment", f"release {self.name}")
 
+    def all_lines(self) -> list[str]:
+        """Every stdout line so far, the ones ``wait_for`` passed over included.
+
+        Moves what is queued into ``seen``: call it once the waiting is over.
+        """
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return list(self.seen)
+            if line is not None:
+                self.seen.append(line)
+
+    def send(self, line: str) -> None:
+        """Write one command line to the child's stdin."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{line}\n")
+        self._proc.stdin.flush()
+
     def finish(self, timeout: float = 30.0) -> None:
         """Wait for a clean exit; raise with the child's stderr otherwise."""
         try:

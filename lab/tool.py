@@ -165,8 +165,8 @@ class ToolService:
             raise errors.ToolError("tool service is not started")
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def start(self) -> ToolService:
-        """Open the ledger connections and serve on a free loopback port."""
+    def start(self, port: int = 0) -> ToolService:
+        """Open the ledger connections and serve on loopback ``port`` (0: a free one)."""
         try:
             self._pool.open(wait=True, timeout=10)
         except psycopg.Error as exc:
@@ -176,7 +176,7 @@ class ToolService:
         class Handler(_Handler):
             tool = service
 
-        self._server = _QuietServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="credit-tool", daemon=True
