@@ -1221,7 +1221,7 @@ def _startup_table(report: Mapping[str, Any]) -> Table:
     table.add_row("embedded PostgreSQL stop", _fmt(provisioning["stop_median_ms"]), "")
     for key, label in (("bare_python", "python -c pass"),
                        ("import_worker_modules", "python -c 'import lab.cli, lab.processes'"),
-                       ("worker_spawn_to_ready", "lab worker --start-gate → BOOK_READY")):
+                       ("worker_spawn_to_ready", f"lab worker --start-gate → {protocol.READY}")):
         figures = report[key]
         table.add_row(label, _fmt(figures["median_ms"]),
                       f"{_fmt(figures['min_ms'])} / {_fmt(figures['max_ms'])}")

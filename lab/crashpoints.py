@@ -123,13 +123,34 @@ class NotApplicable:
     reason: str
 
 
+# How the harness gets a process to each boundary. A boundary added to ``lab.protocol``
+# has no entry here until someone decides how its cells run: ``script`` raises
+# ``KeyError`` for it and the coverage test fails.
+BEFORE_CALL = "before_call"  # worker path, before the effect request is sent
+IN_TOOL = "in_tool"  # inside the tool's request handling
+AFTER_REPLY = "after_reply"  # worker path, the effect reply already in hand
+SLOW_TOOL = "slow_tool"  # worker's heartbeat thread, while the tool holds the request
+RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknown workflow
+REACH: dict[str, str] = {
+    protocol.AFTER_CLAIM: BEFORE_CALL,
+    protocol.AFTER_BARRIER: BEFORE_CALL,
+    protocol.AFTER_REQUEST: IN_TOOL,
+    protocol.AFTER_EFFECT: IN_TOOL,
+    protocol.AFTER_TOOL: AFTER_REPLY,
+    protocol.AFTER_COMPLETE: AFTER_REPLY,
+    protocol.AFTER_HEARTBEAT: SLOW_TOOL,
+    protocol.AFTER_LOOKUP: RECONCILING,
+    protocol.AFTER_SETTLE: RECONCILING,
+}
+
+
 def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
     """The script of the cell (``boundary``, ``fault``, ``kind``), or why there is none.
 
     Raises ``KeyError`` for a boundary, fault or kind this module does not know:
     a boundary added to ``lab.protocol`` without a cell here fails the coverage test.
     """
-    where = protocol.boundary(boundary).path
+    reach = REACH[boundary]
     if fault not in FAULT_NAMES or kind not in KINDS:
         raise KeyError(f"{fault}/{kind}")
     if boundary == protocol.AFTER_LOOKUP and kind == NON_IDEMPOTENT:
@@ -137,26 +158,26 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
             "a non-idempotent tool has no authoritative lookup: the reconciler never asks, "
             "it records a review"
         )
+    reconciler = reach == RECONCILING
     slow_tool = ("--pause", protocol.AFTER_REQUEST)
     fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S))
     pause = ("--pause", boundary)
     if fault == WORKER_SIGKILL:
-        if where == protocol.TOOL:
+        if reach == IN_TOOL:
             return Script(False, (), ("--pause", boundary), (
                 (TOOL_STAGE, boundary), (KILL_WORKER,), (RELEASE_TOOL,)))
-        if boundary == protocol.AFTER_HEARTBEAT:
+        if reach == SLOW_TOOL:
             return Script(False, ("--crash-at", boundary, *fast_beats), slow_tool, (
                 (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_KILLED_ITSELF,), (RELEASE_TOOL,)))
-        return Script(where == protocol.RECONCILER, ("--crash-at", boundary), (), (
-            (WORKER_KILLED_ITSELF,),))
+        return Script(reconciler, ("--crash-at", boundary), (), ((WORKER_KILLED_ITSELF,),))
     if fault == REPLY_LOST:
-        if boundary in (protocol.AFTER_CLAIM, protocol.AFTER_BARRIER):
+        if reach == BEFORE_CALL:
             return Script(False, pause, (), (
                 (WORKER_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_WORKER,), (WORKER_EXIT,)))
-        if where == protocol.TOOL:
+        if reach == IN_TOOL:
             return Script(False, (), ("--pause", boundary), (
                 (TOOL_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (WORKER_EXIT,)))
-        if boundary == protocol.AFTER_HEARTBEAT:
+        if reach == SLOW_TOOL:
             return Script(False, (*pause, *fast_beats), slow_tool, (
                 (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
                 (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
@@ -164,16 +185,30 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
             return NotApplicable("the reply has already arrived at this boundary")
         return NotApplicable("no effect reply follows this boundary")
     # TOOL_RESTART
-    if where == protocol.TOOL:
+    if reach == IN_TOOL:
         return Script(False, (), ("--die-at", boundary), (
             (TOOL_DIED,), (WORKER_EXIT,), (RESTART_TOOL,)))
-    if boundary == protocol.AFTER_HEARTBEAT:
+    if reach == SLOW_TOOL:
         return Script(False, (*pause, *fast_beats), slow_tool, (
             (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary), (KILL_TOOL,),
             (RELEASE_WORKER,), (WORKER_EXIT,), (RESTART_TOOL,)))
-    return Script(where == protocol.RECONCILER, pause, (), (
+    return Script(reconciler, pause, (), (
         (WORKER_STAGE, boundary), (KILL_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,),
         (RESTART_TOOL,)))
+
+
+def missing_cells() -> list[str]:
+    """Cells of the matrix with neither a script nor a reason they cannot happen."""
+    missing = []
+    for boundary, fault, kind in cells():
+        try:
+            found = script(boundary, fault, kind)
+        except KeyError:
+            missing.append(cell_id(boundary, fault, kind))
+            continue
+        if isinstance(found, NotApplicable) and not found.reason.strip():
+            missing.append(cell_id(boundary, fault, kind))
+    return missing
 
 
 def cells() -> list[tuple[str, str, str]]:
@@ -210,6 +245,9 @@ def run(
     """Run every cell (or those whose id starts with one of ``only``) and return the matrix."""
     if not 1 <= jobs <= 16:
         raise errors.UsageError("--jobs must be between 1 and 16")
+    missing = missing_cells()
+    if missing:
+        raise errors.CheckFailed(f"boundaries without a crash-point cell: {', '.join(missing)}")
     say = log or (lambda message: None)
     began = time.monotonic()
     ctx = _Run(dsn, f"c{secrets.token_hex(3)}", seed, sealing.load_catalog(), keep_schemas)
