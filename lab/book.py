@@ -8,8 +8,8 @@ refuses anything but a verified PASS. From that copy it then writes::
                           each experiment, its sequence figures (Mermaid), the run's
                           provenance and the lab's stated limits
     figures/<name>.svg    one sequence figure per experiment result with an event history
-    evidence/             the verified runtime.json, its envelope and public key, and the
-                          model experiment report when there is one
+    evidence/             the verified runtime.json, its envelope and public key, the
+                          model experiment report and the crash-point matrix when present
     MANIFEST.sha256       sha256sum lines for every file above
 
 Every output is a function of the evidence alone: no clock, sorted keys, fixed
@@ -30,7 +30,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import dsse, errors, evidence, figures, verification
+from lab import crashmatrix, dsse, errors, evidence, figures, verification
 
 MARKDOWN_FILE = "experiments.md"
 MANIFEST_FILE = "MANIFEST.sha256"
@@ -88,6 +88,12 @@ def build(
         }
     for name, data in _model_reports(evidence_dir, out).items():
         files[f"{EVIDENCE_DIR}/{name}"] = data
+    try:
+        matrix = crashmatrix.read(evidence_dir)
+    except errors.InputError as exc:
+        raise Refused(f"{evidence_dir / crashmatrix.OUTPUT_FILE}: {exc}") from exc
+    if matrix is not None:
+        files[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     pinned = public_key is not None
     files.update(_render(report, files, pinned=pinned))
     _write(out, files)
@@ -185,6 +191,8 @@ def _render(
         for row in rows:
             for section in figures_md.get((chapter, str(row["name"])), []):
                 lines.append(section)
+    matrix = copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}")
+    lines += crashmatrix.book_section(report, matrix)
     lines += _model_section(copies)
     lines += ["## Limits", ""]
     lines += [f"- {_md(str(limit))}" for limit in report.get("limits", [])]

@@ -36,8 +36,6 @@ give the same matrix apart from times.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import random
 import secrets
 import time
@@ -49,12 +47,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lab import errors, invariants, plan, processes, protocol, sealing, store, tool, worker
+from lab import (
+    crashmatrix,
+    errors,
+    invariants,
+    plan,
+    processes,
+    protocol,
+    sealing,
+    store,
+    tool,
+    worker,
+)
 from lab import toolprocess as toolprocesses
-
-FORMAT = "lab-crashpoints/1"
-OUTPUT_FILE = "crashpoints.json"
-MAX_MATRIX_BYTES = 4 * 1024 * 1024
 
 WORKER_SIGKILL = "worker_sigkill"
 REPLY_LOST = "reply_lost"
@@ -76,11 +81,12 @@ IDEMPOTENT = "idempotent"
 NON_IDEMPOTENT = "non_idempotent"
 KINDS: tuple[str, ...] = (IDEMPOTENT, NON_IDEMPOTENT)
 
-AUTOMATIC = "automatic"  # settled without a person
-PERSON = "person"  # waits for a person, with the recorded reason
-VIOLATION = "violation"  # the invariant checker found a violation
-NOT_REACHED = "not_reached"  # the run never got to the boundary: the cell proves nothing
-NOT_APPLICABLE = "not_applicable"
+FORMAT = crashmatrix.FORMAT
+AUTOMATIC = crashmatrix.AUTOMATIC
+PERSON = crashmatrix.PERSON
+VIOLATION = crashmatrix.VIOLATION
+NOT_REACHED = crashmatrix.NOT_REACHED
+NOT_APPLICABLE = crashmatrix.NOT_APPLICABLE
 
 LEASE_S = 1.0
 HEARTBEAT_S = 0.25
@@ -490,123 +496,6 @@ def _matrix(
     }
 
 
-def passed(matrix: Mapping[str, Any]) -> bool:
-    """True when no cell broke an invariant or missed its boundary, and coverage is full."""
-    summary = matrix["summary"]
-    coverage = matrix["coverage"]
-    return (summary[VIOLATION] == 0 and summary[NOT_REACHED] == 0
-            and matrix["violation_count"] == 0
-            and (not matrix.get("complete") or coverage["reached"] == coverage["defined"]))
-
-
-def outcome(cell: Mapping[str, Any]) -> str:
-    """A cell's outcome in a few words: final state, effects, who settles it."""
-    status = cell.get("status")
-    if status == NOT_APPLICABLE:
-        return "n/a"
-    if status == VIOLATION:
-        kinds = sorted({str(v.get("kind")) for v in cell.get("violations", [])})
-        return f"VIOLATION {', '.join(kinds)}"
-    if status == NOT_REACHED:
-        return "boundary not reached"
-    who = f"person: {cell.get('why')}" if status == PERSON else "automatic"
-    effects = int(cell.get("effects") or 0)
-    return f"{cell.get('final_state')}, {effects} effect{'' if effects == 1 else 's'}, {who}"
-
-
-def canonical_json(matrix: Mapping[str, Any]) -> bytes:
-    """The matrix as the bytes written to the evidence directory (sorted, indented)."""
-    return (json.dumps(matrix, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-
-def digest(data: bytes) -> str:
-    """sha256 of the matrix file's bytes, as an experiment observes it for the signature."""
-    return hashlib.sha256(data).hexdigest()
-
-
-# --------------------------------------------------------------------------- rendering
-
-_MARK = {AUTOMATIC: "🟩", PERSON: "🟨", VIOLATION: "🟥", NOT_REACHED: "🟥", NOT_APPLICABLE: "⬜"}
-
-
-def load(data: bytes) -> dict[str, Any]:
-    """Parse a matrix file, refusing anything that is not one (size- and shape-checked)."""
-    if len(data) > MAX_MATRIX_BYTES:
-        raise errors.InputError(f"crash-point matrix larger than {MAX_MATRIX_BYTES} bytes")
-    try:
-        matrix = json.loads(data)
-    except ValueError as exc:
-        raise errors.InputError(f"crash-point matrix is not JSON: {exc}") from exc
-    if not isinstance(matrix, dict) or matrix.get("format") != FORMAT:
-        raise errors.InputError(f"not a {FORMAT} matrix")
-    for name in ("cells", "boundaries", "faults", "kinds"):
-        if not isinstance(matrix.get(name), list):
-            raise errors.InputError(f"crash-point matrix without a {name} list")
-    for cell in matrix["cells"]:
-        if not isinstance(cell, dict) or not all(
-            isinstance(cell.get(k), str) for k in ("boundary", "fault", "kind", "status")
-        ):
-            raise errors.InputError("crash-point matrix with a malformed cell")
-    return matrix
-
-
-def render_markdown(matrix: Mapping[str, Any], *, signed_note: str) -> list[str]:
-    """The matrix as a book chapter: boundary rows, fault by tool-kind columns, coloured."""
-    cells = {(c["boundary"], c["fault"], c["kind"]): c for c in matrix["cells"]}
-    faults = [str(f["name"]) for f in matrix["faults"]]
-    kinds = [str(k) for k in matrix["kinds"]]
-    coverage = matrix.get("coverage", {})
-    summary = matrix.get("summary", {})
-    lines = [
-        "## Crash points",
-        "",
-        f"Every named boundary, fault and tool kind, {signed_note}. Each cell: final state, "
-        "effects in the tool's ledger, and who settles it; judged by the invariant checker.",
-        "",
-        f"Legend: {_MARK[AUTOMATIC]} settled automatically · {_MARK[PERSON]} needs a person "
-        f"(reason) · {_MARK[VIOLATION]} violation or boundary not reached · "
-        f"{_MARK[NOT_APPLICABLE]} cannot happen (reason).",
-        "",
-        f"Coverage: {coverage.get('reached')} of {coverage.get('defined')} boundaries reached; "
-        f"seed {matrix.get('seed')}; lease {matrix.get('lease_s')} s; "
-        + ", ".join(f"{k} {summary.get(k, 0)}" for k in
-                    (AUTOMATIC, PERSON, VIOLATION, NOT_REACHED, NOT_APPLICABLE))
-        + f"; violations {matrix.get('violation_count')}.",
-        "",
-    ]
-    header = ["Boundary"] + [f"{_md(f)} · {_md(k)}" for f in faults for k in kinds]
-    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for b in matrix["boundaries"]:
-        name = str(b.get("name"))
-        row = [f"`{_md(name)}`<br>{_md(str(b.get('meaning', '')))}"]
-        for f in faults:
-            for k in kinds:
-                cell = cells.get((name, f, k))
-                if cell is None:
-                    row.append("missing")
-                    continue
-                text = outcome(cell) if cell["status"] != NOT_APPLICABLE else (
-                    f"n/a: {cell.get('why', '')}")
-                calls = (f"<br>calls {cell.get('tool_calls')}, lookups {cell.get('lookups')}, "
-                         f"{cell.get('recovery_s')} s" if "tool_calls" in cell else "")
-                row.append(f"{_MARK.get(cell['status'], '?')} {_md(text)}{calls}")
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    for omitted in matrix.get("omitted_faults", []):
-        lines.append(f"- Fault `{_md(str(omitted.get('name')))}` not in this matrix: "
-                     f"{_md(str(omitted.get('why')))}")
-    return [*lines, ""]
-
-
-def _md(text: str) -> str:
-    text = " ".join(text.split())
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace(
-        "|", "\\|")
-
-
-# --------------------------------------------------------------------------- command
-
-
 def print_summary(matrix: Mapping[str, Any]) -> None:
     """Print one row per cell, the coverage line and any violation."""
     from rich.console import Console
@@ -621,7 +510,8 @@ def print_summary(matrix: Mapping[str, Any]) -> None:
     style = {AUTOMATIC: "green", PERSON: "yellow", VIOLATION: "bold red",
              NOT_REACHED: "bold red", NOT_APPLICABLE: "dim"}
     for cell in matrix["cells"]:
-        text = outcome(cell) if cell["status"] != NOT_APPLICABLE else f"n/a: {cell['why']}"
+        text = (crashmatrix.outcome(cell) if cell["status"] != NOT_APPLICABLE
+                else f"n/a: {cell['why']}")
         numbers = [str(cell.get(k, "")) for k in ("effects", "tool_calls", "lookups")]
         recovery = f"{cell['recovery_s']:.2f}s" if "recovery_s" in cell else ""
         table.add_row(cell["id"], f"[{style[cell['status']]}]{text}[/]", *numbers, recovery)
@@ -637,7 +527,7 @@ def print_summary(matrix: Mapping[str, Any]) -> None:
             console.print(f"[red]{cell['id']}: {violation['kind']}[/red] {violation['detail']}")
     console.print(f"cells: {dict(matrix['summary'])}; violations: {matrix['violation_count']}; "
                   f"wall {matrix.get('timing', {}).get('wall_s')}s with {matrix['jobs']} jobs",
-                  style="bold green" if passed(matrix) else "bold red")
+                  style="bold green" if crashmatrix.passed(matrix) else "bold red")
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -666,6 +556,6 @@ def cli_main(args: argparse.Namespace) -> int:
     print_summary(matrix)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_bytes(canonical_json(matrix))
+    output.write_bytes(crashmatrix.canonical_json(matrix))
     progress.log(f"matrix written to {output}")
-    return 0 if passed(matrix) else 1
+    return 0 if crashmatrix.passed(matrix) else 1

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lab import crashpoints, errors, protocol, pytest_plugin
+from lab import crashmatrix, crashpoints, errors, protocol, pytest_plugin
 
 LAB = Path(crashpoints.__file__).parent
 PROTOCOL_WORDS = {
@@ -109,15 +109,15 @@ def test_protocol_words_are_spelled_only_in_lab_protocol():
 
 def test_matrix_files_are_size_and_shape_checked():
     with pytest.raises(errors.InputError, match="not JSON"):
-        crashpoints.load(b"{")
+        crashmatrix.load(b"{")
     with pytest.raises(errors.InputError, match="not a lab-crashpoints"):
-        crashpoints.load(b'{"format": "other"}')
+        crashmatrix.load(b'{"format": "other"}')
     with pytest.raises(errors.InputError, match="larger"):
-        crashpoints.load(b" " * (crashpoints.MAX_MATRIX_BYTES + 1))
-    bad_cell = {"format": crashpoints.FORMAT, "cells": [{"boundary": 1}], "boundaries": [],
+        crashmatrix.load(b" " * (crashmatrix.MAX_MATRIX_BYTES + 1))
+    bad_cell = {"format": crashmatrix.FORMAT, "cells": [{"boundary": 1}], "boundaries": [],
                 "faults": [], "kinds": []}
     with pytest.raises(errors.InputError, match="malformed cell"):
-        crashpoints.load(json.dumps(bad_cell).encode())
+        crashmatrix.load(json.dumps(bad_cell).encode())
 
 
 def _must_show(matrix: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -147,5 +147,5 @@ def test_sigkill_after_effect_reconciles_idempotent_and_reviews_non_idempotent(
             non_idempotent["effects"]) == (crashpoints.PERSON, "unknown", 1)
     assert non_idempotent["why"] == "non_idempotent_dispatched"
     assert non_idempotent["tool_calls"] == 1 and non_idempotent["lookups"] == 0
-    rendered = "\n".join(crashpoints.render_markdown(matrix, signed_note="test"))
+    rendered = "\n".join(crashmatrix.render_markdown(matrix, signed_note="test"))
     assert "person: non_idempotent_dispatched" in rendered

@@ -1,0 +1,44 @@
+"""Chapter 11: every named durable boundary, every fault, both tool kinds: a table, not a sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lab import crashmatrix, crashpoints, protocol, pytest_plugin, recorder
+
+
+def test_every_crash_point_keeps_every_invariant(request, lab_dsn, observe):
+    """A worker process stopped dead, its reply lost, or the tool killed and restarted, at
+    each named boundary of the worker's and the reconciler's paths, for an idempotent and a
+    non-idempotent tool: every boundary is reached, the invariant checker finds nothing, and
+    every cell ends settled automatically or waiting for a person with a reason."""
+    matrix = crashpoints.run(lab_dsn, seed=17, jobs=2)
+    pytest_plugin.reached_database(request.node)
+    data = crashmatrix.canonical_json(matrix)
+    given = request.config.getoption("lab_evidence", None) or recorder.DEFAULT_DIRECTORY
+    directory = Path(request.config.invocation_params.dir) / str(given)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / crashmatrix.OUTPUT_FILE).write_bytes(data)
+    cells = {cell["id"]: cell for cell in matrix["cells"]}
+    after_effect = f"{protocol.AFTER_EFFECT}/{crashpoints.WORKER_SIGKILL}"
+    idempotent, non_idempotent = cells[f"{after_effect}/idempotent"], cells[
+        f"{after_effect}/non_idempotent"]
+    coverage = matrix["coverage"]
+    observe({
+        crashmatrix.SIGNED_KEY: crashmatrix.digest(data),
+        "coverage": f"{coverage['reached']}/{coverage['defined']} boundaries reached",
+        "cells": matrix["summary"],
+        "violations": matrix["violation_count"],
+        "sigkill_after_effect": {
+            "idempotent": crashmatrix.outcome(idempotent),
+            "non_idempotent": crashmatrix.outcome(non_idempotent),
+        },
+        "wall_s": matrix["timing"]["wall_s"],
+    })
+    assert matrix["violation_count"] == 0, [c for c in matrix["cells"] if c.get("violations")]
+    assert coverage["missing"] == [] and coverage["reached"] == len(protocol.NAMES)
+    assert matrix["summary"][crashmatrix.NOT_REACHED] == 0
+    assert crashmatrix.passed(matrix)
+    assert (idempotent["status"], idempotent["effects"]) == (crashmatrix.AUTOMATIC, 1)
+    assert (non_idempotent["status"], non_idempotent["effects"], non_idempotent["why"]) == (
+        crashmatrix.PERSON, 1, "non_idempotent_dispatched")
