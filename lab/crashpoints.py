@@ -274,7 +274,7 @@ def run(
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="crashpoint") as pool:
         for future in [pool.submit(one, index) for index in order]:
             future.result()
-    matrix = _matrix([results[i] for i in range(len(wanted))], seed=seed, jobs=jobs,
+    matrix = assemble([results[i] for i in range(len(wanted))], seed=seed, jobs=jobs,
                      complete=not only)
     matrix["timing"] = {"wall_s": round(time.monotonic() - began, 2)}
     return matrix
@@ -293,8 +293,10 @@ def _run_cell(ctx: _Run, index: int, boundary: str, fault: str, kind: str) -> di
     tools = toolprocesses.ToolProcess(ctx.dsn, schema, idempotent=idempotent,
                                       token=secrets.token_urlsafe(18))
     children: list[processes.WorkerProcess] = []
+    began = time.monotonic()
     try:
-        return {**base, **_drive(ctx, db, tools, children, plan_of, idempotent, base["id"])}
+        cell = _drive(ctx, db, tools, children, plan_of, idempotent, base["id"])
+        return {**base, **cell, "cell_s": round(time.monotonic() - began, 2)}
     finally:
         for child in children:
             child.cleanup()
@@ -465,9 +467,10 @@ def _recover(
 # --------------------------------------------------------------------------- the matrix
 
 
-def _matrix(
+def assemble(
     results: list[dict[str, Any]], *, seed: int, jobs: int, complete: bool
 ) -> dict[str, Any]:
+    """The matrix document from its cells: coverage, counts by status, the fault table."""
     reached = sorted({c["boundary"] for c in results if c.get("reached")},
                      key=protocol.NAMES.index)
     statuses = Counter(c["status"] for c in results)

@@ -149,3 +149,63 @@ def test_sigkill_after_effect_reconciles_idempotent_and_reviews_non_idempotent(
     assert non_idempotent["tool_calls"] == 1 and non_idempotent["lookups"] == 0
     rendered = "\n".join(crashmatrix.render_markdown(matrix, signed_note="test"))
     assert "person: non_idempotent_dispatched" in rendered
+
+
+def _sample_matrix() -> dict[str, Any]:
+    cells = []
+    for boundary, fault, kind in crashpoints.cells():
+        found = crashpoints.script(boundary, fault, kind)
+        if isinstance(found, crashpoints.NotApplicable):
+            cells.append({"id": crashpoints.cell_id(boundary, fault, kind), "boundary": boundary,
+                          "fault": fault, "kind": kind, "status": crashmatrix.NOT_APPLICABLE,
+                          "why": found.reason})
+            continue
+        person = kind == crashpoints.NON_IDEMPOTENT
+        cells.append({
+            "id": crashpoints.cell_id(boundary, fault, kind), "boundary": boundary,
+            "fault": fault, "kind": kind, "reached": True,
+            "status": crashmatrix.PERSON if person else crashmatrix.AUTOMATIC,
+            "final_state": "unknown" if person else "succeeded", "effects": 1,
+            "why": "non_idempotent_dispatched" if person else "", "tool_calls": 1,
+            "lookups": 0 if person else 1, "recovery_s": 1.0, "violations": [],
+        })
+    matrix = crashpoints.assemble(cells, seed=1, jobs=2, complete=True)
+    matrix["timing"] = {"wall_s": 1.0}
+    return matrix
+
+
+def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
+    matrix = _sample_matrix()
+    assert crashmatrix.passed(matrix)
+    lines = crashmatrix.render_markdown(matrix, signed_note="signed")
+    header = next(line for line in lines if line.startswith("| Boundary"))
+    assert header.count("|") - 1 == 1 + len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
+    rows = [line for line in lines if line.startswith("| `after_")]
+    assert [row.split("`")[1] for row in rows] == list(protocol.NAMES)
+    assert all("missing" not in row for row in rows)
+    assert "9 of 9 boundaries reached" in "\n".join(lines)
+    assert "postgres_restart" in "\n".join(lines)
+
+
+def test_chapter_says_whether_the_run_signed_the_matrix():
+    data = crashmatrix.canonical_json(_sample_matrix())
+    signed = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: crashmatrix.digest(data)}]}]}
+    assert "signed with the run" in "\n".join(crashmatrix.book_section(signed, data))
+    other = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: "0" * 64}]}]}
+    assert "does not cover it" in "\n".join(crashmatrix.book_section(other, data))
+    assert crashmatrix.book_section(signed, None) == []
+
+
+def test_a_violation_or_an_unreached_boundary_fails_the_matrix():
+    matrix = _sample_matrix()
+    matrix["cells"][0]["status"] = crashmatrix.NOT_REACHED
+    matrix["cells"][0]["reached"] = False
+    rebuilt = crashpoints.assemble(matrix["cells"], seed=1, jobs=2, complete=True)
+    assert not crashmatrix.passed(rebuilt)
+    matrix = _sample_matrix()
+    matrix["cells"][0]["violations"] = [{"kind": "duplicate_effect", "workflow_id": "w",
+                                         "effect_key": "k", "detail": "2 rows"}]
+    matrix["cells"][0]["status"] = crashmatrix.VIOLATION
+    rebuilt = crashpoints.assemble(matrix["cells"], seed=1, jobs=2, complete=True)
+    assert not crashmatrix.passed(rebuilt)
+    assert "VIOLATION duplicate_effect" in crashmatrix.outcome(rebuilt["cells"][0])
