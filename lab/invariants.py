@@ -11,7 +11,8 @@ the effect key concerned::
     effect_without_owner      an effect no succeeded/unknown workflow of that key and plan owns
     tool_mode_mismatch        an effect written by a tool whose mode differs from the plan's
     replayed_dispatch         a non-idempotent workflow dispatched again without a definite
-                              non-effect (a 429 or unreachable tool) in between
+                              non-effect (a 429 or unreachable tool) or a person's forced
+                              requeue in between, or performed more than once in the ledger
     stale_completion          a completion not written under the current, still open claim
     lost_workflow             a workflow neither terminal nor awaiting review with a reason
     budget_overrun            more attempts (or claims) than the workflow's budget
@@ -209,8 +210,10 @@ def replayed_dispatches(history: History) -> list[Violation]:
 
     A second ``dispatching`` event is allowed only after the previous dispatch
     ended in a definite non-effect: a ``retry_scheduled`` event under the same
-    fence (the tool answered 429 or was never reached). The ledger must also
-    hold at most one row for the workflow's key.
+    fence (the tool answered 429 or was never reached), or a person's
+    ``forced_requeue`` under that fence (a decision audited with its reason:
+    the person, not the runtime, vouched that nothing happened). Whatever
+    anyone decided, the ledger must hold at most one row for the workflow's key.
     """
     events = _events_by_workflow(history)
     effects = _effects_by_key(history)
@@ -232,7 +235,7 @@ def replayed_dispatches(history: History) -> list[Violation]:
                         )
                     )
                 pending = event.fence
-            elif event.kind == "retry_scheduled" and event.fence == pending:
+            elif event.kind in ("retry_scheduled", "forced_requeue") and event.fence == pending:
                 pending = None
         rows = effects.get(wf.effect_key, [])
         if len(rows) > 1:
@@ -378,26 +381,39 @@ def load(dsn: str, schema: str, *, open_result: ResultOpener | None = None) -> H
     with psycopg.connect(
         boundaries.check_dsn(dsn), row_factory=dict_row, application_name="lab-invariants"
     ) as conn:
-        # REPEATABLE READ: the three reads see one moment, even if something still writes.
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        with conn.transaction():
-            conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
-            workflows = conn.execute(
-                """
-                SELECT id, state, coalesce(plan -> 'idempotent' = 'true'::jsonb, false)
-                           AS idempotent,
-                       effect_key, fingerprint, fence, attempt, max_attempts,
-                       review_reason, result
-                  FROM workflows ORDER BY created_at, id
-                """
-            ).fetchall()
-            events = conn.execute(
-                "SELECT seq, workflow_id, kind, fence, detail FROM events ORDER BY seq"
-            ).fetchall()
-            effects = conn.execute(
-                "SELECT seq, effect_key, fingerprint, receipt, idempotent "
-                "FROM tool_effects ORDER BY seq"
-            ).fetchall()
+        return read(conn, schema, open_result=open_result)
+
+
+def read(
+    conn: psycopg.Connection[dict[str, Any]],
+    schema: str,
+    *,
+    open_result: ResultOpener | None = None,
+) -> History:
+    """``load`` on a connection the caller keeps open (one that checks after every step).
+
+    The connection must use ``dict_row`` and be outside a transaction.
+    """
+    # REPEATABLE READ: the three reads see one moment, even if something still writes.
+    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    with conn.transaction():
+        conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        workflows = conn.execute(
+            """
+            SELECT id, state, coalesce(plan -> 'idempotent' = 'true'::jsonb, false)
+                       AS idempotent,
+                   effect_key, fingerprint, fence, attempt, max_attempts,
+                   review_reason, result
+              FROM workflows ORDER BY created_at, id
+            """
+        ).fetchall()
+        events = conn.execute(
+            "SELECT seq, workflow_id, kind, fence, detail FROM events ORDER BY seq"
+        ).fetchall()
+        effects = conn.execute(
+            "SELECT seq, effect_key, fingerprint, receipt, idempotent "
+            "FROM tool_effects ORDER BY seq"
+        ).fetchall()
     return History(
         workflows=[
             WorkflowFact(**{**row, "result": _readable(row["result"], row["id"], open_result)})

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -39,6 +40,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from psycopg.rows import dict_row
 
 from lab import barrier, errors, invariants, plan, pytest_plugin, sealing, store, tool
 
@@ -71,6 +73,7 @@ class Rig:
     services: dict[bool, tool.ToolService]
     clients: dict[bool, tool.ToolClient]
     unreachable: dict[bool, tool.ToolClient]
+    checker: psycopg.Connection[dict[str, Any]]  # the checker's own connection, kept open
     stats: dict[str, Any] = field(default_factory=lambda: {"sequences": 0, "steps": 0})
 
     def reset(self) -> None:
@@ -223,6 +226,11 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(workflow=workflows, force=st.booleans())
     def requeue_by_review(self, workflow: str, force: bool) -> None:
+        if force and self.db.execute(
+            "SELECT 1 FROM tool_effects t JOIN workflows w USING (effect_key) WHERE w.id = %s",
+            (workflow,),
+        ):
+            return  # the reviewer checked the ledger by hand: an effect is there, no force
         with contextlib.suppress(EXPECTED):
             self.db.requeue_reviewed(REVIEWER, workflow, force=force,
                                      reason="checked the ledger by hand" if force else "")
@@ -232,7 +240,8 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def safety_holds_after_every_step(self) -> None:
         self.rig.stats["steps"] += 1
-        history = invariants.load(self.rig.dsn, self.rig.schema, open_result=self.db.keys.open)
+        history = invariants.read(self.rig.checker, self.rig.schema,
+                                  open_result=self.db.keys.open)
         found = [v for check in SAFETY_RULES for v in check(history)]
         assert found == [], [v.to_json() for v in found]
 
@@ -306,8 +315,10 @@ def rig(lab_dsn: str, lab_schema: str, request: pytest.FixtureRequest) -> Any:
     unreachable = {kind: tool.ToolClient("http://127.0.0.1:9", s.token)
                    for kind, s in services.items()}
     pytest_plugin.reached_database(request.node)
-    made = Rig(lab_dsn, lab_schema, db, services, clients, unreachable)
+    checker = psycopg.connect(lab_dsn, row_factory=dict_row, autocommit=True)
+    made = Rig(lab_dsn, lab_schema, db, services, clients, unreachable, checker)
     yield made
+    checker.close()
     for client in [*clients.values(), *unreachable.values()]:
         client.close()
     for service in services.values():
@@ -328,3 +339,23 @@ def test_store_state_machine_keeps_every_invariant(rig: Rig) -> None:
     print(f"stateful store: {rig.stats['sequences']} sequences, {rig.stats['steps']} checked "
           f"steps in {elapsed:.1f}s (profile {PROFILE})")
     assert rig.stats["sequences"] >= SEQUENCES
+
+
+def test_forced_requeue_of_an_undispatched_effect_is_not_a_replay(rig: Rig) -> None:
+    """Regression example kept from the exploration: a person forces a requeue of a
+    non-idempotent workflow whose dispatch left no effect (the ledger is empty); the second
+    dispatch is the person's recorded decision, not an automatic replay."""
+    machine = StoreMachine(rig)
+    workflow = machine.create(False, 100)
+    for step in (lambda: machine.claim("w0"), lambda: machine.pre_dispatch("w0"),
+                 lambda: machine.expire(workflow), machine.recover,
+                 lambda: machine.reconcile(workflow),
+                 lambda: machine.requeue_by_review(workflow, True),
+                 lambda: machine.claim("w1"), lambda: machine.pre_dispatch("w1"),
+                 lambda: machine.call_tool("w1", "receipt"), lambda: machine.complete("w1")):
+        step()
+        machine.safety_holds_after_every_step()
+    machine.teardown()
+    final = rig.db.get(workflow)
+    assert (final.state, final.attempt) == ("succeeded", 2)
+    assert rig.db.execute("SELECT count(*) AS n FROM tool_effects")[0]["n"] == 1
