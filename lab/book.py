@@ -8,6 +8,7 @@ refuses anything but a verified PASS. From that copy it then writes::
                           each experiment, its sequence figures (Mermaid), the run's
                           provenance and the lab's stated limits
     figures/<name>.svg    one sequence figure per experiment result with an event history
+    figures/<name>.png    with --png: each figure as cairosvg draws it, labels checked legible
     evidence/             the verified runtime.json, its envelope and public key, and the
                           model experiment report when there is one
     MANIFEST.sha256       sha256sum lines for every file above
@@ -53,11 +54,13 @@ def build(
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
     root: Path | None = None,
+    png: bool = False,
 ) -> list[str]:
     """Verify the evidence in ``evidence_dir``, then write the book into ``out``.
 
     ``root`` is the working tree whose sources must still match the evidence
-    (default: the current directory). Returns the paths written, relative to
+    (default: the current directory). ``png`` also writes ``figures/<name>.png``
+    beside each SVG (needs the ``book`` extra). Returns the paths written, relative to
     ``out`` and sorted; raises ``Refused`` with a one-line reason instead.
     """
     evidence_dir, out = evidence_dir.resolve(), out.resolve()
@@ -92,6 +95,8 @@ def build(
         files[f"{EVIDENCE_DIR}/{name}"] = data
     pinned = public_key is not None
     files.update(_render(report, files, pinned=pinned))
+    if png:
+        files.update(figures.pngs(files))
     _write(out, files)
     return sorted(files)
 
@@ -413,7 +418,10 @@ def cli_main(args: argparse.Namespace) -> int:
                 pinned = evidence.load_public_key(Path(args.public_key).read_bytes())
             except (OSError, evidence.EvidenceError) as exc:
                 raise Refused(f"cannot use --public-key {args.public_key}: {exc}") from exc
-        written = build(Path(args.evidence), Path(args.out), public_key=pinned)
+        written = build(
+            Path(args.evidence), Path(args.out), public_key=pinned,
+            png=bool(getattr(args, "png", False)),
+        )
     except (errors.LabError, OSError) as exc:
         print(f"lab book build: refused: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
