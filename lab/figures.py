@@ -36,7 +36,7 @@ import math
 import textwrap
 import unicodedata
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -663,11 +663,18 @@ def without_labels(document: str) -> str:
     return ET.tostring(root, encoding="unicode")
 
 
-def legibility(document: str, rendered: bytes | None = None, *,
-               scale: float = PNG_SCALE) -> list[str]:
-    """What keeps a reader of the cairosvg rendering from reading each step label.
+def legibility(
+    document: str,
+    rendered: bytes | None = None,
+    *,
+    scale: float = PNG_SCALE,
+    render: Callable[[str, float], bytes] | None = None,
+) -> list[str]:
+    """What keeps a reader of the rendered figure from reading each step label.
 
-    ``rendered`` is ``png(document, scale=scale)`` if already made. The figure is
+    ``render(document, scale)`` draws a PNG (default: ``png``, cairosvg; the
+    screenshot script passes headless Chromium); ``rendered`` is its result for
+    ``document`` if already made. The figure is
     rendered again without its labels (halos and note boxes alone); the pixels that
     are dark only with the labels are the labels' ink. Each label must put ink in
     its box across at least half its width, an arrow label's halo alone must paint
@@ -676,8 +683,12 @@ def legibility(document: str, rendered: bytes | None = None, *,
     """
     from PIL import Image, ImageChops, ImageDraw
 
-    full = Image.open(io.BytesIO(rendered or png(document, scale=scale))).convert("L")
-    bare = Image.open(io.BytesIO(png(without_labels(document), scale=scale))).convert("L")
+    def cairo(text: str, factor: float) -> bytes:
+        return png(text, scale=factor)
+
+    draw = render or cairo
+    full = Image.open(io.BytesIO(rendered or draw(document, scale))).convert("L")
+    bare = Image.open(io.BytesIO(draw(without_labels(document), scale))).convert("L")
 
     def dark(image: Image.Image) -> Image.Image:
         return image.point(lambda v: 255 if v < _DARK else 0)
