@@ -82,6 +82,8 @@ _BY_EXPERIMENT = {"created", "approved", "cancel_requested", "requeue", "forced_
                   "resolved_failed", "resolved_succeeded"}
 _BY_OWNER = {"dispatching", "completed", "unknown", "retry_scheduled", "failed"}
 MAX_STEPS = 150
+MAX_FINAL_STATES = 20
+MAX_WORKER_LANES = 8
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,18 @@ class _Build:
 
 
 def sequence(events: Sequence[Mapping[str, Any]], timeline: Sequence[Mapping[str, Any]]) -> Figure:
-    """Merge an experiment's events and process timeline into one figure."""
+    """Merge an experiment's events and process timeline into one figure.
+
+    Entries that are not objects are left out: the evidence is signed, not trusted.
+    """
+    events, timeline = _entries(events), _entries(timeline)
     processes: list[str] = []
     for mark in timeline:
         actor = str(mark.get("actor", ""))
         if actor not in ("experiment", "postgresql", "tool", "") and actor not in processes:
             processes.append(actor)
+    # Marks of any further process are drawn on the experiment's lane.
+    processes = processes[:MAX_WORKER_LANES]
     lanes = [Lane(EXPERIMENT, "experiment", "pytest process")]
     lanes += [Lane(f"P{i}", name, "worker process") for i, name in enumerate(processes, 1)]
     lanes += [Lane(POSTGRESQL, "PostgreSQL", "workflow store"), Lane(TOOL, "credit tool", "HTTP")]
@@ -152,12 +160,20 @@ def sequence(events: Sequence[Mapping[str, Any]], timeline: Sequence[Mapping[str
     ordered = [step for *_, step in sorted(build.steps, key=lambda item: item[:3])]
     omitted = max(0, len(ordered) - MAX_STEPS)
     ordered = ordered[:MAX_STEPS]
-    for workflow, (state, last) in states.items():
+    finals = list(states.items())
+    omitted += max(0, len(finals) - MAX_FINAL_STATES)
+    for workflow, (state, last) in finals[:MAX_FINAL_STATES]:
         review = " (manual review)" if last == "manual_review" else ""
         ordered.append(
             Step(None, POSTGRESQL, POSTGRESQL, f"final state: {workflow} {state}{review}", FINAL)
         )
     return Figure(tuple(lanes), tuple(ordered), omitted)
+
+
+def _entries(items: Any) -> list[Mapping[str, Any]]:
+    if not isinstance(items, list | tuple):
+        return []
+    return [item for item in items if isinstance(item, Mapping)]
 
 
 def _lifetime(name: str, timeline: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
@@ -456,9 +472,10 @@ def svg(figure: Figure, title: str, caption: str | None = None) -> str:
     Every string is passed through ``shown`` and escaped, so evidence cannot add
     markup or characters XML cannot carry.
     """
-    title = shown(title, MAX_TITLE)
+    title = shown(str(title), MAX_TITLE)
     centers = {lane.key: _LEFT + _GAP // 2 + i * _GAP for i, lane in enumerate(figure.lanes)}
-    wrapped = textwrap.wrap(shown(caption or "", MAX_CAPTION), width=118)
+    wrapped = textwrap.wrap(shown("" if caption is None else str(caption), MAX_CAPTION),
+                            width=118)
     top = 50 + 18 * len(wrapped)
     first_row = top + 70
     rows = len(figure.steps) + (1 if figure.omitted else 0)

@@ -240,3 +240,22 @@ def test_png_without_cairosvg_is_a_one_line_error(
     monkeypatch.setitem(sys.modules, "cairosvg", None)  # import cairosvg -> ImportError
     with pytest.raises(figures.RendererMissing, match=r"pip install '\.\[book\]'"):
         figures.pngs({"figures/x.svg": b"<svg/>"})
+
+
+def test_damaged_evidence_draws_what_it_can_without_a_traceback() -> None:
+    """Entries that are not objects, a claim that is not text, a thousand worker names
+    and a thousand workflows: a bounded figure, never an exception."""
+    events: list[Any] = ["not an event", 7, None, [1, 2]]
+    events += [{"t": i / 1000, "workflow": f"w{i}", "kind": "created", "fence": 0}
+               for i in range(1000)]
+    timeline: list[Any] = ["oops", {"t": 0.0, "actor": "experiment", "what": "started"}]
+    timeline += [{"t": i / 1000, "actor": f"worker-{i}", "what": "started"} for i in range(1000)]
+    figure = figures.sequence(events, timeline)
+    assert len(figure.lanes) == 3 + figures.MAX_WORKER_LANES
+    assert len(figure.steps) == figures.MAX_STEPS + figures.MAX_FINAL_STATES
+    # 1000 events and 1001 marks (the experiment's own "started" too), 1000 final states
+    assert figure.omitted == 2001 - figures.MAX_STEPS + 1000 - figures.MAX_FINAL_STATES
+    document = figures.svg(figure, {"title": 1}, 12345)  # type: ignore[arg-type]
+    root = ET.fromstring(document.encode())  # noqa: S314 - the figure just drawn
+    assert root.findtext(f"{SVG}title") == "{'title': 1}"
+    assert figures.sequence("not a list", 5) == figures.sequence([], [])  # type: ignore[arg-type]
