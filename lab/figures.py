@@ -606,12 +606,12 @@ _SVG_NS = "http://www.w3.org/2000/svg"
 _DARK = 160  # a luminance below this is ink; every label colour is below 100
 
 
-class RendererMissing(errors.LabError):
+class RendererMissing(errors.MissingExtra):
     """PNG figures need cairosvg and the cairo library: pip install '.[book]'."""
 
 
-class Illegible(errors.LabError):
-    """A figure's PNG does not show one of its labels."""
+class Illegible(errors.Refused):
+    """A figure's PNG does not show one of its labels: the book will not publish it."""
 
 
 def png(document: str, *, scale: float = PNG_SCALE) -> bytes:

@@ -259,3 +259,20 @@ def test_damaged_evidence_draws_what_it_can_without_a_traceback() -> None:
     root = ET.fromstring(document.encode())  # noqa: S314 - the figure just drawn
     assert root.findtext(f"{SVG}title") == "{'title': 1}"
     assert figures.sequence("not a list", 5) == figures.sequence([], [])  # type: ignore[arg-type]
+
+
+def test_cli_png_without_cairosvg_exits_3(
+    tree: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``lab book build --png`` without the extra: exit 3 (the environment), one line,
+    and no book written."""
+    monkeypatch.setitem(sys.modules, "cairosvg", None)
+    monkeypatch.chdir(tree)
+    out = tmp_path / "book"
+    assert cli.main(["book", "build", "--evidence", "evidence", "--out", str(out), "--png"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lab book build: PNG figures need cairosvg")
+    assert not out.exists()
