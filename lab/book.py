@@ -422,7 +422,8 @@ def cli_main(args: argparse.Namespace) -> int:
         )
     except OSError as exc:
         raise Refused(str(exc)) from exc
-    figures_count = sum(1 for name in written if name.startswith(f"{FIGURES_DIR}/"))
+    figures_count = sum(1 for name in written
+                        if name.startswith(f"{FIGURES_DIR}/") and name.endswith(".svg"))
     print(
         f"wrote {len(written)} files to {args.out} ({figures_count} figures); "
         f"digests in {Path(args.out) / MANIFEST_FILE}"

@@ -363,7 +363,7 @@ def _mermaid_text(text: str) -> str:
 MAX_LABEL = 200  # characters of one step label; a longer one ends in "…"
 MAX_TITLE = 160
 MAX_CAPTION = 1200
-MAX_LANE = 24  # a lane's box is 160 px wide
+MAX_LANE = 24  # characters; a lane's box is 160 px wide, and a name is cut to fit it
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
 
 
@@ -520,9 +520,9 @@ def svg(figure: Figure, title: str, caption: str | None = None) -> str:
             f'<rect x="{x - 80}" y="{top}" width="160" height="44" rx="6" fill="#eceff1" '
             f'stroke="#607d8b"/>',
             f'<text x="{x}" y="{top + 19}" text-anchor="middle" font-weight="bold">'
-            f"{_esc(shown(lane.label, MAX_LANE))}</text>",
+            f"{_esc(_fit(lane.label, 150, 12.0, bold=True))}</text>",
             f'<text x="{x}" y="{top + 35}" text-anchor="middle" font-size="11" '
-            f'fill="#546e7a">{_esc(shown(lane.role, MAX_LANE))}</text>',
+            f'fill="#546e7a">{_esc(_fit(lane.role, 150, 11.0))}</text>',
         ]
     out.append("</g>")
     out.append('<g class="steps">')
@@ -539,6 +539,14 @@ def svg(figure: Figure, title: str, caption: str | None = None) -> str:
     )
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _fit(text: str, width: float, size: float, *, bold: bool = False) -> str:
+    """``shown(text)`` cut (with "…") until it is at most ``width`` px wide."""
+    fitted = shown(text, MAX_LANE)
+    while len(fitted) > 1 and text_width(fitted, size, bold=bold) > width:
+        fitted = fitted[:-2] + "…"
+    return fitted
 
 
 def _bold(step: Step) -> bool:

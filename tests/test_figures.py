@@ -206,6 +206,10 @@ def test_evidence_strings_cannot_add_markup_to_a_figure(text: str) -> None:
     for t in root.iter(f"{SVG}text"):
         assert not re.search("[\x00-\x1f\x7f-\x9f\u202a-\u202e\ud800-\udfff\ufffe\uffff]",
                              t.text or "")
+    lanes = root.find(f"{SVG}g[@class='lanes']")
+    assert lanes is not None
+    for lane in lanes.iter(f"{SVG}text"):  # a worker's name stays inside its 160 px box
+        assert figures.text_width(lane.text or "", bold=True) <= 150, lane.text
     # The Mermaid form: one statement a line, no markup.
     diagram = figures.mermaid(figure)
     assert diagram.count("\n") == len(figure.lanes) + len(figure.steps) + 1
