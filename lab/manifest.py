@@ -170,8 +170,9 @@ def count_problem(label: str, declared: int, produced: int) -> str | None:
     """
     if produced == declared:
         return None
-    noun = "result" if declared == 1 else "results"
-    return f"{label} declares {declared} {noun} but produced {produced}"
+    if produced < declared:
+        return f"{label} produced {produced} of {declared} results"
+    return f"{label} produced {produced} results but declares {declared}"
 
 
 def differences(declared: Sequence[Entry], found: Mapping[Key, int]) -> list[str]:

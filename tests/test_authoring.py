@@ -153,10 +153,10 @@ def test_an_undeclared_or_miscounted_experiment_fails_check_and_gate_by_name(tmp
     check = _shell("lab manifest check", project)
     assert check.returncode == 1, check.stdout + check.stderr
     assert "ch01_tiny/test_extra is not declared in the manifest" in check.stdout
-    assert "ch01_tiny/test_counted declares 3 results but produced 2" in check.stdout
+    assert "ch01_tiny/test_counted produced 2 of 3 results" in check.stdout
     run = _shell("lab run", project)
     assert run.returncode == 1, run.stdout + run.stderr
     failures = _report(project)["gate"]["failures"]
     assert "ch01_tiny/test_extra ran but is not declared in the manifest" in failures
-    assert any(f.startswith("ch01_tiny/test_counted") for f in failures), failures
+    assert "ch01_tiny/test_counted produced 2 of 3 results" in failures
     assert "test_extra" in run.stdout and "test_counted" in run.stdout

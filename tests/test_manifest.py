@@ -30,8 +30,8 @@ def test_one():
 
 def test_count_problem_is_exact_in_both_directions():
     assert manifest.count_problem("ch/t", 2, 2) is None
-    assert manifest.count_problem("ch/t", 1, 4) == "ch/t declares 1 result but produced 4"
-    assert manifest.count_problem("ch/t", 3, 2) == "ch/t declares 3 results but produced 2"
+    assert manifest.count_problem("ch/t", 1, 4) == "ch/t produced 4 results but declares 1"
+    assert manifest.count_problem("ch/t", 3, 2) == "ch/t produced 2 of 3 results"
 
 
 def test_differences_name_each_undeclared_absent_and_miscounted_experiment():
@@ -39,7 +39,7 @@ def test_differences_name_each_undeclared_absent_and_miscounted_experiment():
     found = {("ch1", "test_a"): 1, ("ch2", "test_b"): 3, ("ch3", "test_new"): 1}
     assert manifest.differences(declared, found) == [
         "ch1/test_gone is declared in the manifest but was not collected",
-        "ch2/test_b declares 2 results but produced 3",
+        "ch2/test_b produced 3 results but declares 2",
         "ch3/test_new is not declared in the manifest (1 collected)",
     ]
     assert manifest.differences(declared[:1], {("ch1", "test_a"): 1}) == []
@@ -122,7 +122,7 @@ def test_sync_then_check_on_a_new_chapter_without_a_database(tmp_path):
     (chapter / "test_new.py").write_text(CHAPTER.replace("[1, 2]", "[1, 2, 3]"))
     checked = _lab("manifest", "check", cwd=tmp_path)
     assert checked.returncode == 1
-    assert "ch01_new/test_two declares 2 results but produced 3" in checked.stdout
+    assert "ch01_new/test_two produced 3 results but declares 2" in checked.stdout
     assert (tmp_path / "experiments" / "manifest.json").read_text() == before
 
 
