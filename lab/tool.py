@@ -261,7 +261,9 @@ class ToolService:
         The request is held at most ``seconds``. ``commit="before"`` holds it before
         the ledger commit (kill the caller now and the effect is still written once
         the hold ends, as a real service finishes a request whose client vanished);
-        ``"after"`` holds the reply of an effect already written.
+        ``"after"`` holds the reply of an effect already written. A caller held past
+        its client's timeout (5 s) sees ``OutcomeUnknown``. ``stop()`` releases every
+        hold, so a forgotten one never outlives the experiment.
         """
         if not 0 < seconds <= 300:
             raise ValueError(f"seconds must lie in (0, 300], not {seconds!r}")
@@ -384,6 +386,10 @@ class ToolService:
             holds = list(self._all_holds)
         for hold in holds:
             hold.release()
+        for hold in holds:
+            # A released request still uses the ledger pool: let it finish before closing.
+            if hold.arrived:
+                hold._finished.wait(5)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

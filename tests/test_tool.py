@@ -222,3 +222,22 @@ def test_slow_next_delays_the_commit_past_a_short_client_timeout(lab, service):
         client.call(lab.approved())
     lab.wait_until(lambda: lab.effects() == 1, within=5, what="the slow effect")
     assert service.slowed == 1
+
+
+def test_stopping_the_service_releases_a_forgotten_hold(lab, rig, service):
+    """stop() lets a held request finish instead of leaving its caller hanging."""
+    hold = service.hold_next(seconds=60)
+    outcomes: list[object] = []
+
+    def call() -> None:
+        try:
+            outcomes.append(rig.client.call(lab.approved()))
+        except errors.ToolError as exc:
+            outcomes.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    hold.wait_held()
+    service.stop()
+    caller.join(timeout=10)
+    assert hold.finished and not caller.is_alive() and len(outcomes) == 1
