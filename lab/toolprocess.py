@@ -52,7 +52,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     say = threading.Lock()
     released = threading.Event()
-    drop_next = threading.Event()
     done: set[str] = set()
 
     def line(text: str) -> None:
@@ -62,7 +61,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     def commands() -> None:
         for raw in sys.stdin:
             if raw.strip() == DROP_COMMAND:
-                drop_next.set()
+                service.drop_next_reply()
                 line(f"{protocol.STAGE} armed drop 0")
             else:
                 released.set()
@@ -80,10 +79,6 @@ def serve_main(argv: list[str] | None = None) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         if first and args.pause == stage:
             released.wait()
-        if stage == protocol.AFTER_EFFECT:
-            # Read by the handler right after this hook returns, in the same thread.
-            service.drop_responses = drop_next.is_set()
-            drop_next.clear()
 
     def on_lookup(effect_key: str) -> None:
         line(f"{protocol.REQUEST} lookup")
