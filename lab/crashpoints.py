@@ -546,6 +546,8 @@ def cli_main(args: argparse.Namespace) -> int:
     progress = Console(stderr=True)
     if not 1 <= args.jobs <= 16:
         raise errors.UsageError("--jobs must be between 1 and 16")
+    if not any(cell_id(*c).startswith(tuple(args.only or [""])) for c in cells()):
+        raise errors.UsageError(f"--only {' '.join(args.only)} matches no cell")
     running = cluster.start(mode=args.lab_postgres)
     try:
         database = running.provisioned.describe()

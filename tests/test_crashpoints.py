@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +211,15 @@ def test_a_violation_or_an_unreached_boundary_fails_the_matrix():
     rebuilt = crashpoints.assemble(matrix["cells"], seed=1, jobs=2, complete=True)
     assert not crashmatrix.passed(rebuilt)
     assert "VIOLATION duplicate_effect" in crashmatrix.outcome(rebuilt["cells"][0])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--jobs", "0"], "--jobs must be between 1 and 16"),
+    (["--only", "after_nothing"], "--only after_nothing matches no cell"),
+])
+def test_bad_arguments_are_a_one_line_usage_error(argv, message):
+    done = subprocess.run([sys.executable, "-m", "lab.cli", "crashpoints", *argv],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == errors.EXIT_USAGE
+    assert done.stderr.strip().splitlines() == [f"lab crashpoints: {message}"]
+    assert done.stdout == ""
