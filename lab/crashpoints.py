@@ -338,7 +338,7 @@ def _drive(
     if cell.reconciler:
         # Prelude: the effect is committed, its reply lost, the workflow unknown.
         tools.current.send(toolprocesses.DROP_COMMAND)
-        tools.current.wait_for(f"{protocol.STAGE} armed")
+        tools.current.wait_for(protocol.ARMED)
         prelude = spawn("prelude")
         prelude.finish(timeout=CELL_TIMEOUT_S)
         if db.get(job.id).state != "unknown":
@@ -363,7 +363,7 @@ def _drive(
             tools.current.release()
         elif verb == DROP_NEXT_REPLY:
             tools.current.send(toolprocesses.DROP_COMMAND)
-            tools.current.wait_for(f"{protocol.STAGE} armed", timeout=CELL_TIMEOUT_S)
+            tools.current.wait_for(protocol.ARMED, timeout=CELL_TIMEOUT_S)
         elif verb == KILL_TOOL:
             tools.current.kill()
         elif verb == TOOL_DIED:

@@ -14,7 +14,8 @@ Fault switches, each for the first time the boundary is reached:
   inside the request handling (before the effect commits, or after it and
   before the reply);
 - a line ``drop`` on stdin arms the loss of the next effect reply (the effect
-  is committed, the connection closed without an answer).
+  is committed, the connection closed without an answer); ``BOOK_ARMED drop``
+  confirms it.
 
 A restart is a new process on the same port with the same token, so a worker
 that was given the endpoint before the crash reaches the new incarnation.
@@ -62,7 +63,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         for raw in sys.stdin:
             if raw.strip() == DROP_COMMAND:
                 service.drop_next_reply()
-                line(f"{protocol.STAGE} armed drop 0")
+                line(f"{protocol.ARMED} {DROP_COMMAND}")
             else:
                 released.set()
         released.set()  # stdin closed: never hold a request forever
