@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import errors
+from lab import errors, providers
 
 
 def _plancheck(args: argparse.Namespace) -> int:
@@ -171,8 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--non-idempotent-share", type=float, default=0.2)
     chaos.add_argument("--seed", type=int, default=42)
     chaos.add_argument("--output", default="evidence/chaos.json")
-    chaos.add_argument("--lab-postgres", default="auto",
-                       choices=["auto", "dsn", "container", "embedded"])
+    chaos.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
     chaos.set_defaults(handler=_chaos)
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
