@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any, LiteralString, overload
 
 import psycopg
-from psycopg import sql
+from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
@@ -44,6 +44,8 @@ STATES = (
 TERMINAL_STATES = frozenset({"succeeded", "cancelled", "failed", "incompatible"})
 # The review reason that carries the database's proof that nothing was dispatched.
 UNDISPATCHED_REVIEW = "not_dispatched_no_start_barrier"
+# What decides whether a committed transaction survives a crash of the server or machine.
+DURABILITY_SETTINGS = ("fsync", "synchronous_commit", "full_page_writes", "wal_sync_method")
 # Completions that prove their start had no effect: the tool answered 429 or was never reached.
 NON_EFFECT_OUTCOMES = ("rate_limited", "unreachable")
 
@@ -859,6 +861,15 @@ class Store:
             ).fetchall()
         return [str(row["id"]) for row in rows]
 
+    def server_settings(self) -> dict[str, str]:
+        """The server's durability settings, as it reports them (``SHOW``)."""
+        with self._transaction("read the server's settings") as conn:
+            rows = conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name = ANY(%s) ORDER BY name",
+                (list(DURABILITY_SETTINGS),),
+            ).fetchall()
+        return {str(row["name"]): str(row["setting"]) for row in rows}
+
     def backends(self, application_prefix: str) -> list[tuple[int, str]]:
         """(pid, application name) of every server backend whose name has this prefix."""
         with self._transaction("list backends") as conn:
@@ -904,6 +915,23 @@ def drop_schema(dsn: str, schema: str) -> None:
     check_schema_name(schema)
     with _translated("drop the schema"), psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def dsn_address(dsn: str) -> tuple[str, int]:
+    """The (host, port) a loopback DSN connects to (port 5432 when it names none)."""
+    try:
+        params = conninfo.conninfo_to_dict(boundaries.check_dsn(dsn))
+    except psycopg.Error as exc:
+        raise errors.UsageError("the database DSN is malformed") from exc
+    host = str(params.get("hostaddr") or params.get("host") or "127.0.0.1")
+    return host, int(str(params.get("port") or 5432))
+
+
+def dsn_via(dsn: str, host: str, port: int) -> str:
+    """``dsn`` redirected to ``host:port`` (a proxy in front of the same server)."""
+    params = {k: v for k, v in conninfo.conninfo_to_dict(dsn).items() if k != "hostaddr"}
+    params.update(host=host, port=str(port))
+    return conninfo.make_conninfo("", **params)
 
 
 def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
