@@ -77,6 +77,8 @@ IDLE_EXIT_S = 2.0
 RECOVER_EVERY_S = 0.1
 DRAIN_TIMEOUT_S = 120.0
 WARM_UP_TIMEOUT_S = 60.0
+# How long cleanup retries a database that is still coming back before it reports failure.
+CLEANUP_PATIENCE_S = 30.0
 APPROVAL_TTL = timedelta(hours=6)  # far beyond any run: expiry is not a fault of this run
 TENANTS = ("tenant-a", "tenant-b")
 # The links a network fault can cut (each through its own proxy).
@@ -260,7 +262,7 @@ class _Population:
             self.db.close()
         if drop:
             # The database may just be coming back from a restart: retry for a while.
-            patience = backoff.Backoff(base=0.1, cap=2.0, patience=30.0)
+            patience = backoff.Backoff(base=0.1, cap=2.0, patience=CLEANUP_PATIENCE_S)
             while True:
                 try:
                     store.drop_schema(self.dsn, self.schema)

@@ -471,8 +471,9 @@ class ToolClient:
             raise errors.ToolUnavailable("tool lookup failed") from exc
         if response.status_code == HTTPStatus.NOT_FOUND:
             return None
-        if response.status_code >= 500:
-            raise errors.ToolUnavailable(f"tool lookup answered HTTP {response.status_code}")
+        if response.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+            # The ledger is away for now (a 501, no authoritative lookup, stays a refusal).
+            raise errors.ToolUnavailable("tool lookup answered HTTP 503: try again later")
         if response.status_code != HTTPStatus.OK:
             raise errors.ToolRefused(f"tool lookup answered HTTP {response.status_code}")
         return _receipt(response)
