@@ -26,10 +26,10 @@ before any cleanup.
 
 Kills and terminations start once a first item is done (the warm-up; the
 tool's faults are already on). The fault phase ends at ``duration`` or as
-soon as every workflow is settled; then the drain stops every fault, lets the
-workers finish, waits for leases to expire and reconciles until nothing is
-left to do. ``lab.invariants`` then checks the final database and the whole
-event history.
+soon as every workflow is settled (and, with restarts, ``min_restarts``
+happened); then the drain stops every fault, lets the workers finish, waits
+for leases to expire and reconciles until nothing is left to do.
+``lab.invariants`` then checks the final database and the whole event history.
 
 A worker process talks to one tool endpoint, and a tool service is either
 idempotent or not, so the population is split into two schemas: idempotent
@@ -378,7 +378,10 @@ class Chaos:
             self._check_faults()
             now = time.monotonic()
             if now >= next_count:
-                if self._open_total(refresh=True) == 0:
+                # Work may settle before the database was ever killed: with restarts
+                # asked for, the phase lasts until ``min_restarts`` happened too.
+                restarted = len(self.counts.restarts) >= settings.min_restarts
+                if self._open_total(refresh=True) == 0 and restarted:
                     return True
                 next_count = now + 0.25
             if now >= deadline:

@@ -38,6 +38,7 @@ class Settings:
     partition_for_ms: float = 1000.0
     latency_ms: float = 0.0
     durable: bool = False
+    min_restarts: int = 0
     lease: float = LEASE_S
     heartbeat: float = HEARTBEAT_S
     backoff: float = BACKOFF_S
@@ -62,6 +63,7 @@ class Settings:
             partition_for_ms=args.partition_for,
             latency_ms=args.latency,
             durable=args.durable or args.restart_postgres_every > 0,
+            min_restarts=args.min_restarts if args.restart_postgres_every > 0 else 0,
         )
 
     @property
@@ -82,6 +84,10 @@ class Settings:
             raise errors.UsageError("fault intervals must not be negative (0 means never)")
         if self.restart_every_ms and self.restart_every_ms < 1000:
             raise errors.UsageError("restart-postgres-every must be at least 1000 ms")
+        if not 0 <= self.min_restarts <= 100:
+            raise errors.UsageError("min-restarts must be between 0 and 100")
+        if self.min_restarts and not self.restart_every_ms:
+            raise errors.UsageError("min-restarts needs restart-postgres-every")
         if not 0 < self.partition_for_ms <= 30_000:
             raise errors.UsageError("partition-for must be between 0 and 30000 ms")
         if not 0 <= self.latency_ms <= 1000:

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--restart-postgres-every", type=float, default=0.0, metavar="MS",
                        help="SIGKILL and restart PostgreSQL about every MS (0: never; "
                             "implies --durable; embedded provider)")
+    chaos.add_argument("--min-restarts", type=int, default=2, metavar="N",
+                       help="with restarts, the fault phase lasts until N happened (within "
+                            "--duration), even when all work settled sooner")
     chaos.add_argument("--partition-every", type=float, default=0.0, metavar="MS",
                        help="cut one link (blackhole or reset) about every MS (0: never)")
     chaos.add_argument("--partition-for", type=float, default=1000.0, metavar="MS",

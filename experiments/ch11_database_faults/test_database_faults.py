@@ -185,7 +185,7 @@ def test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant
     settings = chaos.Settings(
         workflows=120, workers=3, duration=20.0, kill_every_ms=400.0,
         terminate_every_ms=2000.0, restart_every_ms=4000.0, partition_every_ms=2000.0,
-        partition_for_ms=800.0, durable=True, seed=11, drain_timeout=90.0,
+        partition_for_ms=800.0, durable=True, min_restarts=2, seed=11, drain_timeout=90.0,
     )
     report = chaos.run(durable_server.provisioned.dsn, settings,
                        restart=durable_server.crash_restart)
