@@ -235,7 +235,8 @@ def test_proved_undispatched_work_leaves_review_by_itself(lab, observe):
     assert audit["requeued_undispatched"] == "proof=no_start_barrier"
     assert lab.store.events(spent.id)[-1]["detail"] == (
         "cause=attempt_budget_spent proof=no_start_barrier")
-    assert lab.store.execute("SELECT count(*) AS n FROM reviews")[0]["n"] == 0  # no person
+    by_a_person = lab.store.execute("SELECT count(*) AS n FROM reviews")[0]["n"]
+    assert by_a_person == 0
     listed = lab.run_cli("review", "--schema", lab.schema, "list")
     assert listed.returncode == 0, listed.stderr
     assert undispatched.id not in listed.stdout and spent.id not in listed.stdout
@@ -251,9 +252,9 @@ def test_proved_undispatched_work_leaves_review_by_itself(lab, observe):
     assert lab.store.settle_undispatched(dispatched.id) is None
     held = lab.state(dispatched.id)
     assert (held.state, held.review_reason) == ("unknown", "non_idempotent_dispatched")
-    observe({"undispatched": "requeued", "proof": audit["requeued_undispatched"],
-             "budget_spent": failed.state, "dispatched": "stays in review",
-             "reviews_by_a_person": 0, "effects": lab.effects(),
+    observe({"undispatched": requeued.state, "proof": audit["requeued_undispatched"],
+             "budget_spent": failed.state, "dispatched": held.review_reason,
+             "reviews_by_a_person": by_a_person, "effects": lab.effects(),
              "final": lab.state(undispatched.id).state})
 
 
