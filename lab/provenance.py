@@ -132,6 +132,20 @@ def owning_distribution(module: str, file: Path) -> str | None:
     return None
 
 
+def _is_tracked(path: str | None, tracked: set[str], root: Path) -> bool:
+    """Git tracks ``path``, or a directory symlink above it (whose target holds it)."""
+    if path is None or Path(path).is_absolute():
+        return False
+    if path in tracked:
+        return True
+    parts = Path(path).parts
+    for depth in range(1, len(parts)):
+        prefix = "/".join(parts[:depth])
+        if prefix in tracked and (root / prefix).is_symlink():
+            return True
+    return False
+
+
 def _is_stdlib(file: Path) -> bool:
     parts = set(file.parts)
     if "site-packages" in parts or "dist-packages" in parts:
@@ -185,7 +199,8 @@ def describe(
             # Installed code is named by its distribution, not by this machine's paths.
             entry.update(path=None, sha256=None, tracked=False)
         else:
-            entry.update(path=path, sha256=sha256_file(resolved), tracked=path in tracked)
+            entry.update(path=path, sha256=sha256_file(resolved),
+                         tracked=_is_tracked(path, tracked, root))
         entry.update(distribution=distribution, stdlib=stdlib)
         modules.append(entry)
     ini: dict[str, Any] | None = None

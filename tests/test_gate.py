@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 from psycopg import conninfo
 
+import labtree
 from lab import dsse, evidence, gate, verification
+from lab.seed import SEED_EXPERIMENTS
 
 pytest_plugins = ["pytester"]
 
@@ -97,10 +99,15 @@ def tree(pytester: pytest.Pytester) -> pytest.Pytester:
     experiments = pytester.path / "experiments"
     (experiments / "ch01_x").mkdir(parents=True)
     (experiments / "ch02_y").mkdir()
-    (experiments / "manifest.json").write_text(json.dumps(MANIFEST))
     (experiments / "ch01_x" / "test_a.py").write_text(CH01)
     (experiments / "ch02_y" / "test_b.py").write_text(CH02)
+    labtree.publishable(pytester.path, MANIFEST["experiments"])
     return pytester
+
+
+def _own(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tree's own tests, without the seed floor's stand-ins."""
+    return [t for t in report["tests"] if labtree.SEED_FILE not in t["nodeid"]]
 
 
 # Plugins the inner runs do not need; hypothesis's alone costs seconds per run.
@@ -133,8 +140,9 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     report = _report(tree)
     assert report["status"] == gate.PASS
     assert report["gate"] == {"failures": [], "narrowed": []}
-    assert [t["outcome"] for t in report["tests"]] == ["passed"] * 4
-    pure = report["tests"][1]
+    assert [t["outcome"] for t in report["tests"]] == ["passed"] * (4 + len(SEED_EXPERIMENTS))
+    assert report["seed_floor"] == {"required": 26, "passed": 26}
+    pure = _own(report)[1]
     assert pure["nodeid"] == "experiments/ch01_x/test_a.py::test_pure"
     assert pure["claim"] == "A pure claim over two lines."
     assert pure["observations"] == [{"count": 3, "pure": True}]
@@ -306,7 +314,9 @@ def test_explicit_evidence_dir_applies_the_gate_to_any_run(tree: pytest.Pytester
     assert result.ret != 0
     report = _report(tree, "out")
     assert report["status"] == gate.FAIL
-    assert report["missing"] == ["ch01_x/test_db", "ch01_x/test_pure", "ch02_y/test_windows"]
+    own = [m for m in report["missing"] if m.startswith(("ch01_x/", "ch02_y/"))]
+    assert own == ["ch01_x/test_db", "ch01_x/test_pure", "ch02_y/test_windows"]
+    assert len(report["missing"]) == 3 + len(SEED_EXPERIMENTS)
 
 
 def test_xdist_run_collects_from_workers_and_passes(tree: pytest.Pytester) -> None:
@@ -317,7 +327,7 @@ def test_xdist_run_collects_from_workers_and_passes(tree: pytest.Pytester) -> No
     assert report["status"] == gate.PASS, report["gate"]
     observed = {o["nodeid"].rsplit("::", 1)[1]: o["observation"] for o in report["observations"]}
     assert observed == {"test_db": {"state": "succeeded"}, "test_pure": {"count": 3, "pure": True}}
-    assert report["tests"][0]["claim"] == "The database claim."
+    assert _own(report)[0]["claim"] == "The database claim."
 
 
 def test_crashed_xdist_worker_is_a_failed_experiment(tree: pytest.Pytester) -> None:
@@ -340,13 +350,10 @@ def _real_tree(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeini(INI)
     experiments = pytester.path / "experiments"
     (experiments / "ch01_x").mkdir(parents=True)
-    manifest = {
-        "experiments": [
-            {"chapter": "ch01_x", "name": "test_pure", "results": 1, "database": False},
-            {"chapter": "ch01_x", "name": "test_db", "results": 1},
-        ]
-    }
-    (experiments / "manifest.json").write_text(json.dumps(manifest))
+    entries = [
+        {"chapter": "ch01_x", "name": "test_pure", "results": 1, "database": False},
+        {"chapter": "ch01_x", "name": "test_db", "results": 1},
+    ]
     (experiments / "ch01_x" / "test_a.py").write_text(
         '''
 def test_pure(observe):
@@ -359,6 +366,7 @@ def test_db(lab_schema, observe):
     observe({"schema": "made"})
 '''
     )
+    labtree.publishable(pytester.path, entries)
     return pytester
 
 
