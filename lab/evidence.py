@@ -481,10 +481,9 @@ def _selection(facts: RunFacts, root: Path, env: Mapping[str, str]) -> dict[str,
     """Which manifest gave the expected set, and the effective arguments, redacted."""
     manifest = None
     if facts.manifest is not None:
-        manifest = {
-            "path": _relative(facts.manifest, root),
-            "sha256": provenance.sha256_file(facts.manifest),
-        }
+        # A relative path is relative to the root of the sources.
+        path = facts.manifest if facts.manifest.is_absolute() else root / facts.manifest
+        manifest = {"path": _relative(path, root), "sha256": provenance.sha256_file(path)}
     arguments: dict[str, Any] | None = None
     if facts.arguments is not None:
         arguments = {}

@@ -175,7 +175,7 @@ def describe(
     def where(file: str | None) -> str | None:
         if file is None:
             return None
-        resolved = Path(file).resolve()
+        resolved = (root / file).resolve()  # an absolute ``file`` stays itself
         if resolved in by_file:
             return by_file[resolved]
         if resolved.is_relative_to(root):

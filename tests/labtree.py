@@ -22,18 +22,24 @@ SEED_FILE = "test_seed_"
 IGNORED = "__pycache__/\n/evidence*/\n/ev-*/\n/out/\n/runpytest-*\n/stdout\n/stderr\n"
 
 
-def seed_entries() -> list[dict[str, Any]]:
-    """Manifest entries of the seed floor (pure stand-ins: no database)."""
+def _stand_ins(entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The seed experiments ``entries`` do not provide themselves."""
+    given = {(e.get("chapter"), e.get("name")) for e in entries}
+    return [seed for seed in SEED_EXPERIMENTS if seed not in given]
+
+
+def seed_entries(entries: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Manifest entries of the seed floor's stand-ins (pure: no database)."""
     return [
         {"chapter": chapter, "name": name, "results": 1, "database": False, "seed": True}
-        for chapter, name in SEED_EXPERIMENTS
+        for chapter, name in _stand_ins(entries or [])
     ]
 
 
-def write_seed_experiments(root: Path) -> None:
-    """One passing stand-in test per seed experiment, in its own chapter directory."""
+def write_seed_experiments(root: Path, entries: list[dict[str, Any]] | None = None) -> None:
+    """One passing stand-in test per seed experiment ``entries`` do not provide."""
     by_chapter: dict[str, list[str]] = defaultdict(list)
-    for chapter, name in SEED_EXPERIMENTS:
+    for chapter, name in _stand_ins(entries or []):
         by_chapter[chapter].append(name)
     for chapter, names in by_chapter.items():
         directory = root / "experiments" / chapter
@@ -46,7 +52,7 @@ def write_seed_experiments(root: Path) -> None:
 
 def write_manifest(root: Path, entries: list[dict[str, Any]]) -> None:
     """The manifest: the seed floor first, then ``entries``."""
-    manifest = {"experiments": [*seed_entries(), *entries]}
+    manifest = {"experiments": [*seed_entries(entries), *entries]}
     (root / "experiments" / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
@@ -81,7 +87,52 @@ def commit(root: Path) -> None:
 
 def publishable(root: Path, entries: list[dict[str, Any]]) -> None:
     """Complete a tree whose own experiments are declared by ``entries``."""
-    write_seed_experiments(root)
+    write_seed_experiments(root, entries)
     write_manifest(root, entries)
     link_lab(root)
     commit(root)
+
+
+# --------------------------------------------------------------------------- pure reports
+
+
+def seed_nodeid(chapter: str, name: str) -> str:
+    """The node id of a seed stand-in, as ``write_seed_experiments`` lays them out."""
+    return f"experiments/{chapter}/{SEED_FILE}{chapter}.py::{name}"
+
+
+def seed_records() -> list[dict[str, Any]]:
+    """Report-log records of every seed stand-in passing (setup, call, teardown)."""
+    return [
+        {"$report_type": "TestReport", "nodeid": seed_nodeid(chapter, name), "when": when,
+         "outcome": "passed", "duration": 0.0, "longrepr": None,
+         "user_properties": [["lab_claim", f"Seed stand-in: {name}."]]}
+        for chapter, name in SEED_EXPERIMENTS
+        for when in ("setup", "call", "teardown")
+    ]
+
+
+def seed_facts(values: dict[str, Any], root_has_lab: bool = True) -> dict[str, Any]:
+    """``RunFacts`` keyword arguments completed with the seed floor and a clean commit.
+
+    The seed's records, node ids and manifest entries are added to those given; the
+    manifest is the committed one, ``lab`` comes from ``<root>/lab`` and nothing else
+    was loaded.
+    """
+    from lab import evidence
+
+    done = dict(values)
+    done["records"] = [*values.get("records", []), *seed_records()]
+    done["collected"] = [*values.get("collected", []),
+                         *(seed_nodeid(c, n) for c, n in SEED_EXPERIMENTS)]
+    expected = list(values.get("expected", []))
+    have = {(e.chapter, e.name) for e in expected}
+    expected += [evidence.Expected(c, n, 1, False) for c, n in SEED_EXPERIMENTS
+                 if (c, n) not in have]
+    done["expected"] = expected
+    done.setdefault("manifest", Path("experiments/manifest.json"))
+    done.setdefault("arguments", {"command_line": [], "environment": [], "ini": []})
+    done.setdefault("loaded", [])
+    done.setdefault("lab_file", "lab/__init__.py" if root_has_lab else None)
+    done.setdefault("git", ("0" * 40, False))
+    return done
