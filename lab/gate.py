@@ -212,7 +212,8 @@ def _provenance_failures(report: Mapping[str, Any]) -> list[str]:
     installed = {str(d) for d in _list(provenance.get("distributions"))}
     for module in _mappings(provenance.get("modules")):
         kind = module.get("kind")
-        label = f"{kind} {module.get('name')} ({module.get('path')})"
+        label = (f"conftest {module.get('path')}" if kind == "conftest"
+                 else f"{kind} {module.get('name')} ({module.get('path')})")
         if kind == "conftest" or module.get("distribution") is None:
             if module.get("stdlib") is True and kind != "conftest":
                 continue

@@ -201,6 +201,8 @@ def describe(
         else:
             entry.update(path=path, sha256=sha256_file(resolved),
                          tracked=_is_tracked(path, tracked, root))
+            if item.kind == CONFTEST:
+                entry["name"] = path  # pytest registers it under this machine's path
         entry.update(distribution=distribution, stdlib=stdlib)
         modules.append(entry)
     ini: dict[str, Any] | None = None
