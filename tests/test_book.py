@@ -22,10 +22,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+import labtree
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-import labtree
 from lab import book, cli, dsse, evidence, figures, gate, verification
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +225,8 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     markdown = (built / book.MARKDOWN_FILE).read_text()
     chapters = [line for line in markdown.splitlines() if line.startswith("## ch")]
     own = {f"## {e['chapter']}" for e in MANIFEST["experiments"]}
-    assert [c for c in chapters if c in own] == ["## ch01_pure", "## ch02_params", "## ch05_crashes"]
+    ours = [c for c in chapters if c in own]
+    assert ours == ["## ch01_pure", "## ch02_params", "## ch05_crashes"]
     pure = next(line for line in markdown.splitlines() if line.startswith("| `test_pure`"))
     assert "A pure claim \\| with a pipe." in pure
     assert "note=&lt;b&gt;not markup&lt;/b&gt;, pure=true" in pure

@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import labtree
 import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-import labtree
 from lab import cli, dsse, errors, evidence, gate, verification
 
 DATABASE = {"provider": "dsn", "server_version": "15.8", "details": {"host": "127.0.0.1"}}

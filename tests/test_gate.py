@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import labtree
 import pytest
 from psycopg import conninfo
 
 import lab
-import labtree
 from lab import dsse, evidence, gate, verification
 from lab.seed import SEED_EXPERIMENTS
 
