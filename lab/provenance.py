@@ -192,7 +192,8 @@ def describe(
             continue
         resolved = Path(item.file).resolve()
         path = where(item.file)
-        inside = path is not None and not Path(path).is_absolute()
+        # A virtualenv may live inside the tree: only hashed sources count as the tree's.
+        inside = path in sources
         distribution = None if inside else owning_distribution(item.module, resolved)
         stdlib = not inside and distribution is None and _is_stdlib(resolved)
         if distribution is not None or stdlib:

@@ -354,6 +354,13 @@ class Collector:
             f"gate: {report['status']}; evidence in {self.directory} signed by "
             f"{signing['keyid'][:16]} ({signing['key_source']})"
         )
+        floor = report.get("seed_floor") or {}
+        terminalreporter.write_line(
+            f"  seed floor: {floor.get('passed')} of {floor.get('required')} seed "
+            "experiments declared, run and passed"
+        )
+        if report.get("dirty"):
+            terminalreporter.write_line("  dirty tree: this evidence is never publishable")
         for reason in report["gate"]["narrowed"]:
             terminalreporter.write_line(f"  narrowed: {reason}")
         failures = report["gate"]["failures"]

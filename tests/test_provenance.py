@@ -1,0 +1,55 @@
+"""Provenance: where each loaded module came from, as the gate reads it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import _pytest.main
+import pytest
+
+from lab import provenance
+
+
+def test_installed_plugin_inside_the_tree_is_named_by_its_distribution() -> None:
+    """A virtualenv inside the tree (.venv/) holds installed code, not the tree's sources:
+    its modules are named by their distribution, never by a path in the tree."""
+    file = Path(_pytest.main.__file__)
+    root = file.parents[3]  # a "tree" that contains site-packages, like a .venv inside it
+    loaded = [provenance.Loaded("plugin", "_pytest.main", "_pytest.main", str(file))]
+    described = provenance.describe(
+        loaded, root=root, sources={}, lab_file=None, inifile=None, environ={}
+    )
+    (entry,) = described["modules"]
+    version = importlib.metadata.version("pytest")
+    assert entry["distribution"] == f"pytest=={version}"
+    assert entry["path"] is None
+    assert f"pytest=={version}" in described["distributions"]
+
+
+def test_module_outside_any_distribution_keeps_its_path(tmp_path: Path) -> None:
+    """A module file no distribution's RECORD lists keeps its absolute path and digest."""
+    module = tmp_path / "stray_plugin.py"
+    module.write_text("X = 1\n")
+    loaded = [provenance.Loaded("plugin", "stray_plugin", "stray_plugin", str(module))]
+    root = tmp_path / "tree"
+    root.mkdir()
+    described = provenance.describe(
+        loaded, root=root, sources={}, lab_file=str(module), inifile=None, environ={}
+    )
+    (entry,) = described["modules"]
+    assert entry["path"] == str(module.resolve())
+    assert entry["distribution"] is None and entry["stdlib"] is False
+    assert entry["sha256"] == provenance.sha256_file(module)
+    assert described["lab"] == str(module.resolve())
+
+
+@pytest.mark.parametrize("name", ["json", "types"])
+def test_standard_library_modules_are_marked(name: str) -> None:
+    """A plugin object whose class comes from the standard library is not a stray file."""
+    module = __import__(name)
+    loaded = [provenance.Loaded("plugin", name, name, module.__file__)]
+    described = provenance.describe(
+        loaded, root=Path.cwd(), sources={}, lab_file=None, inifile=None, environ={}
+    )
+    assert described["modules"][0]["stdlib"] is True
