@@ -23,6 +23,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+# Modules without a file that pytest-xdist's workers legitimately register.
+_FILELESS = frozenset({"__channelexec__"})
 CONFTEST = "conftest"
 PLUGIN = "plugin"
 # Environment variables that change what Python or pytest loads; recorded as they were.
@@ -187,7 +189,10 @@ def describe(
     for item in {(m.kind, m.module, m.file): m for m in loaded}.values():
         entry: dict[str, Any] = {"kind": item.kind, "name": item.name, "module": item.module}
         if item.file is None:
-            entry.update(path=None, sha256=None, tracked=False, distribution=None, stdlib=True)
+            # Only interpreter built-ins and execnet's remote module (an xdist worker's
+            # ``__channelexec__``) may lack a file; any other file-less module is unknown.
+            known = item.module in sys.builtin_module_names or item.module in _FILELESS
+            entry.update(path=None, sha256=None, tracked=False, distribution=None, stdlib=known)
             modules.append(entry)
             continue
         resolved = Path(item.file).resolve()

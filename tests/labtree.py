@@ -19,7 +19,12 @@ from lab.seed import SEED_EXPERIMENTS
 
 # Seed stand-ins live in files named test_seed_<chapter>.py (unique module names).
 SEED_FILE = "test_seed_"
-IGNORED = "__pycache__/\n/evidence*/\n/ev-*/\n/out/\n/runpytest-*\n/stdout\n/stderr\n"
+# What inner runs write into a tree (evidence, pytester's files, caches): never "dirty".
+IGNORED = "".join(
+    f"{line}\n"
+    for line in ("__pycache__/", "/evidence*/", "/ev-*/", "/out/", "/runpytest-*", "/stdout",
+                 "/stderr", "/.pytest_cache/")
+)
 
 
 def _stand_ins(entries: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -631,3 +631,28 @@ def test_dirty_tree_is_never_publishable(tree: pytest.Pytester) -> None:
         "dirty tree is never publishable"
     ]
     assert not verification.verify(tree.path / "evidence").ok
+
+
+@pytest.mark.parametrize("flag", ["--lf", "--ff", "--sw"])
+def test_cache_driven_selection_is_narrowing(tree: pytest.Pytester, flag: str) -> None:
+    """--lf, --ff and --sw let an earlier run's cache choose or order what runs: PARTIAL."""
+    result = tree.runpytest("-p", "no:lab", "-p", "no:hypothesispytest", "-p", "no:anyio",
+                            "experiments", flag)
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["status"] == gate.PARTIAL, report["gate"]
+    assert flag in report["gate"]["narrowed"]
+
+
+def test_conftest_loaded_only_by_an_xdist_worker_is_named(tree: pytest.Pytester) -> None:
+    """Under xdist the controller imports no chapter conftest; the workers report what
+    they loaded, so an untracked one is still named."""
+    (tree.path / ".git" / "info" / "exclude").write_text("experiments/ch01_x/conftest.py\n")
+    (tree.path / "experiments" / "ch01_x" / "conftest.py").write_text(EVIL_HOOK)
+    assert labtree.git(tree.path, "status", "--porcelain") == ""
+    result = tree.runpytest_subprocess("-p", "no:lab", *QUIET, "-n", "2", "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["gate"]["failures"] == [
+        "conftest experiments/ch01_x/conftest.py is not a file tracked by git"
+    ]
