@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lab.manifest import count_problem
 from lab.seed import SEED_EXPERIMENTS
 
 PASS = "PASS"  # noqa: S105 - a verdict, not a password
@@ -96,12 +97,12 @@ def decide(report: Mapping[str, Any]) -> Gate:
             failures.append(f"{label} ran but is not declared in the manifest")
         elif not ran:
             missing.append(label)
-        elif isinstance(expected, int) and len(ran) < expected:
-            shortfalls.append(f"{label} produced {len(ran)} of {expected} results")
-        elif isinstance(expected, int) and len(ran) > expected:
-            # More results than declared: the declaration no longer describes the code.
-            failures.append(f"{label} produced {len(ran)} results, more than the "
-                            f"{expected} declared")
+        elif isinstance(expected, int) and len(ran) != expected:
+            # The declared count is exact (the rule ``lab manifest check`` applies too):
+            # fewer is explained by a narrowed selection, more never is.
+            problem = count_problem(label, expected, len(ran))
+            if problem:
+                (shortfalls if len(ran) < expected else failures).append(problem)
         for test in ran:
             nodeid = test.get("nodeid", "?")
             if test.get("outcome") != PASSED:

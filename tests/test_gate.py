@@ -451,7 +451,7 @@ def test_more_results_than_declared_fail(tree: pytest.Pytester) -> None:
     result = _run(tree, "experiments")
     assert result.ret != 0
     failures = _report(tree)["gate"]["failures"]
-    assert failures == ["ch02_y/test_windows produced 3 results, more than the 2 declared"]
+    assert failures == ["ch02_y/test_windows produced 3 results but declares 2"]
 
 
 def test_stopping_early_fails_the_gate(tree: pytest.Pytester) -> None:
