@@ -656,3 +656,17 @@ def test_conftest_loaded_only_by_an_xdist_worker_is_named(tree: pytest.Pytester)
     assert report["gate"]["failures"] == [
         "conftest experiments/ch01_x/conftest.py is not a file tracked by git"
     ]
+
+
+def test_ini_addopts_narrowing_is_recorded_and_counts(tree: pytest.Pytester) -> None:
+    """An --ignore hidden in the committed ini's addopts narrows the run like any other,
+    and the report records the ini's options."""
+    tree.makeini(INI + "addopts = --ignore=experiments/ch02_y\n")
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["status"] == gate.PARTIAL, report["gate"]
+    assert report["gate"]["narrowed"] == ["--ignore experiments/ch02_y"]
+    assert report["selection"]["arguments"]["ini"] == ["--ignore=experiments/ch02_y"]
+    assert report["provenance"]["inifile"]["path"] == "tox.ini"

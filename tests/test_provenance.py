@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from pathlib import Path
 
 import _pytest.main
+import labtree
 import pytest
 
 from lab import provenance
@@ -53,3 +55,29 @@ def test_standard_library_modules_are_marked(name: str) -> None:
         loaded, root=Path.cwd(), sources={}, lab_file=None, inifile=None, environ={}
     )
     assert described["modules"][0]["stdlib"] is True
+
+
+def test_effective_arguments_and_environment_are_redacted(tmp_path: Path) -> None:
+    """A DSN given through PYTEST_ADDOPTS or ini addopts never reaches the report."""
+    from lab import evidence
+
+    root = tmp_path / "repo"
+    (root / "experiments").mkdir(parents=True)
+    (root / "experiments" / "manifest.json").write_text("{}\n")
+    dsn = "postgresql://lab:hunter7secret@127.0.0.1/db"
+    environ = {"PYTEST_ADDOPTS": f"--lab-dsn={dsn} -q", "PYTHONPATH": "/opt/x"}
+    values = labtree.seed_facts({
+        "records": [], "collected": [], "experiments_prefix": "experiments/", "expected": [],
+        "database": None, "command": ["pytest"],
+        "arguments": {"command_line": ["--lab-dsn", dsn], "environment": [f"--lab-dsn={dsn}"],
+                      "ini": ["--lab-dsn", dsn]},
+    })
+    report = evidence.compile_report(
+        evidence.RunFacts(**values), root=root, signing={}, environ=environ
+    )
+    text = json.dumps(report)
+    assert "hunter7secret" not in text
+    assert report["selection"]["arguments"]["environment"] == ["--lab-dsn=<redacted>"]
+    assert report["selection"]["arguments"]["ini"] == ["--lab-dsn", "<redacted>"]
+    assert report["provenance"]["environment"]["PYTEST_ADDOPTS"] == "--lab-dsn=<redacted> -q"
+    assert report["provenance"]["environment"]["PYTHONPATH"] == "/opt/x"
