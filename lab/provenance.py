@@ -10,6 +10,7 @@ so a verifier recomputes the same verdict from the signed report alone.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.metadata
 import os
@@ -117,10 +118,12 @@ def _owners() -> Mapping[str, list[str]]:
 
 
 def owning_distribution(module: str, file: Path) -> str | None:
-    """``name==version`` of the installed distribution whose RECORD lists ``file``.
+    """``name==version`` of the installed distribution whose RECORD lists ``file`` with
+    the file's current digest.
 
     An editable install lists no module files, so a module of a checkout elsewhere is
-    never mistaken for an installed one.
+    never mistaken for an installed one; an installed file edited in place no longer
+    matches its RECORD digest and is not vouched for either.
     """
     top = module.split(".", 1)[0]
     for name in _owners().get(top, []):
@@ -129,8 +132,17 @@ def owning_distribution(module: str, file: Path) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
         for entry in dist.files or []:
-            if Path(str(dist.locate_file(entry))).resolve() == file:
-                return f"{dist.metadata['Name']}=={dist.version}"
+            if Path(str(dist.locate_file(entry))).resolve() != file:
+                continue
+            recorded = entry.hash
+            if recorded is None or recorded.mode != "sha256":
+                return None
+            with file.open("rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").digest()
+            actual = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+            if actual != recorded.value:
+                return None
+            return f"{dist.metadata['Name']}=={dist.version}"
     return None
 
 

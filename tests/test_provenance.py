@@ -81,3 +81,45 @@ def test_effective_arguments_and_environment_are_redacted(tmp_path: Path) -> Non
     assert report["selection"]["arguments"]["ini"] == ["--lab-dsn", "<redacted>"]
     assert report["provenance"]["environment"]["PYTEST_ADDOPTS"] == "--lab-dsn=<redacted> -q"
     assert report["provenance"]["environment"]["PYTHONPATH"] == "/opt/x"
+
+
+
+def test_installed_file_edited_in_place_is_not_vouched_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A distribution vouches for its module only while the file matches its RECORD
+    digest: edited in place, the module is reported by path and the gate fails it."""
+    import base64
+    import hashlib
+
+    from lab import gate
+
+    site = tmp_path / "site"
+    info = site / "fakeplug-1.0.dist-info"
+    info.mkdir(parents=True)
+    module = site / "fakeplug.py"
+    module.write_text("X = 1\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(module.read_bytes()).digest())
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeplug\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("fakeplug\n")
+    (info / "RECORD").write_text(
+        f"fakeplug.py,sha256={digest.rstrip(b'=').decode()},{module.stat().st_size}\n"
+        "fakeplug-1.0.dist-info/METADATA,,\nfakeplug-1.0.dist-info/RECORD,,\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    provenance._owners.cache_clear()
+    try:
+        assert provenance.owning_distribution("fakeplug", module.resolve()) == "fakeplug==1.0"
+        module.write_text("X = 2  # edited in place\n")
+        assert provenance.owning_distribution("fakeplug", module.resolve()) is None
+        loaded = [provenance.Loaded("plugin", "fakeplug", "fakeplug", str(module))]
+        described = provenance.describe(
+            loaded, root=tmp_path / "tree", sources={}, lab_file=None, inifile=None,
+            environ={},
+        )
+    finally:
+        provenance._owners.cache_clear()
+    report = {"sources": {}, "provenance": described, "commit": "c", "dirty": False}
+    failures = gate._provenance_failures(report)
+    assert f"plugin fakeplug ({module.resolve()}) was loaded from outside the hashed sources" \
+        in failures
