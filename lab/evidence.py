@@ -483,7 +483,10 @@ def _selection(facts: RunFacts, root: Path, env: Mapping[str, str]) -> dict[str,
     if facts.manifest is not None:
         # A relative path is relative to the root of the sources.
         path = facts.manifest if facts.manifest.is_absolute() else root / facts.manifest
-        manifest = {"path": _relative(path, root), "sha256": provenance.sha256_file(path)}
+        digest = provenance.sha256_file(path)
+        # An unreadable manifest is recorded as none (load_manifest names the problem).
+        if digest is not None:
+            manifest = {"path": _relative(path, root), "sha256": digest}
     arguments: dict[str, Any] | None = None
     if facts.arguments is not None:
         arguments = {}

@@ -224,8 +224,9 @@ def describe(
         entry.update(distribution=distribution, stdlib=stdlib)
         modules.append(entry)
     ini: dict[str, Any] | None = None
-    if inifile is not None:
-        ini = {"path": where(str(inifile)), "sha256": sha256_file(inifile)}
+    ini_digest = sha256_file(inifile) if inifile is not None else None
+    if inifile is not None and ini_digest is not None:
+        ini = {"path": where(str(inifile)), "sha256": ini_digest}
     return {
         "lab": where(lab_file),
         "inifile": ini,
