@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -40,7 +39,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from psycopg.rows import dict_row
 
 from lab import barrier, errors, invariants, plan, pytest_plugin, sealing, store, tool
 
@@ -73,7 +71,6 @@ class Rig:
     services: dict[bool, tool.ToolService]
     clients: dict[bool, tool.ToolClient]
     unreachable: dict[bool, tool.ToolClient]
-    checker: psycopg.Connection[dict[str, Any]]  # the checker's own connection, kept open
     stats: dict[str, Any] = field(default_factory=lambda: {"sequences": 0, "steps": 0})
 
     def reset(self) -> None:
@@ -240,8 +237,7 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def safety_holds_after_every_step(self) -> None:
         self.rig.stats["steps"] += 1
-        history = invariants.read(self.rig.checker, self.rig.schema,
-                                  open_result=self.db.keys.open)
+        history = invariants.load(self.rig.dsn, self.rig.schema, open_result=self.db.keys.open)
         found = [v for check in SAFETY_RULES for v in check(history)]
         assert found == [], [v.to_json() for v in found]
 
@@ -315,10 +311,8 @@ def rig(lab_dsn: str, lab_schema: str, request: pytest.FixtureRequest) -> Any:
     unreachable = {kind: tool.ToolClient("http://127.0.0.1:9", s.token)
                    for kind, s in services.items()}
     pytest_plugin.reached_database(request.node)
-    checker = psycopg.connect(lab_dsn, row_factory=dict_row, autocommit=True)
-    made = Rig(lab_dsn, lab_schema, db, services, clients, unreachable, checker)
+    made = Rig(lab_dsn, lab_schema, db, services, clients, unreachable)
     yield made
-    checker.close()
     for client in [*clients.values(), *unreachable.values()]:
         client.close()
     for service in services.values():

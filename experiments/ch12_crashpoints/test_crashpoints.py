@@ -1,4 +1,4 @@
-"""Chapter 11: every named durable boundary, every fault, both tool kinds: a table, not a sample."""
+"""Chapter 12: every named durable boundary, every fault, both tool kinds: a table, not a sample."""
 
 from __future__ import annotations
 
