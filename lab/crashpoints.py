@@ -19,6 +19,10 @@ and ``lab.invariants`` judges the schema's whole history. Faults:
                     self-kill switch inside request handling, else by the
                     harness while the worker waits there), the worker carries
                     on against the dead endpoint, then the tool restarts
+    postgres_restart  the postmaster is SIGKILLed while the process waits at the
+                    boundary and restarted on the same data (``crash_restart`` of
+                    a server this run started; left out, with the reason, for
+                    any other); these cells run one at a time, after the others
 
 ``after_heartbeat`` is reached with the tool holding the request (a slow
 tool), so the worker's heartbeats run; reconciler boundaries are reached by a
@@ -64,18 +68,18 @@ from lab import toolprocess as toolprocesses
 WORKER_SIGKILL = "worker_sigkill"
 REPLY_LOST = "reply_lost"
 TOOL_RESTART = "tool_restart"
+POSTGRES_RESTART = "postgres_restart"
 FAULTS: tuple[tuple[str, str], ...] = (
     (WORKER_SIGKILL, "the process at the boundary is SIGKILLed"),
     (REPLY_LOST, "the next effect reply after the boundary is lost (effect committed)"),
     (TOOL_RESTART, "the tool process is SIGKILLed at the boundary, then restarted"),
+    (POSTGRES_RESTART, "the PostgreSQL postmaster is SIGKILLed at the boundary and restarted "
+                       "on the same data (WAL recovery)"),
 )
 FAULT_NAMES: tuple[str, ...] = tuple(name for name, _ in FAULTS)
-OMITTED_FAULTS: tuple[tuple[str, str], ...] = (
-    (
-        "postgres_restart",
-        "crash-restart of the PostgreSQL server is being built on wip/dbfaults and is not "
-        "on main yet; the column is added once it is",
-    ),
+NO_RESTART = (
+    "this run's PostgreSQL cannot be crash-restarted (only an embedded server the run "
+    "started itself can): the column is left out"
 )
 IDEMPOTENT = "idempotent"
 NON_IDEMPOTENT = "non_idempotent"
@@ -109,7 +113,9 @@ DROP_NEXT_REPLY = "drop_next_reply"  # (fault)
 KILL_TOOL = "kill_tool"  # harness SIGKILL of the tool process (fault)
 TOOL_DIED = "tool_died"  # wait for the tool's self-kill (fault)
 RESTART_TOOL = "restart_tool"
-FAULT_STEPS = frozenset({KILL_WORKER, WORKER_KILLED_ITSELF, DROP_NEXT_REPLY, KILL_TOOL, TOOL_DIED})
+RESTART_POSTGRES = "restart_postgres"  # SIGKILL the postmaster, restart it (fault)
+FAULT_STEPS = frozenset({KILL_WORKER, WORKER_KILLED_ITSELF, DROP_NEXT_REPLY, KILL_TOOL, TOOL_DIED,
+                         RESTART_POSTGRES})
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,16 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
         if boundary == protocol.AFTER_TOOL:
             return NotApplicable("the reply has already arrived at this boundary")
         return NotApplicable("no effect reply follows this boundary")
+    if fault == POSTGRES_RESTART:
+        if reach == IN_TOOL:
+            return Script(False, (), ("--pause", boundary), (
+                (TOOL_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_TOOL,), (WORKER_EXIT,)))
+        if reach == SLOW_TOOL:
+            return Script(False, (*pause, *fast_beats), slow_tool, (
+                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
+                (RESTART_POSTGRES,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+        return Script(reconciler, pause, (), (
+            (WORKER_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_WORKER,), (WORKER_EXIT,)))
     # TOOL_RESTART
     if reach == IN_TOOL:
         return Script(False, (), ("--die-at", boundary), (
@@ -237,6 +253,7 @@ class _Run:
     seed: int
     keys: sealing.KeyCatalog
     keep_schemas: bool
+    restart: Callable[[], float] | None
 
 
 def run(
@@ -247,8 +264,14 @@ def run(
     only: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
     keep_schemas: bool = False,
+    restart: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """Run every cell (or those whose id starts with one of ``only``) and return the matrix."""
+    """Run every cell (or those whose id starts with one of ``only``) and return the matrix.
+
+    ``restart`` crash-restarts the server at ``dsn`` (``RunningPostgres.crash_restart``);
+    without it the PostgreSQL column is left out and the matrix says why. Its cells kill
+    every connection of the server, so they run one at a time after the others.
+    """
     if not 1 <= jobs <= 16:
         raise errors.UsageError("--jobs must be between 1 and 16")
     missing = missing_cells()
@@ -256,12 +279,16 @@ def run(
         raise errors.CheckFailed(f"boundaries without a crash-point cell: {', '.join(missing)}")
     say = log or (lambda message: None)
     began = time.monotonic()
-    ctx = _Run(dsn, f"c{secrets.token_hex(3)}", seed, sealing.load_catalog(), keep_schemas)
-    wanted = [c for c in cells() if not only or cell_id(*c).startswith(tuple(only))]
+    ctx = _Run(dsn, f"c{secrets.token_hex(3)}", seed, sealing.load_catalog(), keep_schemas,
+               restart)
+    wanted = [c for c in cells() if (restart is not None or c[1] != POSTGRES_RESTART)
+              and (not only or cell_id(*c).startswith(tuple(only)))]
     if not wanted:
         raise errors.UsageError(f"no cell matches {', '.join(only)}")
     order = list(range(len(wanted)))
     random.Random(seed).shuffle(order)
+    serial = [i for i in order if wanted[i][1] == POSTGRES_RESTART]
+    order = [i for i in order if wanted[i][1] != POSTGRES_RESTART]
     results: dict[int, dict[str, Any]] = {}
 
     def one(index: int) -> None:
@@ -274,8 +301,10 @@ def run(
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="crashpoint") as pool:
         for future in [pool.submit(one, index) for index in order]:
             future.result()
+    for index in serial:
+        one(index)
     matrix = assemble([results[i] for i in range(len(wanted))], seed=seed, jobs=jobs,
-                     complete=not only)
+                      complete=not only, restartable=restart is not None)
     matrix["timing"] = {"wall_s": round(time.monotonic() - began, 2)}
     return matrix
 
@@ -370,6 +399,9 @@ def _drive(
             _exit_code(tools.current)
         elif verb == RESTART_TOOL:
             tools.start()
+        elif verb == RESTART_POSTGRES:
+            assert ctx.restart is not None
+            ctx.restart()
         else:  # pragma: no cover - the scripts above use only these verbs
             raise AssertionError(verb)
         if verb in FAULT_STEPS and fault_at is None:
@@ -430,7 +462,14 @@ def _recover(
         recoverer = worker.Worker(db=db, client=client, name="recoverer",
                                   lease=timedelta(seconds=LEASE_S))
         while True:
-            current = db.get(workflow_id)
+            try:
+                current = db.get(workflow_id)
+            except errors.StoreError:
+                # The server is still coming back after a restart: try again shortly.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+                continue
             settled = current.state in store.TERMINAL_STATES or (
                 current.state == "unknown" and bool(current.review_reason))
             if settled or time.monotonic() > deadline:
@@ -451,12 +490,16 @@ def _recover(
                                         settled_as.state, f"reconciled_{settled_as.state}"))
                 except errors.ManualReview as exc:
                     actions.append(f"review:{exc.reason}")
-                except (errors.Stale, errors.ToolError):
+                except (errors.Stale, errors.ToolError, errors.StoreError):
                     time.sleep(0.05)
             elif current.state == "ready":
                 due = db.execute("SELECT ready_at <= clock_timestamp() AS due FROM workflows "
                                  "WHERE id = %s", (workflow_id,))[0]["due"]
-                if due and recoverer.run_one() is not None:
+                try:
+                    ran = due and recoverer.run_one() is not None
+                except errors.StoreError:
+                    ran = False
+                if ran:
                     actions.append("ran_again")
                 else:
                     time.sleep(0.02)
@@ -468,7 +511,8 @@ def _recover(
 
 
 def assemble(
-    results: list[dict[str, Any]], *, seed: int, jobs: int, complete: bool
+    results: list[dict[str, Any]], *, seed: int, jobs: int, complete: bool,
+    restartable: bool = True,
 ) -> dict[str, Any]:
     """The matrix document from its cells: coverage, counts by status, the fault table."""
     reached = sorted({c["boundary"] for c in results if c.get("reached")},
@@ -484,8 +528,9 @@ def assemble(
         "boundaries": [
             {"name": b.name, "path": b.path, "meaning": b.meaning} for b in protocol.BOUNDARIES
         ],
-        "faults": [{"name": n, "meaning": m} for n, m in FAULTS],
-        "omitted_faults": [{"name": n, "why": w} for n, w in OMITTED_FAULTS],
+        "faults": [{"name": n, "meaning": m} for n, m in FAULTS
+                   if restartable or n != POSTGRES_RESTART],
+        "omitted_faults": [] if restartable else [{"name": POSTGRES_RESTART, "why": NO_RESTART}],
         "kinds": list(KINDS),
         "cells": results,
         "coverage": {
@@ -523,8 +568,8 @@ def print_summary(matrix: Mapping[str, Any]) -> None:
     console.print(f"coverage: {coverage['reached']}/{coverage['defined']} boundaries reached"
                   + (f" (missing: {', '.join(coverage['missing'])})" if coverage["missing"]
                      else ""))
-    for name, why in OMITTED_FAULTS:
-        console.print(f"fault column left out: {name}: {why}")
+    for omitted in matrix.get("omitted_faults", []):
+        console.print(f"fault column left out: {omitted['name']}: {omitted['why']}")
     for cell in matrix["cells"]:
         for violation in cell.get("violations", []):
             console.print(f"[red]{cell['id']}: {violation['kind']}[/red] {violation['detail']}")
@@ -548,13 +593,16 @@ def cli_main(args: argparse.Namespace) -> int:
         raise errors.UsageError("--jobs must be between 1 and 16")
     if not any(cell_id(*c).startswith(tuple(args.only or [""])) for c in cells()):
         raise errors.UsageError(f"--only {' '.join(args.only)} matches no cell")
-    running = cluster.start(mode=args.lab_postgres)
+    # Durable (fsync and synchronous commits on), as every run that crashes the server is.
+    running = cluster.start(mode=args.lab_postgres, durable=True)
     try:
         database = running.provisioned.describe()
+        restart = running.crash_restart if running.can_crash_restart else None
         progress.log(f"PostgreSQL {database.get('server_version')} via "
-                     f"{database.get('provider')}; {len(cells())} cells, {args.jobs} jobs")
+                     f"{database.get('provider')}; {args.jobs} jobs; server restarts "
+                     f"{'on' if restart else 'impossible: no PostgreSQL column'}")
         matrix = run(running.provisioned.dsn, seed=args.seed, jobs=args.jobs, only=args.only,
-                     log=progress.log)
+                     log=progress.log, restart=restart)
     finally:
         running.stop()
     matrix["postgres"] = database

@@ -186,7 +186,7 @@ def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
     assert [row.split("`")[1] for row in rows] == list(protocol.NAMES)
     assert all("missing" not in row for row in rows)
     assert "9 of 9 boundaries reached" in "\n".join(lines)
-    assert "postgres_restart" in "\n".join(lines)
+    assert "postgres_restart · idempotent" in header
 
 
 def test_chapter_says_whether_the_run_signed_the_matrix():
@@ -223,3 +223,12 @@ def test_bad_arguments_are_a_one_line_usage_error(argv, message):
     assert done.returncode == errors.EXIT_USAGE
     assert done.stderr.strip().splitlines() == [f"lab crashpoints: {message}"]
     assert done.stdout == ""
+
+
+def test_without_a_restartable_server_the_postgres_column_is_left_out_with_the_reason():
+    matrix = crashpoints.assemble([], seed=1, jobs=1, complete=False, restartable=False)
+    assert crashpoints.POSTGRES_RESTART not in {f["name"] for f in matrix["faults"]}
+    assert matrix["omitted_faults"] == [
+        {"name": crashpoints.POSTGRES_RESTART, "why": crashpoints.NO_RESTART}]
+    assert "postgres_restart" in "\n".join(
+        crashmatrix.render_markdown(matrix, signed_note="unsigned"))
