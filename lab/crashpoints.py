@@ -33,8 +33,12 @@ every boundary has a cell for every fault and tool kind (a test enforces it).
 
 Each cell is independent (own schema, tool process and workers), so cells run
 in parallel (``--jobs``). The seed picks each cell's plan and the order cells
-are scheduled in; the outcome of a cell does not depend on timing, so two runs
-give the same matrix apart from times.
+are scheduled in. In the first three columns a cell's outcome does not depend
+on timing (runs give the same cells apart from times). In the PostgreSQL
+column it may: whether the waiting process's next statement meets a pooled
+connection broken by the restart (it exits, its lease expires, recovery
+settles it) or a fresh one (it carries on) is up to the pool's timing; either
+way the checker judges the history, and the cell records which happened.
 """
 
 from __future__ import annotations
