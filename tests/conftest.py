@@ -4,12 +4,21 @@
 the whole fuzz suite stays well under a minute on two cores. ``long`` is for a
 deliberate soak: ``HYPOTHESIS_PROFILE=long pytest tests/test_admission_fuzz.py``.
 Neither keeps an example database, so nothing is written into the tree.
+
+``make_key`` is the one fixture for signing keys in tests: a fresh Ed25519 pair
+written as the PEM files the lab reads.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -25,3 +34,46 @@ settings.register_profile(
     "long", parent=settings.get_profile("ci"), max_examples=10_000, derandomize=False
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# --------------------------------------------------------------------------- signing keys
+
+
+@dataclass(frozen=True)
+class KeyFiles:
+    """A fresh Ed25519 key pair and the PEM files a test hands to the lab."""
+
+    private: ed25519.Ed25519PrivateKey
+    private_pem: Path  # PKCS8, unencrypted: what LAB_EVIDENCE_KEY names
+    public_pem: Path  # SubjectPublicKeyInfo: what --public-key and keys/trusted/ hold
+
+    @property
+    def public(self) -> ed25519.Ed25519PublicKey:
+        """The public half."""
+        return self.private.public_key()
+
+
+@pytest.fixture
+def make_key(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], KeyFiles]:
+    """A factory of test keys: ``make_key("ci")`` writes ``ci.pem`` and ``ci.pub.pem``."""
+    directory = tmp_path_factory.mktemp("keys")
+
+    def make(name: str = "key") -> KeyFiles:
+        private = ed25519.Ed25519PrivateKey.generate()
+        private_pem = directory / f"{name}.pem"
+        private_pem.write_bytes(
+            private.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        public_pem = directory / f"{name}.pub.pem"
+        public_pem.write_bytes(
+            private.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        return KeyFiles(private, private_pem, public_pem)
+
+    return make

@@ -59,7 +59,8 @@ def repo(tmp_path: Path) -> Path:
     (root / "lab" / "core.py").write_text("VALUE = 1\n")
     (root / "experiments" / "ch01_x").mkdir(parents=True)
     (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
-    (root / "experiments" / "manifest.json").write_text("{}\n")
+    declared = [{"chapter": "ch01_x", "name": n} for n in ("test_a", "test_b")]
+    (root / "experiments" / "manifest.json").write_text(json.dumps({"experiments": declared}))
     (root / "pyproject.toml").write_text("[project]\n")
     return root
 
@@ -72,6 +73,7 @@ def _facts(**overrides: Any) -> evidence.RunFacts:
         "expected": [evidence.Expected("ch01_x", "test_a"), evidence.Expected("ch01_x", "test_b")],
         "database": DATABASE,
         "command": ["pytest", "experiments"],
+        "exitstatus": 0,
     }
     values.update(overrides)
     return evidence.RunFacts(**values)
