@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import KeyFiles
+from conftest import KeyFiles, resign
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from lab import cli, dsse, errors, evidence, files, gate, report, verification
@@ -481,20 +481,7 @@ def _forge(
     key_source: str = "ephemeral",
     signer: dsse.Signer | None = None,
 ) -> dsse.Signer:
-    """Apply ``change`` to the signed report and re-sign everything with a fresh key."""
-    forged_by = signer or dsse.Signer(ed25519.Ed25519PrivateKey.generate(), key_source)
-    data: dict[str, Any] = json.loads((directory / evidence.REPORT_FILE).read_text())
-    data["signing"] = forged_by.describe()
-    change(data)
-    report_bytes = evidence.dumps_report(data)
-    tests_bytes = (directory / evidence.TESTS_FILE).read_bytes()
-    payload = json.dumps(
-        evidence.statement(report_bytes, data, tests_bytes), sort_keys=True, separators=(",", ":")
-    ).encode()
-    (directory / evidence.REPORT_FILE).write_bytes(report_bytes)
-    _save(directory, dsse.sign_envelope(payload, forged_by))
-    (directory / evidence.PUBLIC_KEY_FILE).write_text(data["signing"]["public_key"])
-    return forged_by
+    return resign(directory, change, key_source=key_source, signer=signer)
 
 
 def _first_line(verdict: verification.Verdict) -> str:
