@@ -78,6 +78,9 @@ def build(
     evidence (default: the current directory). Returns the paths written, relative
     to ``out`` and sorted; raises ``Refused`` with a one-line reason instead.
     """
+    if not evidence_dir.is_dir():
+        what = "not a directory" if evidence_dir.exists() else "no such directory"
+        raise errors.InputError(f"evidence {evidence_dir}: {what}")
     evidence_dir, out = evidence_dir.resolve(), out.resolve()
     if evidence_dir in (out, out / EVIDENCE_DIR):
         raise Refused(f"--out {out} would overwrite the evidence it is built from")

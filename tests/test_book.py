@@ -519,14 +519,16 @@ def test_refuses_to_overwrite_its_own_evidence(tree: Path, tmp_path: Path) -> No
     ).read_bytes()
 
 
-def test_missing_evidence_is_refused(
+def test_missing_evidence_is_an_input_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """No evidence at all: a one-line reason, no book."""
+    """No evidence at all: one line naming the directory, exit 2, no book."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "book"
-    line = _refused(capsys, _build_args(tmp_path / "absent", out), out)
-    assert f"evidence {tmp_path / 'absent'}: no such file or directory" in line
+    assert cli.main(_build_args(tmp_path / "absent", out)) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"lab book build: evidence {tmp_path / 'absent'}: no such directory\n"
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- the report's history
