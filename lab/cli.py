@@ -72,6 +72,8 @@ def _evidence(args: argparse.Namespace) -> int:
         check_sources=bool(args.check_sources),
         root=root,
     )
+    if verdict.unreadable is not None:
+        raise errors.InputError(verification.printable(verdict.unreadable))
     if args.evidence_command == "show":
         if verdict.report is None:
             # Nothing trustworthy in shape to show: the first problem names the file.

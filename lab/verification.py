@@ -66,6 +66,9 @@ class Verdict:
     signer_keyid: str | None = None
     pinned_by: str | None = None
     sources_checked: bool = False
+    # Set when there was nothing to verify: the path or the envelope file is unusable
+    # as input (missing, not a regular file, too large); the CLI reports it as bad input.
+    unreadable: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -159,7 +162,8 @@ def verify(
     """
     if not path.exists() and not path.is_symlink():
         verdict = Verdict(path)
-        verdict.problems.append(f"evidence {path}: no such file or directory")
+        verdict.unreadable = f"evidence {path}: no such file or directory"
+        verdict.problems.append(verdict.unreadable)
         return verdict
     where = locate(path)
     verdict = Verdict(where.envelope)
@@ -167,7 +171,8 @@ def verify(
     try:
         envelope = files.read_json(where.envelope, files.ENVELOPE_LIMIT, "envelope")
     except InputError as exc:
-        problems.append(str(exc))
+        verdict.unreadable = str(exc)
+        problems.append(verdict.unreadable)
         return verdict
     if not isinstance(envelope, dict):
         problems.append(f"envelope {where.envelope}: not a JSON object")
