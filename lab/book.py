@@ -316,9 +316,7 @@ def _header(report: Report, copies: Mapping[str, bytes], *, pinned_by: str | Non
             "an **ephemeral** key: it proves the evidence was not altered after signing, "
             "not who produced it"
         )
-        verified = (
-            "UNPINNED, with the public key the evidence carries (integrity, not identity)"
-        )
+        verified = "with the public key the evidence carries (UNPINNED: integrity, not identity)"
     details = database.get("details") or {}
     detail_text = ", ".join(f"{k} {_value(v)}" for k, v in sorted(details.items()))
     versions = ", ".join(

@@ -918,7 +918,7 @@ def test_a_forged_publication_key_is_not_called_one(
     book.build(directory, out, root=root)
     markdown = (out / book.MARKDOWN_FILE).read_text()
     assert "publication key" not in markdown
-    assert "UNPINNED, with the public key the evidence carries" in markdown
+    assert "with the public key the evidence carries (UNPINNED: integrity" in markdown
 
 
 def test_dirty_evidence_is_refused(
