@@ -165,13 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
     show = ev_commands.add_parser("show", help="verify, then print the summary of the report")
-    for sub in (verify, show):
-        sub.add_argument("path", nargs="?", default="evidence",
-                         help="evidence directory or envelope file")
-        sub.add_argument("--public-key", default=None,
-                         help="PEM of the expected signer (the only key accepted)")
-        sub.add_argument("--check-sources", action="store_true",
-                         help="compare every signed digest and the manifest with this tree")
+    for ev_command in (verify, show):
+        ev_command.add_argument("path", nargs="?", default="evidence",
+                                help="evidence directory or envelope file")
+        ev_command.add_argument("--public-key", default=None,
+                                help="PEM of the expected signer (the only key accepted)")
+        ev_command.add_argument("--check-sources", action="store_true",
+                                help="compare every signed digest and the manifest with this tree")
     ev.set_defaults(handler=_evidence)
 
     man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")
