@@ -106,7 +106,7 @@ def build(
         problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
         problems = problems or ["no report"]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise Refused(f"{evidence_dir}: {problems[0]}{more}")
+        raise Refused(verification.printable(f"{evidence_dir}: {problems[0]}{more}"))
     report = verdict.report
     if report["dirty"] is True:
         raise Refused(

@@ -76,21 +76,45 @@ def read_json(path: Path, limit: int, what: str) -> Any:
     return parse_json(read_bytes(path, limit, what), f"{what} {path}")
 
 
-def parse_json(data: bytes, where: str) -> Any:
-    """Strict JSON from bytes: UTF-8, no NaN/Infinity, no duplicate-key surprises hidden.
+MAX_DEPTH = 64  # a real report nests about 6 levels; every reader stays far from recursion limits
 
-    Raises ``InputError`` starting with ``where``.
+
+def parse_json(data: bytes, where: str, max_depth: int = MAX_DEPTH) -> Any:
+    """Strict JSON from bytes: UTF-8, no NaN or Infinity, nested at most ``max_depth`` deep.
+
+    The depth bound keeps every later reader (schema check, comparison, rendering)
+    clear of Python's recursion limit. Raises ``InputError`` starting with ``where``.
     """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise InputError(f"{where}: not JSON ({exc})") from None
     except RecursionError:
         raise InputError(f"{where}: JSON nested too deeply") from None
+    if _depth(value) > max_depth:
+        raise InputError(f"{where}: JSON nested deeper than {max_depth} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects, counted without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level + 1)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _reject_constant(name: str) -> Any:

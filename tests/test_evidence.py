@@ -892,3 +892,31 @@ def test_schema_ships_with_the_package() -> None:
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert report.SCHEMA_FILE in pyproject["tool"]["setuptools"]["package-data"]["lab"]
     assert report.schema()["$id"].endswith("report.schema.json")
+
+
+def test_deeply_nested_signed_json_is_refused(
+    signed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An observation nested 500 deep (valid JSON, validly signed) cannot push a reader
+    into Python's recursion limit: the payload is refused by its depth."""
+    nested: Any = "leaf"
+    for _ in range(500):
+        nested = [nested]
+
+    def deep(data: dict[str, Any]) -> None:
+        data["tests"][0]["observations"] = [nested]
+
+    _forge(signed, deep)
+    verdict = verification.verify(signed)
+    assert "payload: JSON nested deeper than 64 levels" in verdict.problems
+    assert cli.main(["evidence", "verify", str(signed)]) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    with pytest.raises(errors.InputError, match="nested deeper than 2 levels"):
+        files.parse_json(b'{"a": [[1]]}', "x", max_depth=2)
+
+
+def test_signing_key_file_is_read_bounded(tmp_path: Path) -> None:
+    """LAB_EVIDENCE_KEY naming a device or a directory is an EvidenceError naming it."""
+    for path in ("/dev/zero", str(tmp_path)):
+        with pytest.raises(errors.EvidenceError, match=f"{dsse.KEY_ENV} {path}: "):
+            dsse.load_signer({dsse.KEY_ENV: path})
