@@ -101,6 +101,12 @@ def build(
             check_sources=True,
             root=root or Path.cwd(),
         )
+    if verdict.report is not None and verdict.report["dirty"] is True:
+        # Said first: whatever else failed, a dirty tree is never published.
+        raise Refused(
+            f"{evidence_dir}: the run's working tree had uncommitted changes: "
+            "dirty evidence is not publishable"
+        )
     if not verdict.ok or verdict.report is None:
         # Name the caller's files, not the private copy.
         problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
@@ -108,11 +114,6 @@ def build(
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise Refused(verification.printable(f"{evidence_dir}: {problems[0]}{more}"))
     report = verdict.report
-    if report["dirty"] is True:
-        raise Refused(
-            f"{evidence_dir}: the run's working tree had uncommitted changes: "
-            "dirty evidence is not publishable"
-        )
     copies[f"{EVIDENCE_DIR}/{evidence.PUBLIC_KEY_FILE}"] = _public_key(
         evidence_dir / evidence.PUBLIC_KEY_FILE, report
     )
