@@ -9,6 +9,7 @@ then writes::
                           each experiment, its sequence figures (Mermaid), the run's
                           provenance and the lab's stated limits
     figures/<name>.svg    one sequence figure per experiment result with an event history
+    figures/<name>.png    with --png: each figure as cairosvg draws it, labels checked legible
     evidence/             the verified runtime.json, tests.jsonl, their envelope and the
                           signer's public key, and the model experiment report if any
     MANIFEST.sha256       sha256sum lines for every file above
@@ -70,13 +71,16 @@ def build(
     public_key: ed25519.Ed25519PublicKey | None = None,
     trusted: Sequence[verification.TrustedKey] = (),
     root: Path | None = None,
+    png: bool = False,
 ) -> list[str]:
     """Verify the evidence in ``evidence_dir``, then write the book into ``out``.
 
     ``public_key`` pins the signer; otherwise ``trusted`` keys may vouch for it.
     ``root`` is the working tree whose sources and manifest must still match the
-    evidence (default: the current directory). Returns the paths written, relative
-    to ``out`` and sorted; raises ``Refused`` with a one-line reason instead.
+    evidence (default: the current directory). ``png`` also writes
+    ``figures/<name>.png`` beside each SVG (needs the ``book`` extra). Returns the
+    paths written, relative to ``out`` and sorted; raises ``Refused`` with a one-line
+    reason instead.
     """
     if not evidence_dir.is_dir():
         what = "not a directory" if evidence_dir.exists() else "no such directory"
@@ -121,6 +125,8 @@ def build(
         copies[f"{EVIDENCE_DIR}/{name}"] = data
     files_out = dict(copies)
     files_out.update(_render(report, copies, pinned_by=verdict.pinned_by))
+    if png:
+        files_out.update(figures.pngs(files_out))
     _write(out, files_out)
     return sorted(files_out)
 
@@ -479,11 +485,13 @@ def cli_main(args: argparse.Namespace) -> int:
     trusted = [] if pinned is not None else verification.trusted_keys(root)
     try:
         written = build(
-            Path(args.evidence), Path(args.out), public_key=pinned, trusted=trusted, root=root
+            Path(args.evidence), Path(args.out), public_key=pinned, trusted=trusted, root=root,
+            png=bool(getattr(args, "png", False)),
         )
     except OSError as exc:
         raise Refused(f"{exc.filename or args.out}: {exc.strerror or exc}") from exc
-    figures_count = sum(1 for name in written if name.startswith(f"{FIGURES_DIR}/"))
+    figures_count = sum(1 for name in written
+                        if name.startswith(f"{FIGURES_DIR}/") and name.endswith(".svg"))
     print(
         f"wrote {len(written)} files to {args.out} ({figures_count} figures); "
         f"digests in {Path(args.out) / MANIFEST_FILE}"
