@@ -782,21 +782,23 @@ def small(tmp_path: Path) -> tuple[Path, Path]:
     (root / "lab" / "core.py").write_text("VALUE = 1\n")
     (root / "experiments" / "ch01_x").mkdir(parents=True)
     (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
-    manifest = {"experiments": [{"chapter": "ch01_x", "name": "test_a"}]}
-    (root / "experiments" / "manifest.json").write_text(json.dumps(manifest))
+    labtree.write_manifest(root, [{"chapter": "ch01_x", "name": "test_a", "results": 1,
+                                   "database": None}])
+    (root / "lab" / "__init__.py").write_text("")
     (root / "pyproject.toml").write_text("[project]\n")
     _git(root, "init", "-q")
     _git(root, "add", "-A")
     _git(root, "commit", "-q", "-m", "tree")
-    facts = evidence.RunFacts(
-        records=_small_records(SMALL_NODE),
-        collected=[SMALL_NODE],
-        experiments_prefix="experiments/",
-        expected=[evidence.Expected("ch01_x", "test_a")],
-        database={"provider": "dsn", "server_version": "15.8", "details": {}},
-        command=["pytest", "experiments"],
-        exitstatus=0,
-    )
+    facts = evidence.RunFacts(**labtree.seed_facts({
+        "records": _small_records(SMALL_NODE),
+        "collected": [SMALL_NODE],
+        "experiments_prefix": "experiments/",
+        "expected": [evidence.Expected("ch01_x", "test_a")],
+        "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
+        "command": ["pytest", "experiments"],
+        "exitstatus": 0,
+        "git": None,
+    }))
     directory = tmp_path / "evidence"
     report = evidence.write(directory, facts, root=root, signer=dsse.load_signer({}))
     assert report["status"] == gate.PASS and report["dirty"] is False, report["gate"]
@@ -807,18 +809,25 @@ def _rename(root: Path, directory: Path, chapter: str, name: str, param: str) ->
     """Re-sign the evidence with the experiment renamed; the tree's manifest agrees, so
     only the book stands between the names and the file system."""
     nodeid = f"experiments/{chapter}/test_a.py::{name}[{param}]"
-    manifest = {"experiments": [{"chapter": chapter, "name": name}]}
-    (root / "experiments" / "manifest.json").write_text(json.dumps(manifest))
+    renamed = {"chapter": chapter, "name": name, "results": 1, "database": None}
+    labtree.write_manifest(root, [renamed])
 
     def change(data: dict[str, Any]) -> None:
         for test in data["tests"]:
-            test.update(nodeid=nodeid, chapter=chapter, experiment=name)
+            if test["nodeid"] == SMALL_NODE:
+                test.update(nodeid=nodeid, chapter=chapter, experiment=name)
         for row in data["experiments"]:
-            row.update(chapter=chapter, name=name, tests=[nodeid])
+            if row["tests"] == [SMALL_NODE]:
+                row.update(chapter=chapter, name=name, tests=[nodeid])
         for item in data["observations"]:
-            item["nodeid"] = nodeid
-        data["expected"] = [{"chapter": chapter, "name": name, "results": 1, "database": None}]
+            if item["nodeid"] == SMALL_NODE:
+                item["nodeid"] = nodeid
+        data["expected"] = [
+            e if (e["chapter"], e["name"]) != ("ch01_x", "test_a") else renamed
+            for e in data["expected"]
+        ]
         data["sources"] = evidence.source_digests(root)
+        data["selection"]["manifest"]["sha256"] = data["sources"]["experiments/manifest.json"]
 
     resign(directory, change)
 
@@ -936,20 +945,20 @@ def test_dirty_evidence_is_refused(
     published."""
     root, _ = small
     (root / "scratch.txt").write_text("uncommitted\n")
-    facts = evidence.RunFacts(
-        records=_small_records(SMALL_NODE), collected=[SMALL_NODE],
-        experiments_prefix="experiments/", expected=[evidence.Expected("ch01_x", "test_a")],
-        database={"provider": "dsn", "server_version": "15.8", "details": {}},
-        command=["pytest"], exitstatus=0,
-    )
+    facts = evidence.RunFacts(**labtree.seed_facts({
+        "records": _small_records(SMALL_NODE), "collected": [SMALL_NODE],
+        "experiments_prefix": "experiments/", "expected": [evidence.Expected("ch01_x", "test_a")],
+        "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
+        "command": ["pytest"], "exitstatus": 0, "git": None,
+    }))
     directory = tmp_path / "dirty-evidence"
     assert evidence.write(directory, facts, root=root, signer=dsse.load_signer({}))["dirty"]
     monkeypatch.chdir(root)
-    assert cli.main(["evidence", "verify", str(directory), "--check-sources"]) == 0
+    cli.main(["evidence", "verify", str(directory), "--check-sources"])
     assert "(DIRTY tree)" in capsys.readouterr().out.splitlines()[0]
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(directory, out), out)
-    assert "dirty evidence is not publishable" in line
+    assert "uncommitted changes" in line
 
 
 @pytest.mark.parametrize(

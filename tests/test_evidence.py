@@ -75,8 +75,9 @@ def repo(tmp_path: Path) -> Path:
     (root / "lab" / "__init__.py").write_text("")
     (root / "experiments" / "ch01_x").mkdir(parents=True)
     (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
-    declared = [{"chapter": "ch01_x", "name": n} for n in ("test_a", "test_b")]
-    (root / "experiments" / "manifest.json").write_text(json.dumps({"experiments": declared}))
+    declared = [{"chapter": "ch01_x", "name": n, "results": 1, "database": None}
+                for n in ("test_a", "test_b")]
+    labtree.write_manifest(root, declared)
     (root / "pyproject.toml").write_text("[project]\n")
     _git(root, "init", "-q")
     _git(root, "add", "-A")
@@ -688,11 +689,12 @@ def test_dirty_tree_is_said_on_the_first_line(repo: Path, tmp_path: Path) -> Non
     """Evidence of a dirty tree may verify, but its OK line says DIRTY."""
     (repo / "notes.txt").write_text("uncommitted\n")
     directory = tmp_path / "evidence"
-    evidence.write(directory, _facts(), root=repo, signer=dsse.load_signer({}))
+    evidence.write(directory, _facts(git=None), root=repo, signer=dsse.load_signer({}))
     verdict = verification.verify(directory, check_sources=True, root=repo)
-    assert verdict.ok, verdict.problems
     assert "(DIRTY tree)" in _first_line(verdict)
     assert any("DIRTY" in note for note in verdict.notes)
+    # The gate fails a dirty tree: verify recomputes that verdict from the rows.
+    assert any("uncommitted changes" in p for p in verdict.problems), verdict.problems
 
 
 def test_evidence_show_verifies_first(
