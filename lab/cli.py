@@ -53,27 +53,44 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _evidence(args: argparse.Namespace) -> int:
-    """``lab evidence verify|show``: exit 0 only when the evidence verifies."""
-    from lab import dsse, gate, summary, verification
+    """``lab evidence verify|show``: both verify; 0 only when the evidence verifies.
+
+    ``show`` also needs a PASS to exit 0, and says what it could not verify.
+    """
+    from lab import gate, summary, verification
 
     path = Path(args.path)
-    if args.evidence_command == "show":
-        _, report_path = verification.locate(path)
-        try:
-            report = json.loads(report_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise errors.InputError(f"cannot read {report_path}: {exc}") from exc
-        summary.print_summary(report, report_path.parent)
-        return 0 if report.get("status") == gate.PASS else 1
+    root = Path.cwd()
     pinned = None
     if args.public_key:
-        try:
-            pinned = dsse.load_public_key(Path(args.public_key).read_bytes())
-        except (OSError, errors.EvidenceError) as exc:
-            raise errors.InputError(f"cannot use --public-key {args.public_key}: {exc}") from exc
-    verdict = verification.verify(path, public_key=pinned, check_sources=bool(args.check_sources))
-    print(verification.format_verdict(verdict))
-    return 0 if verdict.ok else 1
+        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    trusted = [] if pinned is not None else verification.trusted_keys(root)
+    verdict = verification.verify(
+        path,
+        public_key=pinned,
+        trusted=trusted,
+        check_sources=bool(args.check_sources),
+        root=root,
+    )
+    if verdict.unreadable is not None:
+        raise errors.InputError(verification.printable(verdict.unreadable))
+    if args.evidence_command == "show":
+        if verdict.report is None:
+            # Nothing trustworthy in shape to show: the first problem names the file.
+            problem = verdict.problems[0] if verdict.problems else f"{path}: no report"
+            raise errors.InputError(verification.printable(problem))
+        print(verification.format_verdict(verdict))
+        summary.print_summary(verdict.report, verdict.envelope.parent)
+        for what in verdict.unverified():
+            print(f"not verified: {what}")
+        code = 0 if verdict.ok and verdict.report["status"] == gate.PASS else 1
+    else:
+        print(verification.format_verdict(verdict))
+        code = 0 if verdict.ok else 1
+    # Flush here, inside main's handling: a closed stdout (``| head -1``) becomes a
+    # BrokenPipeError that main handles, not a traceback at interpreter exit.
+    sys.stdout.flush()
+    return code
 
 
 def _manifest(args: argparse.Namespace) -> int:
@@ -147,11 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev = commands.add_parser("evidence", help="verify or show signed evidence")
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
-    verify.add_argument("path", nargs="?", default="evidence")
-    verify.add_argument("--public-key", default=None, help="PEM of the expected signer")
-    verify.add_argument("--check-sources", action="store_true")
-    show = ev_commands.add_parser("show", help="print the summary of a report")
-    show.add_argument("path", nargs="?", default="evidence")
+    show = ev_commands.add_parser("show", help="verify, then print the summary of the report")
+    for ev_command in (verify, show):
+        ev_command.add_argument("path", nargs="?", default="evidence",
+                                help="evidence directory or envelope file")
+        ev_command.add_argument("--public-key", default=None,
+                                help="PEM of the expected signer (the only key accepted)")
+        ev_command.add_argument("--check-sources", action="store_true",
+                                help="compare every signed digest and the manifest with this tree")
     ev.set_defaults(handler=_evidence)
 
     man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")

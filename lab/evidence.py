@@ -636,8 +636,14 @@ def source_digests(root: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- signing
 
 
-def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
-    """The in-toto Statement: subjects are the sources and ``runtime.json``."""
+def statement(
+    report_bytes: bytes, report: Mapping[str, Any], tests_bytes: bytes | None = None
+) -> dict[str, Any]:
+    """The in-toto Statement: subjects are the sources, ``runtime.json`` and ``tests.jsonl``.
+
+    ``tests.jsonl`` (pytest's own records of the run) is signed too, so a reader
+    can rely on the raw results as much as on the compiled report.
+    """
     subjects = [
         {"name": name, "digest": {"sha256": digest}}
         for name, digest in sorted(report["sources"].items())
@@ -645,6 +651,10 @@ def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
     subjects.append(
         {"name": REPORT_FILE, "digest": {"sha256": hashlib.sha256(report_bytes).hexdigest()}}
     )
+    if tests_bytes is not None:
+        subjects.append(
+            {"name": TESTS_FILE, "digest": {"sha256": hashlib.sha256(tests_bytes).hexdigest()}}
+        )
     return {
         "_type": STATEMENT_TYPE,
         "subject": subjects,
@@ -674,16 +684,19 @@ def write(
     lines = list(facts.records)
     if session_records is not None:
         lines = [session_records[0], *lines, session_records[1]]
-    (directory / TESTS_FILE).write_text(
-        "".join(json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines),
-        encoding="utf-8",
-    )
+    tests_bytes = "".join(
+        json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines
+    ).encode("utf-8")
     report_bytes = dumps_report(report)
-    (directory / REPORT_FILE).write_bytes(report_bytes)
     payload = json.dumps(
-        statement(report_bytes, report), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        statement(report_bytes, report, tests_bytes),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
     ).encode()
     envelope = dsse.sign_envelope(payload, signer)
+    (directory / TESTS_FILE).write_bytes(tests_bytes)
+    (directory / REPORT_FILE).write_bytes(report_bytes)
     (directory / ENVELOPE_FILE).write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
     (directory / PUBLIC_KEY_FILE).write_text(signing["public_key"], encoding="ascii")
     return report
