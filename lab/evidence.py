@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import dsse, gate, provenance
+from lab import dsse, errors, files, gate, provenance
 from lab.errors import EvidenceError
 
 SCHEMA_VERSION = 1
@@ -45,6 +45,8 @@ REACHED_DATABASE = "lab_database"
 NEEDS_DATABASE = "lab_needs_database"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
+# Everything one run writes: removed before a run so none of it can outlive a failed one.
+RUN_FILES = (TESTS_FILE, REPORT_FILE, ENVELOPE_FILE, PUBLIC_KEY_FILE)
 
 # What the evidence covers: the code that ran and the declaration of what had to run.
 SOURCE_PATTERNS = (
@@ -116,9 +118,9 @@ class Expected:
 def load_manifest(path: Path) -> list[Expected]:
     """Read ``manifest.json``; reject anything but the declared shape."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise EvidenceError(f"cannot read experiment manifest {path}: {exc}") from exc
+        raw = files.read_json(path, files.MANIFEST_LIMIT, "experiment manifest")
+    except errors.InputError as exc:
+        raise EvidenceError(str(exc)) from exc
     items = raw.get("experiments") if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise EvidenceError(f"{path}: 'experiments' must be a list")
