@@ -71,6 +71,12 @@ def _evidence(args: argparse.Namespace) -> int:
             pinned = dsse.load_public_key(Path(args.public_key).read_bytes())
         except (OSError, errors.EvidenceError) as exc:
             raise errors.InputError(f"cannot use --public-key {args.public_key}: {exc}") from exc
+    from lab import modelevidence
+
+    if modelevidence.is_model_evidence(path):
+        model_verdict = modelevidence.verify(path, public_key=pinned)
+        print(modelevidence.format_verdict(model_verdict))
+        return 0 if model_verdict.ok else 1
     verdict = verification.verify(path, public_key=pinned, check_sources=bool(args.check_sources))
     print(verification.format_verdict(verdict))
     return 0 if verdict.ok else 1
@@ -150,13 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     mdl = commands.add_parser("model", help="model-generation traces")
     mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
-    mrun = mdl_commands.add_parser("run", help="generate proposals and admit them")
-    mrun.add_argument("--model", required=True)
+    mrun = mdl_commands.add_parser("run", help="generate proposals, admit them, sign the traces")
+    mrun.add_argument("--model", default=None,
+                      help="GGUF file (default: LAB_MODEL_PATH, else the fetched SmolLM2)")
     mrun.add_argument("--expect-sha256", default=None)
-    mrun.add_argument("--cases", default=None)
-    mrun.add_argument("--output", default="book/model-experiment.json")
-    mrun.add_argument("--traces", default="evidence/model-traces")
+    mrun.add_argument("--cases", default=None, help="case set file (default: the lab's own)")
+    mrun.add_argument("--case", action="append", default=[], help="only this case id")
+    mrun.add_argument("--evidence", default="evidence/model", help="model evidence directory")
     mrun.add_argument("--threads", type=int, default=None, help="CPU threads (default 2)")
+    mcheck = mdl_commands.add_parser("check", help="re-check a model experiment report")
+    mcheck.add_argument("report")
     mdl.set_defaults(handler=_model)
 
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
