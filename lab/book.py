@@ -9,7 +9,8 @@ refuses anything but a verified PASS. From that copy it then writes::
                           provenance and the lab's stated limits
     figures/<name>.svg    one sequence figure per experiment result with an event history
     evidence/             the verified runtime.json, its envelope and public key, and the
-                          model experiment report when there is one
+                          signed model evidence (evidence/model/) when there is one,
+                          verified like the runtime's (``modelbook``)
     MANIFEST.sha256       sha256sum lines for every file above
 
 Every output is a function of the evidence alone: no clock, sorted keys, fixed
@@ -30,14 +31,12 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import dsse, errors, evidence, figures, verification
+from lab import dsse, errors, evidence, figures, modelbook, verification
 
 MARKDOWN_FILE = "experiments.md"
 MANIFEST_FILE = "MANIFEST.sha256"
 FIGURES_DIR = "figures"
 EVIDENCE_DIR = "evidence"
-MODEL_REPORT = "model-experiment.json"
-MODEL_PATTERN = "model-experiment*.json"
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -86,7 +85,7 @@ def build(
                 staged / evidence.PUBLIC_KEY_FILE, report
             ),
         }
-    for name, data in _model_reports(evidence_dir, out).items():
+    for name, data in modelbook.verified_files(evidence_dir, public_key=public_key).items():
         files[f"{EVIDENCE_DIR}/{name}"] = data
     pinned = public_key is not None
     files.update(_render(report, files, pinned=pinned))
@@ -109,24 +108,6 @@ def _public_key(path: Path, report: Mapping[str, Any]) -> bytes:
         if dsse.raw_public_key(present) != dsse.raw_public_key(signed):
             raise Refused(f"{evidence.PUBLIC_KEY_FILE} is not the key that signed the evidence")
     return pem.encode("ascii")
-
-
-def _model_reports(evidence_dir: Path, out: Path) -> dict[str, bytes]:
-    """Model experiment reports beside the evidence, else ``<out>/model-experiment.json``."""
-    found = {path.name: path for path in sorted(evidence_dir.glob(MODEL_PATTERN))}
-    if not found and (out / MODEL_REPORT).is_file():
-        found[MODEL_REPORT] = out / MODEL_REPORT
-    reports: dict[str, bytes] = {}
-    for name, path in sorted(found.items()):
-        data = path.read_bytes()
-        try:
-            parsed = json.loads(data)
-        except ValueError as exc:
-            raise Refused(f"{path}: not a JSON model experiment report ({exc})") from exc
-        if not isinstance(parsed, dict):
-            raise Refused(f"{path}: not a JSON model experiment report")
-        reports[name] = data
-    return reports
 
 
 def _write(out: Path, files: Mapping[str, bytes]) -> None:
@@ -185,7 +166,9 @@ def _render(
         for row in rows:
             for section in figures_md.get((chapter, str(row["name"])), []):
                 lines.append(section)
-    lines += _model_section(copies)
+    model_lines, model_figures = modelbook.section(copies, f"{EVIDENCE_DIR}/", pinned=pinned)
+    lines += model_lines
+    rendered.update(model_figures)
     lines += ["## Limits", ""]
     lines += [f"- {_md(str(limit))}" for limit in report.get("limits", [])]
     rendered[MARKDOWN_FILE] = ("\n".join(lines).rstrip("\n") + "\n").encode()
@@ -353,30 +336,6 @@ def _figure_section(
     if traces:
         lines += [f"Trace ids: {traces}", ""]
     return "\n".join(lines)
-
-
-def _model_section(copies: Mapping[str, bytes]) -> list[str]:
-    names = sorted(n for n in copies if Path(n).name.startswith("model-experiment"))
-    if not names:
-        return []
-    lines = [
-        "## Model experiment",
-        "",
-        "Copied beside the evidence; the run's signature does not cover it.",
-        "",
-    ]
-    for name in names:
-        report = json.loads(copies[name])
-        model = report.get("model", "unknown model")
-        digest = report.get("model_sha256", "unknown")
-        lines.append(f"- `{name}`: {_md(str(model))} (model sha256 `{digest}`)")
-        summary = report.get("summary")
-        if isinstance(summary, dict):
-            for mode, counts in sorted(summary.items()):
-                if isinstance(counts, dict):
-                    text = ", ".join(f"{k} {_value(v)}" for k, v in sorted(counts.items()))
-                    lines.append(f"  - {_md(str(mode))}: {_md(text)}")
-    return [*lines, ""]
 
 
 def _observation(value: Any) -> str:
