@@ -94,6 +94,12 @@ def _model(args: argparse.Namespace) -> int:
     return model.cli_main(args)
 
 
+def _publish(args: argparse.Namespace) -> int:
+    from lab import publish
+
+    return publish.cli_main(args)
+
+
 def _chaos(args: argparse.Namespace) -> int:
     from lab import chaos
 
@@ -183,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     mcheck = mdl_commands.add_parser("check", help="re-check a model experiment report")
     mcheck.add_argument("report")
     mdl.set_defaults(handler=_model)
+
+    pub = commands.add_parser("publish", help="run, verify and build the publication, or refuse")
+    pub.add_argument("--out", required=True, help="directory for evidence/ and book/")
+    pub.add_argument("--model", default=None, help="GGUF model for the case set")
+    pub.add_argument("--expect-sha256", default=None, help="the model's pinned sha256")
+    pub.add_argument("--public-key", default=None, help="PEM the evidence must verify under")
+    pub.add_argument("--threads", type=int, default=None, help="model CPU threads (default 2)")
+    pub.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
+    pub.set_defaults(handler=_publish)
 
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
     chaos.add_argument("--workflows", type=int, default=500)
