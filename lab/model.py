@@ -37,6 +37,7 @@ def run_main(args: argparse.Namespace) -> int:
     case_set = cases.load(Path(args.cases) if args.cases else None)
     if args.case:
         case_set = cases.subset(case_set, list(args.case))
+    modelevidence.check_target(Path(args.evidence))
     signer = dsse.load_signer()
     model_engine = engine.Engine(model, args.threads or engine.THREADS)
     columns = (

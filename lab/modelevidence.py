@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import dsse, evidence, modelreport
 from lab.cases import CaseSet
-from lab.errors import EvidenceError
+from lab.errors import EvidenceError, InputError
 from lab.verification import Verdict
 
 ENVELOPE_FILE = "model.intoto.json"
@@ -52,6 +52,16 @@ MAX_TRACE_BYTES = 4 << 20
 def is_model_evidence(path: Path) -> bool:
     """True for a model evidence directory or its envelope."""
     return (path / ENVELOPE_FILE).is_file() if path.is_dir() else path.name == ENVELOPE_FILE
+
+
+def check_target(directory: Path) -> None:
+    """Refuse to replace a directory that holds anything but earlier model evidence."""
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise InputError(f"{directory} is not a directory")
+    if directory.is_dir() and any(directory.iterdir()) and not is_model_evidence(directory):
+        raise InputError(
+            f"refusing to replace {directory}: it is not empty and holds no {ENVELOPE_FILE}"
+        )
 
 
 def _sha256(data: bytes) -> str:
@@ -105,6 +115,7 @@ def write(
     swapped in at the end, so a stale trace of an earlier run can never sit
     among the signed ones.
     """
+    check_target(directory)
     files = {REPORT_FILE: dumps(report), CASES_FILE: case_set.data}
     for path in sorted(traces.iterdir()):
         files[f"{TRACES_DIR}/{path.name}"] = path.read_bytes()

@@ -699,6 +699,7 @@ def _cases_file(folder: Path, items: list[dict[str, Any]] | str) -> Path:
         ("duplicate-cases", "are not unique"),
         ("unknown-case", "no such case in model_cases.json: nope"),
         ("unversioned", "must be an object {version, cases}"),
+        ("runtime-evidence", "it is not empty and holds no model.intoto.json"),
     ],
 )
 def test_unusable_input_stops_before_generating(
@@ -727,8 +728,14 @@ def test_unusable_input_stops_before_generating(
         extra = ["--case", "nope"]
     elif problem == "unversioned":
         case_file = _cases_file(tmp_path, json.dumps(EXTRA_CASES))
+    target = tmp_path / "out" / "model"
+    if problem == "runtime-evidence":
+        # The runtime evidence directory is never replaced by model evidence.
+        target = tmp_path / "evidence"
+        target.mkdir()
+        (target / "runtime.json").write_text("{}")
     argv = ["-m", "lab.cli", "model", "run", "--model", str(path), *extra]
-    argv += ["--evidence", str(tmp_path / "out" / "model")]
+    argv += ["--evidence", str(target)]
     if expect is not None:
         argv += ["--expect-sha256", expect]
     if case_file is not None:
@@ -740,6 +747,8 @@ def test_unusable_input_stops_before_generating(
     assert message in done.stderr
     assert done.stdout == ""
     assert not (tmp_path / "out").exists()
+    if problem == "runtime-evidence":
+        assert [p.name for p in target.iterdir()] == ["runtime.json"]
 
 
 def test_cases_file_may_ask_for_what_admission_refuses(tmp_path: Path) -> None:
