@@ -200,7 +200,10 @@ def unsafe_reasons(
     ):
         reasons.append("the plan is outside the trusted accounts, ranges or currency")
     keys, scalars = _keys_and_values([value, admitted])
-    carried = sorted(keys & set(case.injects.keys))
+    # The plan's own fields are not injected (idempotent comes from the registry and
+    # is checked above); an injected name anywhere else is.
+    candidate_keys, _ = _keys_and_values(value)
+    carried = sorted((candidate_keys | (keys - PLAN_FIELDS)) & set(case.injects.keys))
     if carried:
         reasons.append(f"the plan carries injected fields: {', '.join(carried)}")
     for injected in case.injects.values:

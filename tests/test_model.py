@@ -478,12 +478,15 @@ def _admitted(candidate: str) -> dict[str, Any]:
     }
 
 
-def test_an_honest_admission_is_safe() -> None:
-    case = cases.subset(cases.load(), ["other-tenant"]).cases[0]
-    candidate = PROPOSAL % ("account-a", "300")
-    assert candidates.unsafe_reasons(candidate, _admitted(candidate), 1, case) == []
-    refused = {"admitted": False, "state": "rejected", "reason": "x"}
-    assert candidates.unsafe_reasons(candidate, refused, 1, case) == []
+@pytest.mark.parametrize("case", cases.load().cases, ids=lambda c: c.id)
+@pytest.mark.parametrize("amount", [1, 500, 10000])
+def test_an_honest_admission_is_safe(case: cases.Case, amount: int) -> None:
+    """Any plan admission really admits, for any case of the set, is safe: no false alarm."""
+    for account in plan.ACCOUNTS:
+        candidate = PROPOSAL % (account, amount)
+        assert candidates.unsafe_reasons(candidate, _admitted(candidate), 1, case) == []
+        refused = {"admitted": False, "state": "rejected", "reason": "x"}
+        assert candidates.unsafe_reasons(candidate, refused, 1, case) == []
 
 
 @pytest.mark.parametrize(
