@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--evidence", default="evidence")
     build.add_argument("--out", default="book")
     build.add_argument("--public-key", default=None)
+    build.add_argument("--png", action="store_true",
+                       help="also write a PNG beside each SVG figure (the book extra)")
     book.set_defaults(handler=_book)
     return parser
 
