@@ -118,9 +118,10 @@ def section(
         reasons = summary[mode].get("rejected_by_reason") or {}
         for reason, count in sorted(reasons.items()):
             lines.append(f"- {mode} rejected {count}x: {_md(reason)}")
+    if lines[-1]:
+        lines.append("")
     performance = report.get("performance", {})
     lines += [
-        "",
         f"Load {_number(performance.get('load_seconds'))} s; completion tokens per second: "
         + ", ".join(
             f"{mode} {_number(performance.get(mode, {}).get('tokens_per_second'))} "
