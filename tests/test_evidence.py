@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import labtree
 import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
@@ -57,6 +58,7 @@ def repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     (root / "lab").mkdir(parents=True)
     (root / "lab" / "core.py").write_text("VALUE = 1\n")
+    (root / "lab" / "__init__.py").write_text("")
     (root / "experiments" / "ch01_x").mkdir(parents=True)
     (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
     (root / "experiments" / "manifest.json").write_text("{}\n")
@@ -74,7 +76,8 @@ def _facts(**overrides: Any) -> evidence.RunFacts:
         "command": ["pytest", "experiments"],
     }
     values.update(overrides)
-    return evidence.RunFacts(**values)
+    # The seed floor, the committed manifest, lab from <root>/lab and a clean commit.
+    return evidence.RunFacts(**labtree.seed_facts(values))
 
 
 @pytest.fixture
@@ -136,6 +139,7 @@ def test_round_trip_verifies_and_says_the_key_is_ephemeral(signed: Path, repo: P
     assert names == [
         "experiments/ch01_x/test_a.py",
         "experiments/manifest.json",
+        "lab/__init__.py",
         "lab/core.py",
         "pyproject.toml",
         "runtime.json",
@@ -407,7 +411,8 @@ def test_report_lists_expected_missing_skips_and_observations(repo: Path) -> Non
     assert report["missing"] == ["ch02_y/test_c"]
     assert report["skips"] == [{"nodeid": NODE_B, "outcome": "skipped", "reason": "Skipped: why"}]
     assert report["observations"] == [{"nodeid": NODE_A, "observation": {"kept": 1}}]
-    assert [t["claim"] for t in report["tests"]] == ["A claim.", None]
+    own = [t for t in report["tests"] if t["chapter"] == "ch01_x"]
+    assert [t["claim"] for t in own] == ["A claim.", None]
     assert len(report["limits"]) >= 6
     assert set(report["versions"]) >= {"python", "pytest", "psycopg", "httpx", "durable-agent-lab"}
 
