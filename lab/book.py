@@ -10,8 +10,9 @@ then writes::
                           provenance and the lab's stated limits
     figures/<name>.svg    one sequence figure per experiment result with an event history
     figures/<name>.png    with --png: each figure as cairosvg draws it, labels checked legible
-    evidence/             the verified runtime.json, tests.jsonl, their envelope and the
-                          signer's public key, and the model experiment report if any
+    evidence/             the verified runtime.json, its envelope and public key, and the
+                          signed model evidence (evidence/model/) when there is one,
+                          verified like the runtime's (``modelbook``)
     MANIFEST.sha256       sha256sum lines for every file above
 
 Every output is a function of the evidence alone: no clock, sorted keys, fixed
@@ -40,15 +41,13 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import dsse, errors, evidence, figures, files, verification
+from lab import dsse, errors, evidence, figures, files, modelbook, verification
 from lab.report import Report
 
 MARKDOWN_FILE = "experiments.md"
 MANIFEST_FILE = "MANIFEST.sha256"
 FIGURES_DIR = "figures"
 EVIDENCE_DIR = "evidence"
-MODEL_REPORT = "model-experiment.json"
-MODEL_PATTERN = "model-experiment*.json"
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 _MAX_STEM = 120  # file names stay far below the file system's 255 bytes
@@ -121,7 +120,7 @@ def build(
     copies[f"{EVIDENCE_DIR}/{evidence.PUBLIC_KEY_FILE}"] = _public_key(
         evidence_dir / evidence.PUBLIC_KEY_FILE, report
     )
-    for name, data in _model_reports(evidence_dir, out).items():
+    for name, data in modelbook.verified_files(evidence_dir, public_key=public_key).items():
         copies[f"{EVIDENCE_DIR}/{name}"] = data
     files_out = dict(copies)
     files_out.update(_render(report, copies, pinned_by=verdict.pinned_by))
@@ -147,21 +146,6 @@ def _public_key(path: Path, report: Report) -> bytes:
         if dsse.raw_public_key(present) != dsse.raw_public_key(signed):
             raise Refused(f"{evidence.PUBLIC_KEY_FILE} is not the key that signed the evidence")
     return dsse.public_pem(signed).encode("ascii")
-
-
-def _model_reports(evidence_dir: Path, out: Path) -> dict[str, bytes]:
-    """Model experiment reports beside the evidence, else ``<out>/model-experiment.json``."""
-    found = {path.name: path for path in sorted(evidence_dir.glob(MODEL_PATTERN))}
-    if not found and (out / MODEL_REPORT).exists():
-        found[MODEL_REPORT] = out / MODEL_REPORT
-    reports: dict[str, bytes] = {}
-    for name, path in sorted(found.items()):
-        data = files.read_bytes(path, files.MODEL_REPORT_LIMIT, "model report")
-        parsed = files.parse_json(data, f"model report {path}")
-        if not isinstance(parsed, dict):
-            raise Refused(f"model report {path}: not a JSON object")
-        reports[_safe(name)] = data
-    return reports
 
 
 def _inside(out: Path, name: str) -> Path:
@@ -237,7 +221,11 @@ def _render(
         for row in rows:
             for section in figures_md.get((chapter, row["name"]), []):
                 lines.append(section)
-    lines += _model_section(copies)
+    model_lines, model_figures = modelbook.section(
+        copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None
+    )
+    lines += model_lines
+    rendered.update(model_figures)
     lines += ["## Limits", ""]
     lines += [f"- {_md(limit)}" for limit in report["limits"]]
     rendered[MARKDOWN_FILE] = ("\n".join(lines).rstrip("\n") + "\n").encode()
@@ -410,32 +398,6 @@ def _figure_section(
     if traces:
         lines += [f"Trace ids: {traces}", ""]
     return "\n".join(lines)
-
-
-def _model_section(copies: Mapping[str, bytes]) -> list[str]:
-    names = sorted(n for n in copies if Path(n).name.startswith("model-experiment"))
-    if not names:
-        return []
-    lines = [
-        "## Model experiment",
-        "",
-        "Copied beside the evidence; the run's signature does not cover it.",
-        "",
-    ]
-    for name in names:
-        report = files.parse_json(copies[name], name)
-        model = report.get("model", "unknown model")
-        digest = report.get("model_sha256", "unknown")
-        lines.append(
-            f"- {_code(name)}: {_md(_value(model))} (model sha256 {_code(_value(digest))})"
-        )
-        summary = report.get("summary")
-        if isinstance(summary, dict):
-            for mode, counts in sorted(summary.items()):
-                if isinstance(counts, dict):
-                    text = ", ".join(f"{k} {_value(v)}" for k, v in sorted(counts.items()))
-                    lines.append(f"  - {_md(str(mode))}: {_md(text)}")
-    return [*lines, ""]
 
 
 def _observation(value: Any) -> str:

@@ -64,6 +64,13 @@ def _evidence(args: argparse.Namespace) -> int:
     pinned = None
     if args.public_key:
         pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    from lab import modelevidence
+
+    if args.evidence_command == "verify" and modelevidence.is_model_evidence(path):
+        model_verdict = modelevidence.verify(path, public_key=pinned)
+        print(modelevidence.format_verdict(model_verdict))
+        sys.stdout.flush()
+        return 0 if model_verdict.ok else 1
     trusted = [] if pinned is not None else verification.trusted_keys(root)
     verdict = verification.verify(
         path,
@@ -103,6 +110,12 @@ def _model(args: argparse.Namespace) -> int:
     from lab import model
 
     return model.cli_main(args)
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from lab import publish
+
+    return publish.cli_main(args)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -186,14 +199,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     mdl = commands.add_parser("model", help="model-generation traces")
     mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
-    mrun = mdl_commands.add_parser("run", help="generate proposals and admit them")
-    mrun.add_argument("--model", required=True)
+    mrun = mdl_commands.add_parser("run", help="generate proposals, admit them, sign the traces")
+    mrun.add_argument("--model", default=None,
+                      help="GGUF file (default: LAB_MODEL_PATH, else the fetched SmolLM2)")
     mrun.add_argument("--expect-sha256", default=None)
-    mrun.add_argument("--cases", default=None)
-    mrun.add_argument("--output", default="book/model-experiment.json")
-    mrun.add_argument("--traces", default="evidence/model-traces")
+    mrun.add_argument("--cases", default=None, help="case set file (default: the lab's own)")
+    mrun.add_argument("--case", action="append", default=[], help="only this case id")
+    mrun.add_argument("--evidence", default="evidence/model", help="model evidence directory")
     mrun.add_argument("--threads", type=int, default=None, help="CPU threads (default 2)")
+    mcheck = mdl_commands.add_parser("check", help="re-check a model experiment report")
+    mcheck.add_argument("report")
     mdl.set_defaults(handler=_model)
+
+    pub = commands.add_parser("publish", help="run, verify and build the publication, or refuse")
+    pub.add_argument("--out", required=True, help="directory for evidence/ and book/")
+    pub.add_argument("--model", default=None, help="GGUF model for the case set")
+    pub.add_argument("--expect-sha256", default=None, help="the model's pinned sha256")
+    pub.add_argument("--public-key", default=None, help="PEM the evidence must verify under")
+    pub.add_argument("--threads", type=int, default=None, help="model CPU threads (default 2)")
+    pub.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
+    pub.set_defaults(handler=_publish)
 
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
     chaos.add_argument("--workflows", type=int, default=500)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import canned_model
 import labtree
 import pytest
 from conftest import KeyFiles, resign
@@ -305,33 +306,29 @@ def test_cli_builds_with_a_pinned_key(
     assert "against the pinned public key" in (out / book.MARKDOWN_FILE).read_text()
 
 
-def test_model_experiment_report_is_copied(tree: Path, tmp_path: Path) -> None:
-    """A model report beside the evidence (or already in the book) is copied and listed."""
-    model = {
-        "model": "stories260K",
-        "model_sha256": "270c" + "0" * 60,
-        "summary": {"constrained": {"admitted": 2, "generations": 3}},
-    }
-    data = (json.dumps(model, indent=2) + "\n").encode()
+def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Path) -> None:
+    """Signed model evidence is verified, copied whole and shown; unsigned or altered is refused."""
     source = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", source)
-    (source / "model-experiment.json").write_bytes(data)
+    canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
     written = book.build(source, out, root=tree)
-    assert "evidence/model-experiment.json" in written
-    assert (out / "evidence" / "model-experiment.json").read_bytes() == data
-    assert "  evidence/model-experiment.json\n" in (out / book.MANIFEST_FILE).read_text()
+    assert "evidence/model/model-experiment.json" in written
+    assert "evidence/model/traces/zero.constrained.json" in written
+    assert "figures/model-outcomes.svg" in written
     markdown = (out / book.MARKDOWN_FILE).read_text()
     assert "## Model experiment" in markdown
-    assert "- `evidence/model-experiment.json`: stories260K" in markdown
-    assert "  - constrained: admitted 2, generations 3" in markdown
+    assert "| **unsafe** (admitted with injected authority; must be 0) | 0 | 0 |" in markdown
+    assert "| admitted, matching the request | 1 | 0 |" in markdown
 
-    # `lab model run` writes book/model-experiment.json by default: that one is copied too.
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / book.MODEL_REPORT).write_bytes(data)
-    assert "evidence/model-experiment.json" in book.build(tree / "evidence", other, root=tree)
-    assert (other / book.MODEL_REPORT).read_bytes() == data
+    trace = source / "model" / "traces" / "zero.constrained.json"
+    trace.write_bytes(trace.read_bytes().replace(b'"canned"', b'"Canned"', 1))
+    with pytest.raises(book.Refused, match=r"zero\.constrained\.json: its sha256 does not match"):
+        book.build(source, tmp_path / "book2", root=tree)
+    shutil.rmtree(source / "model")
+    (source / "model-experiment.json").write_text("{}")
+    with pytest.raises(book.Refused, match="an unsigned model report"):
+        book.build(source, tmp_path / "book3", root=tree)
 
 
 # --------------------------------------------------------------------------- refusals
