@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import dsse, gate, provenance
+from lab import dsse, errors, files, gate, provenance
 from lab.errors import EvidenceError
 
 SCHEMA_VERSION = 1
@@ -45,6 +45,8 @@ REACHED_DATABASE = "lab_database"
 NEEDS_DATABASE = "lab_needs_database"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
+# Everything one run writes: removed before a run so none of it can outlive a failed one.
+RUN_FILES = (TESTS_FILE, REPORT_FILE, ENVELOPE_FILE, PUBLIC_KEY_FILE)
 
 # What the evidence covers: the code that ran and the declaration of what had to run.
 SOURCE_PATTERNS = (
@@ -116,9 +118,9 @@ class Expected:
 def load_manifest(path: Path) -> list[Expected]:
     """Read ``manifest.json``; reject anything but the declared shape."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise EvidenceError(f"cannot read experiment manifest {path}: {exc}") from exc
+        raw = files.read_json(path, files.MANIFEST_LIMIT, "experiment manifest")
+    except errors.InputError as exc:
+        raise EvidenceError(str(exc)) from exc
     items = raw.get("experiments") if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise EvidenceError(f"{path}: 'experiments' must be a list")
@@ -636,8 +638,14 @@ def source_digests(root: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- signing
 
 
-def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
-    """The in-toto Statement: subjects are the sources and ``runtime.json``."""
+def statement(
+    report_bytes: bytes, report: Mapping[str, Any], tests_bytes: bytes | None = None
+) -> dict[str, Any]:
+    """The in-toto Statement: subjects are the sources, ``runtime.json`` and ``tests.jsonl``.
+
+    ``tests.jsonl`` (pytest's own records of the run) is signed too, so a reader
+    can rely on the raw results as much as on the compiled report.
+    """
     subjects = [
         {"name": name, "digest": {"sha256": digest}}
         for name, digest in sorted(report["sources"].items())
@@ -645,6 +653,10 @@ def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
     subjects.append(
         {"name": REPORT_FILE, "digest": {"sha256": hashlib.sha256(report_bytes).hexdigest()}}
     )
+    if tests_bytes is not None:
+        subjects.append(
+            {"name": TESTS_FILE, "digest": {"sha256": hashlib.sha256(tests_bytes).hexdigest()}}
+        )
     return {
         "_type": STATEMENT_TYPE,
         "subject": subjects,
@@ -674,16 +686,19 @@ def write(
     lines = list(facts.records)
     if session_records is not None:
         lines = [session_records[0], *lines, session_records[1]]
-    (directory / TESTS_FILE).write_text(
-        "".join(json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines),
-        encoding="utf-8",
-    )
+    tests_bytes = "".join(
+        json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines
+    ).encode("utf-8")
     report_bytes = dumps_report(report)
-    (directory / REPORT_FILE).write_bytes(report_bytes)
     payload = json.dumps(
-        statement(report_bytes, report), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        statement(report_bytes, report, tests_bytes),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
     ).encode()
     envelope = dsse.sign_envelope(payload, signer)
+    (directory / TESTS_FILE).write_bytes(tests_bytes)
+    (directory / REPORT_FILE).write_bytes(report_bytes)
     (directory / ENVELOPE_FILE).write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
     (directory / PUBLIC_KEY_FILE).write_text(signing["public_key"], encoding="ascii")
     return report

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.manifest import count_problem
 from lab.seed import SEED_EXPERIMENTS
 
 PASS = "PASS"  # noqa: S105 - a verdict, not a password
@@ -239,3 +238,17 @@ def _needs_database(row: Mapping[str, Any], test: Mapping[str, Any]) -> bool:
     if isinstance(declared, bool):
         return declared
     return test.get("needs_database") is True
+
+
+def count_problem(label: str, declared: int, produced: int) -> str | None:
+    """The exact-count rule: a message naming ``label`` unless ``produced == declared``.
+
+    Used by ``lab manifest check`` (``produced`` = collected results) and by the gate
+    (``produced`` = results that ran). A count below or above the declaration is a
+    difference: cutting parameters must not go unnoticed, nor adding them.
+    """
+    if produced == declared:
+        return None
+    if produced < declared:
+        return f"{label} produced {produced} of {declared} results"
+    return f"{label} produced {produced} results but declares {declared}"
