@@ -55,7 +55,7 @@ from psycopg.types.json import Jsonb
 from rich.console import Console
 from rich.table import Table
 
-from lab import boundaries, cluster, errors, harness, plan, processes, store, tool
+from lab import boundaries, cluster, errors, harness, plan, processes, protocol, store, tool
 
 DEFAULT_HISTORY = (1_000, 100_000, 1_000_000)
 CLAIM_SAMPLES = 300
@@ -470,7 +470,7 @@ class CpuMeter:
 def _release_together(children: list[processes.WorkerProcess], meter: CpuMeter) -> None:
     """Start lab's and DBOS's workers the same way: all ready, the meter started, all go."""
     for child in children:
-        child.wait_for("BOOK_READY", timeout=60)
+        child.wait_for(protocol.READY, timeout=60)
     meter.released()
     for child in children:
         child.release()
@@ -604,7 +604,7 @@ def _dbos_env(scratch: Scratch, schema: str, endpoint: str, token: str) -> dict[
         DBOS_URL_ENV: scratch.dbos_url(),
         DBOS_SCHEMA_ENV: schema,
         TOOL_ENV: endpoint,
-        processes.TOKEN_ENV: token,
+        protocol.TOKEN_ENV: token,
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -668,7 +668,7 @@ def dbos_round(scratch: Scratch, dbos_schema: str, workflows: int, workers: int)
             children.append(_dbos_child("worker", f"dbos-{tag}-{index}", env))
         _release_together(children, meter)
         for child in children:
-            child.wait_for("BOOK_LAUNCHED", timeout=60)
+            child.wait_for(protocol.LAUNCHED, timeout=60)
         deadline = time.monotonic() + 60 + workflows * 0.5
         with psycopg.connect(scratch.dsn(scratch.dbos_db), autocommit=True) as conn:
             while True:
@@ -736,7 +736,7 @@ def dbos_worker_main(argv: Sequence[str]) -> int:
     role, name = argv[0], argv[1]
     dbos = _dbos()
     endpoint = os.environ.get(TOOL_ENV, "")
-    token = os.environ.get(processes.TOKEN_ENV, "")
+    token = os.environ.get(protocol.TOKEN_ENV, "")
     clients: list[tool.ToolClient] = []
 
     def credit_step(body: dict[str, Any]) -> dict[str, str]:
@@ -772,15 +772,15 @@ def dbos_worker_main(argv: Sequence[str]) -> int:
         )
         dbos.DBOS.destroy()
         return 0
-    print("BOOK_READY", flush=True)
+    print(protocol.READY, flush=True)
     sys.stdin.readline()
     dbos.DBOS.launch()
-    print("BOOK_LAUNCHED", flush=True)
+    print(protocol.LAUNCHED, flush=True)
     sys.stdin.readline()
     dbos.DBOS.destroy(workflow_completion_timeout_sec=10)
     for client in clients:
         client.close()
-    print("BOOK_DONE", flush=True)
+    print(protocol.DONE, flush=True)
     return 0
 
 
@@ -1125,7 +1125,7 @@ def suite(experiments: Path = Path("experiments")) -> dict[str, Any]:
         "runs": runs,
         "parallel_floor_fraction": _round(ratio(floor, serial["wall_seconds"]), 3),
         "goal_n4_fraction": GOALS["suite_n4_over_serial"],
-        "database": "BOOK_LAB_DSN" if os.environ.get(processes.DSN_ENV) else "plugin auto",
+        "database": protocol.DSN_ENV if os.environ.get(protocol.DSN_ENV) else "plugin auto",
     }
 
 
@@ -1192,7 +1192,7 @@ def startup(dsn: str, repeat: int = STARTUP_REPEAT) -> dict[str, Any]:
         child = processes.spawn_worker(dsn, schema, service.endpoint, service.token,
                                        "bench-startup", "--start-gate")
         try:
-            child.wait_for("BOOK_READY", timeout=60)
+            child.wait_for(protocol.READY, timeout=60)
             elapsed = time.perf_counter() - started
             child.release()
             child.finish(timeout=60)
@@ -1221,7 +1221,7 @@ def _startup_table(report: Mapping[str, Any]) -> Table:
     table.add_row("embedded PostgreSQL stop", _fmt(provisioning["stop_median_ms"]), "")
     for key, label in (("bare_python", "python -c pass"),
                        ("import_worker_modules", "python -c 'import lab.cli, lab.processes'"),
-                       ("worker_spawn_to_ready", "lab worker --start-gate → BOOK_READY")):
+                       ("worker_spawn_to_ready", f"lab worker --start-gate → {protocol.READY}")):
         figures = report[key]
         table.add_row(label, _fmt(figures["median_ms"]),
                       f"{_fmt(figures['min_ms'])} / {_fmt(figures['max_ms'])}")

@@ -12,7 +12,8 @@ then writes::
     figures/<name>.png    with --png: each figure as cairosvg draws it, labels checked legible
     evidence/             the verified runtime.json, its envelope and public key, and the
                           signed model evidence (evidence/model/) when there is one,
-                          verified like the runtime's (``modelbook``)
+                          verified like the runtime's (``modelbook``), and the crash-point
+                          matrix (``crashmatrix``) when present
     MANIFEST.sha256       sha256sum lines for every file above
 
 Every output is a function of the evidence alone: no clock, sorted keys, fixed
@@ -41,7 +42,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import dsse, errors, evidence, figures, files, modelbook, verification
+from lab import crashmatrix, dsse, errors, evidence, figures, files, modelbook, verification
 from lab.report import Report
 
 MARKDOWN_FILE = "experiments.md"
@@ -122,6 +123,12 @@ def build(
     )
     for name, data in modelbook.verified_files(evidence_dir, public_key=public_key).items():
         copies[f"{EVIDENCE_DIR}/{name}"] = data
+    try:
+        matrix = crashmatrix.read(evidence_dir)
+    except errors.InputError as exc:
+        raise Refused(f"{evidence_dir / crashmatrix.OUTPUT_FILE}: {exc}") from exc
+    if matrix is not None:
+        copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     files_out = dict(copies)
     files_out.update(_render(report, copies, pinned_by=verdict.pinned_by))
     if png:
@@ -221,6 +228,8 @@ def _render(
         for row in rows:
             for section in figures_md.get((chapter, row["name"]), []):
                 lines.append(section)
+    matrix = copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}")
+    lines += crashmatrix.book_section(report, matrix)
     model_lines, model_figures = modelbook.section(
         copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None
     )

@@ -58,7 +58,19 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from lab import backoff, errors, invariants, plan, processes, proxy, sealing, store, tool, worker
+from lab import (
+    backoff,
+    errors,
+    invariants,
+    plan,
+    processes,
+    protocol,
+    proxy,
+    sealing,
+    store,
+    tool,
+    worker,
+)
 from lab.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
 
 __all__ = ["Chaos", "Settings", "run", "split"]
@@ -528,13 +540,13 @@ class Chaos:
                 line = child.lines.get_nowait()
             except queue.Empty:
                 return
-            if line and line.startswith("BOOK_ITEM "):
+            if line and line.startswith(f"{protocol.ITEM} "):
                 _, workflow_id, state, fence = line.split()[:4]
                 population.acknowledged.append(
                     invariants.Acknowledged(workflow_id, state, int(fence)))
                 self.counts.worker_items[state] += 1
                 self._items_done[child.name] = self._items_done.get(child.name, 0) + 1
-            elif line and line.startswith("BOOK_SKIP "):
+            elif line and line.startswith(f"{protocol.SKIP} "):
                 self.counts.worker_items[f"skip:{line.split()[1]}"] += 1
 
     # -- recovery ----------------------------------------------------------------------

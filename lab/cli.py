@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import errors, providers
+from lab import errors, protocol, providers
 
 
 def _plancheck(args: argparse.Namespace) -> int:
@@ -136,6 +136,12 @@ def _book(args: argparse.Namespace) -> int:
     return book.cli_main(args)
 
 
+def _crashpoints(args: argparse.Namespace) -> int:
+    from lab import crashpoints
+
+    return crashpoints.cli_main(args)
+
+
 def _review(args: argparse.Namespace) -> int:
     from lab import review
 
@@ -154,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--schema", required=True, help="the experiment's isolated schema")
     worker.add_argument("--tool", required=True, help="loopback tool endpoint")
     worker.add_argument("--name", default="worker-process", help="owner name for claims")
-    worker.add_argument("--pause", choices=["after_claim", "after_tool"], default=None)
+    worker.add_argument("--pause", choices=protocol.PROCESS_STAGES, default=None,
+                        help="wait for a stdin newline at this boundary")
+    worker.add_argument("--crash-at", choices=protocol.PROCESS_STAGES, default=None,
+                        help="SIGKILL itself the moment it reaches this boundary")
     worker.add_argument("--start-gate", action="store_true", help="wait for a stdin newline")
     worker.add_argument("--reconcile", default=None, help="reconcile this unknown workflow first")
     worker.add_argument("--lease", type=float, default=3.0, help="lease seconds")
@@ -248,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--output", default="evidence/chaos.json")
     chaos.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
     chaos.set_defaults(handler=_chaos)
+
+    crash = commands.add_parser(
+        "crashpoints", help="every named boundary, fault and tool kind, then the invariants"
+    )
+    crash.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
+    crash.add_argument("--seed", type=int, default=17)
+    crash.add_argument("--only", action="append", default=[],
+                       help="only cells whose id (boundary/fault/kind) starts with this")
+    crash.add_argument("--output", default="evidence/crashpoints.json")
+    crash.add_argument("--lab-postgres", default="auto",
+                       choices=["auto", "dsn", "container", "embedded"])
+    crash.set_defaults(handler=_crashpoints)
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

@@ -50,7 +50,7 @@ from typing import Any
 import psycopg
 from psycopg import conninfo
 
-from lab import boundaries, embedded, errors
+from lab import boundaries, embedded, errors, protocol
 from lab.embedded import (  # re-exported: callers of cluster use these names
     CACHE_ENV,
     DISK_DIR,
@@ -63,7 +63,7 @@ from lab.providers import AUTO, CONTAINER, DSN, EMBEDDED, MODES
 
 log = logging.getLogger("lab.cluster")
 
-DSN_ENV = "BOOK_LAB_DSN"
+DSN_ENV = protocol.DSN_ENV  # an alias: the name is defined once, in lab.protocol
 IMAGE_ENV = "LAB_POSTGRES_IMAGE"
 BINARIES_ENV = "LAB_PG_BINARIES"
 __all__ = ["AUTO", "CACHE_ENV", "CONTAINER", "DISK_DIR", "DSN", "EMBEDDED", "METHODS", "MODES",

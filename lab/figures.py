@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab import errors
+from lab import errors, protocol
 
 EXPERIMENT = "E"
 POSTGRESQL = "DB"
@@ -203,12 +203,12 @@ def _timeline_step(build: _Build, mark: Mapping[str, Any]) -> None:
         build.add(t, 0, Step(t, EXPERIMENT, build.lanes[rest], "release (newline on stdin)", CALL))
     elif actor == "experiment" and "(SQL-injected)" in what:
         build.add(t, 0, Step(t, EXPERIMENT, POSTGRESQL, what, ALERT))
-    elif what == "BOOK_STAGE after_tool":
+    elif what == f"{protocol.STAGE} {protocol.AFTER_TOOL}":
         build.add(t, 0, Step(t, TOOL, lane, "receipt: the effect is committed", REPLY))
         build.add(t, 0, Step(t, lane, lane, "paused after_tool, before recording it", NOTE))
-    elif verb == "BOOK_STAGE":
+    elif verb == protocol.STAGE:
         build.add(t, 0, Step(t, lane, lane, f"paused {rest}", NOTE))
-    elif what == "BOOK_READY":
+    elif what == protocol.READY:
         build.add(t, 0, Step(t, lane, lane, "waiting at its start gate", NOTE))
     elif verb == "killed":
         build.add(t, 0, Step(t, lane, lane, what, KILL))

@@ -11,7 +11,8 @@ a read-only snapshot that never goes through a transition. Each rule returns
     effect_without_owner      an effect no succeeded/unknown workflow of that key and plan owns
     tool_mode_mismatch        an effect written by a tool whose mode differs from the plan's
     replayed_dispatch         a non-idempotent workflow dispatched again without a definite
-                              non-effect (a 429 or unreachable tool) in between
+                              non-effect (a 429 or unreachable tool) or a person's forced
+                              requeue in between, or performed more than once in the ledger
     stale_completion          a completion not written under the current, still open claim
     lost_workflow             a workflow neither terminal nor awaiting review with a reason
     budget_overrun            more attempts (or claims) than the workflow's budget
@@ -236,8 +237,10 @@ def replayed_dispatches(history: History) -> list[Violation]:
 
     A second ``dispatching`` event is allowed only after the previous dispatch
     ended in a definite non-effect: a ``retry_scheduled`` event under the same
-    fence (the tool answered 429 or was never reached). The ledger must also
-    hold at most one row for the workflow's key.
+    fence (the tool answered 429 or was never reached), or a person's
+    ``forced_requeue`` under that fence (a decision audited with its reason:
+    the person, not the runtime, vouched that nothing happened). Whatever
+    anyone decided, the ledger must hold at most one row for the workflow's key.
     """
     events = _events_by_workflow(history)
     effects = _effects_by_key(history)
@@ -259,7 +262,7 @@ def replayed_dispatches(history: History) -> list[Violation]:
                         )
                     )
                 pending = event.fence
-            elif event.kind == "retry_scheduled" and event.fence == pending:
+            elif event.kind in ("retry_scheduled", "forced_requeue") and event.fence == pending:
                 pending = None
         rows = effects.get(wf.effect_key, [])
         if len(rows) > 1:

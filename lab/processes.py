@@ -1,9 +1,11 @@
 """Workers as real OS processes, and the handle an experiment uses to drive one.
 
-The child speaks a line protocol on stdout: ``BOOK_READY`` at its start gate,
-``BOOK_STAGE <stage> <workflow> <fence>`` at each stage, ``BOOK_DONE`` at the
-end. A newline on stdin releases a pause. SIGKILL ends it mid-window, which is
-the point: no cleanup code runs, exactly as in a real crash.
+The child speaks a line protocol on stdout (the words are in ``lab.protocol``):
+``BOOK_READY`` at its start gate, ``BOOK_STAGE <boundary> <workflow> <fence>`` at
+each named boundary, ``BOOK_DONE`` at the end. A newline on stdin releases a
+pause. SIGKILL ends it mid-window, which is the point: no cleanup code runs,
+exactly as in a real crash. ``--crash-at BOUNDARY`` is the self-kill switch:
+the child SIGKILLs itself the moment it reports that boundary.
 """
 
 from __future__ import annotations
@@ -21,30 +23,38 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import IO
 
-from lab import backoff, egress, errors, sealing, store, tool, worker
+from lab import backoff, egress, errors, protocol, sealing, store, tool, worker
 
-DSN_ENV = "BOOK_LAB_DSN"
 # Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
 WORKER_APP_PREFIX = "lab-worker:"
 # How long a worker waits for a lost database (failures in a row) before it gives up.
 DB_PATIENCE_S = 60.0
-TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret; the token travels in the environment, never in argv
 
 
 def worker_main(args: argparse.Namespace) -> int:
     """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
     egress.install()
-    dsn = os.environ.get(DSN_ENV, "")
-    token = os.environ.get(TOKEN_ENV, "")
+    dsn = os.environ.get(protocol.DSN_ENV, "")
+    token = os.environ.get(protocol.TOKEN_ENV, "")
     if not dsn or not token:
-        print(f"lab worker needs {DSN_ENV} and {TOKEN_ENV} in its environment", file=sys.stderr)
+        print(
+            f"lab worker needs {protocol.DSN_ENV} and {protocol.TOKEN_ENV} in its environment",
+            file=sys.stderr,
+        )
         return 2
+    crash_at = getattr(args, "crash_at", None)
+    # The heartbeat thread reports too: one line at a time.
+    say = threading.Lock()
 
     def wait_for_newline() -> None:
         sys.stdin.readline()
 
     def hook(stage: str, claim: store.Workflow) -> None:
-        print(f"BOOK_STAGE {stage} {claim.id} {claim.fence}", flush=True)
+        with say:
+            print(protocol.stage_line(stage, claim.id, claim.fence), flush=True)
+            if crash_at == stage:
+                # Stop dead at the boundary: no other thread runs another line.
+                os.kill(os.getpid(), signal.SIGKILL)
         if args.pause == stage:
             wait_for_newline()
 
@@ -62,7 +72,7 @@ def worker_main(args: argparse.Namespace) -> int:
                 hook=hook,
             )
             if args.start_gate:
-                print("BOOK_READY", flush=True)
+                print(protocol.READY, flush=True)
                 wait_for_newline()
             if args.reconcile:
                 runner.reconcile(args.reconcile)
@@ -73,7 +83,7 @@ def worker_main(args: argparse.Namespace) -> int:
     except errors.LabError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print("BOOK_DONE", flush=True)
+    print(protocol.DONE, flush=True)
     return 0
 
 
@@ -108,19 +118,19 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
             item = runner.run_one()
             lost.reset()
         except errors.StoreError as exc:
-            print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
+            print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
             if lost.exhausted:
                 raise
             time.sleep(lost.failed())
             idle_since = time.monotonic()
             continue
         except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
-            print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
+            print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
             item = None
             idle_since = time.monotonic()
         if item is not None:
             done += 1
-            print(f"BOOK_ITEM {item.id} {item.state} {item.fence}", flush=True)
+            print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since >= idle_exit:
             return
@@ -214,6 +224,25 @@ class WorkerProcess:
         self._proc.stdin.flush()
         self._on_event("experiment", f"release {self.name}")
 
+    def all_lines(self) -> list[str]:
+        """Every stdout line so far, the ones ``wait_for`` passed over included.
+
+        Moves what is queued into ``seen``: call it once the waiting is over.
+        """
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return list(self.seen)
+            if line is not None:
+                self.seen.append(line)
+
+    def send(self, line: str) -> None:
+        """Write one command line to the child's stdin."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{line}\n")
+        self._proc.stdin.flush()
+
     def finish(self, timeout: float = 30.0, expect_exit: int | None = 0) -> int:
         """Wait for the child to exit and return its exit code.
 
@@ -294,14 +323,14 @@ def spawn_worker(
         name,
         *extra,
     ]
-    env = {**child_env(dsn, keys), TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    env = {**child_env(dsn, keys), protocol.TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
     return WorkerProcess(argv, env, name, on_event)
 
 
 def child_env(dsn: str, keys: sealing.KeyCatalog | None = None) -> dict[str, str]:
     """The environment of a ``lab`` child process: ours, plus the database and, when
     given, the key catalog to seal and open results with (never argv: both are secrets)."""
-    env = {**os.environ, DSN_ENV: dsn}
+    env = {**os.environ, protocol.DSN_ENV: dsn}
     if keys is not None:
         env[sealing.KEYS_ENV] = keys.to_env()
     return env

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from lab import egress, errors, recorder
+from lab import egress, errors, protocol, recorder
 
 if TYPE_CHECKING:
     from lab import harness as lab_harness
@@ -232,7 +232,7 @@ def observe(request: pytest.FixtureRequest) -> Any:
 
     def record(value: dict[str, Any]) -> None:
         text = json.dumps(value, sort_keys=True)
-        print(f"BOOK_OBSERVATION {text}")
+        print(f"{protocol.OBSERVATION} {text}")
         request.node.user_properties.append(("lab_observation", json.loads(text)))
 
     return record

@@ -10,14 +10,14 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from lab import errors, processes, store
+from lab import errors, protocol, store
 
 
 def cli_main(args: argparse.Namespace) -> int:
     """Body of ``lab review list|show|requeue|resolve``; the DSN comes from BOOK_LAB_DSN."""
-    dsn = os.environ.get(processes.DSN_ENV, "")
+    dsn = os.environ.get(protocol.DSN_ENV, "")
     if not dsn:
-        raise errors.UsageError(f"lab review needs {processes.DSN_ENV} in its environment")
+        raise errors.UsageError(f"lab review needs {protocol.DSN_ENV} in its environment")
     reviewer = store.Actor(tenant=args.tenant, subject=args.reviewer, role="reviewer")
     # A pipe gets whole identifiers rather than a table cut to 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)

@@ -47,7 +47,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from lab import barrier as barriers
-from lab import boundaries, errors, store
+from lab import boundaries, errors, protocol, store
 from lab.plan import Receipt
 
 MAX_BODY_BYTES = 4096
@@ -165,6 +165,9 @@ class ToolService:
         #: Called with the effect key during each authoritative lookup, before the ledger
         #: is read: an experiment can act while a lookup is in flight.
         self.on_lookup: Callable[[str], None] | None = None
+        # Called with (boundary, effect key) at the named boundaries inside request
+        # handling (``protocol.TOOL_STAGES``), in the handler's thread: it may hold it.
+        self.on_stage: Callable[[str, str], None] | None = None
         self._lock = threading.Lock()
         self._reject_remaining = 0
         self._drop_remaining = 0
@@ -364,8 +367,8 @@ class ToolService:
             raise errors.ToolError("tool service is not started")
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def start(self) -> ToolService:
-        """Open the ledger connections and serve on a free loopback port."""
+    def start(self, port: int = 0) -> ToolService:
+        """Open the ledger connections and serve on loopback ``port`` (0: a free one)."""
         try:
             self._pool.open(wait=True, timeout=10)
         except psycopg.Error as exc:
@@ -375,7 +378,7 @@ class ToolService:
         class Handler(_Handler):
             tool = service
 
-        self._server = _QuietServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="credit-tool", daemon=True
@@ -573,6 +576,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _effect(self, body: dict[str, Any], faults: _Faults) -> None:
         """Perform one validated effect request with the faults armed for it."""
+        if self.tool.on_stage is not None:
+            self.tool.on_stage(protocol.AFTER_REQUEST, body["effect_key"])
         if faults.delay:
             time.sleep(faults.delay)
         if faults.hold is not None and faults.hold.commit == "before":
@@ -598,6 +603,8 @@ class _Handler(BaseHTTPRequestHandler):
         if receipt is None:
             self._reply(status, {"error": "effect_key_reused_with_other_plan"})
             return
+        if self.tool.on_stage is not None:
+            self.tool.on_stage(protocol.AFTER_EFFECT, body["effect_key"])
         if faults.failure is not None:
             # The effect is committed; the caller gets a server error.
             self._reply(faults.failure[0], {"error": "injected_failure"})

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from lab import errors, store, tool
+from lab import errors, protocol, store, tool
 
 Hook = Callable[[str, store.Workflow], None]
 
@@ -23,8 +23,10 @@ Hook = Callable[[str, store.Workflow], None]
 class Worker:
     """One worker identity with its lease, heartbeat and backoff settings.
 
-    ``hook`` is called at the stages ``after_claim`` and ``after_tool``;
-    experiments use it to inject a cancellation, an expiry or a pause.
+    ``hook`` is called at each named boundary of ``lab.protocol`` this worker
+    passes (claim, start barrier, reply, completion, heartbeat, lookup,
+    settlement); experiments use it to inject a cancellation, an expiry or a
+    pause, and ``lab crashpoints`` to stop the process dead there.
     """
 
     db: store.Store
@@ -50,12 +52,13 @@ class Worker:
         claim = self.db.claim(self.name, self.lease)
         if claim is None:
             return None
-        self._stage("after_claim", claim)
+        self._stage(protocol.AFTER_CLAIM, claim)
         try:
             with self._heartbeats(claim):
                 barrier = self.db.pre_dispatch(claim)
                 if barrier is None:
                     return self.db.get(claim.id)
+                self._stage(protocol.AFTER_BARRIER, claim)
                 try:
                     receipt = self.client.call(claim, barrier)
                 except (errors.RateLimited, errors.ToolUnavailable) as exc:
@@ -64,8 +67,10 @@ class Worker:
                     return self.db.unknown(claim)
                 except errors.ToolRefused:
                     return self.db.fail(claim, "tool_refused")
-            self._stage("after_tool", claim)
-            return self.db.complete(claim, receipt)
+            self._stage(protocol.AFTER_TOOL, claim)
+            completed = self.db.complete(claim, receipt)
+            self._stage(protocol.AFTER_COMPLETE, completed)
+            return completed
         except errors.IntegrityFailure:
             # A stored record failed its digest or binding: never act on it.
             return self.db.quarantine(claim, "integrity")
@@ -90,12 +95,22 @@ class Worker:
             raise errors.ManualReview(
                 "manual review required: integrity", reason="integrity"
             ) from None
-        if not current.idempotent:
-            return self.db.require_review(current, "non_idempotent")
-        receipt = self.client.lookup(current.effect_key)
-        if receipt is not None:
-            return self.db.settle_found(current, receipt)
-        return self.db.settle_absent(current)
+        try:
+            if not current.idempotent:
+                settled = self.db.require_review(current, "non_idempotent")
+            else:
+                receipt = self.client.lookup(current.effect_key)
+                self._stage(protocol.AFTER_LOOKUP, current)
+                if receipt is not None:
+                    settled = self.db.settle_found(current, receipt)
+                else:
+                    settled = self.db.settle_absent(current)
+        except errors.ManualReview:
+            # The review itself is the committed settlement.
+            self._stage(protocol.AFTER_SETTLE, current)
+            raise
+        self._stage(protocol.AFTER_SETTLE, settled)
+        return settled
 
     @contextmanager
     def _heartbeats(self, claim: store.Workflow) -> Iterator[None]:
@@ -118,6 +133,7 @@ class Worker:
                     # transitions will refuse this worker's writes as well.
                     self.log.append(f"heartbeat stopped: {exc}")
                     return
+                self._stage(protocol.AFTER_HEARTBEAT, claim)
 
         thread = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
         thread.start()

@@ -40,6 +40,8 @@ COMMANDS: list[tuple[str, list[str], str, int]] = [
     ("publish-usage", ["publish", "--bogus"], "", USAGE),
     ("chaos-usage", ["chaos", "--bogus"], "", USAGE),
     ("chaos-bad-setting", ["chaos", "--workflows", "0"], "", USAGE),
+    ("crashpoints-usage", ["crashpoints", "--bogus"], "", USAGE),
+    ("crashpoints-bad-jobs", ["crashpoints", "--jobs", "0"], "", USAGE),
     ("bench-usage", ["bench", "bogus"], "", USAGE),
     ("review-usage", ["review", "--bogus"], "", USAGE),
     ("review-no-dsn", ["review", "--schema", "s", "list"], "", USAGE),

@@ -197,6 +197,27 @@ def test_replayed_non_idempotent_dispatch_is_named() -> None:
     assert _named(found, invariants.REPLAYED_DISPATCH, "wf-review", "k-review")
 
 
+def test_dispatch_after_a_forced_requeue_is_the_persons_decision_not_a_replay() -> None:
+    # Found by tests/test_store_stateful.py: a reviewer forced the requeue of a dispatch
+    # that left no effect; the second dispatch is audited, not an automatic replay.
+    history = _with_events(
+        clean_history(), "wf-review",
+        ("created", 0), ("approved", 0), ("claimed", 1), ("dispatching", 1),
+        ("lease_expired", 1), ("manual_review", 1), ("forced_requeue", 1), ("claimed", 2),
+        ("dispatching", 2), ("unknown", 2), ("manual_review", 2),
+    )
+    history = _with_workflow(
+        history, replace(_workflow(history, "wf-review"), fence=2, attempt=2)
+    )
+    assert invariants.check(history) == []
+    # Had the first dispatch taken effect after all, the ledger still names the replay.
+    history = replace(
+        history, effects=[*history.effects, EffectFact(9, "k-review", "fp-review", "r-x", False)]
+    )
+    assert _named(invariants.check(history), invariants.REPLAYED_DISPATCH, "wf-review",
+                  "k-review")
+
+
 def test_replayed_dispatch_seen_in_the_ledger_is_named() -> None:
     history = clean_history()
     history = replace(

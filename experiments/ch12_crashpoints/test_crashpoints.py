@@ -1,0 +1,57 @@
+"""Chapter 12: every named durable boundary, every fault, both tool kinds: a table, not a sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lab import cluster, crashmatrix, crashpoints, protocol, pytest_plugin, recorder
+
+
+def test_every_crash_point_keeps_every_invariant(request, observe):
+    """A worker process stopped dead, its reply lost, the tool killed and restarted, or the
+    PostgreSQL server killed and restarted, at each named boundary of the worker's and the
+    reconciler's paths, for an idempotent and a non-idempotent tool: every boundary is
+    reached, the invariant checker finds nothing, and every cell ends settled automatically
+    or waiting for a person with a reason."""
+    bindir = cluster.find_binaries()
+    if bindir is None:
+        pytest.fail("chapter 12 needs PostgreSQL server binaries to start a server it may "
+                    "kill (apt-get install postgresql, or pip install '.[embedded]')",
+                    pytrace=False)
+    # Its own durable server: the run's shared one cannot be killed under other experiments.
+    with cluster.start_embedded(bindir, durable=True) as running:
+        matrix = crashpoints.run(running.provisioned.dsn, seed=17, jobs=2,
+                                 restart=running.crash_restart)
+    pytest_plugin.reached_database(request.node)
+    data = crashmatrix.canonical_json(matrix)
+    given = request.config.getoption("lab_evidence", None) or recorder.DEFAULT_DIRECTORY
+    directory = Path(request.config.invocation_params.dir) / str(given)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / crashmatrix.OUTPUT_FILE).write_bytes(data)
+    cells = {cell["id"]: cell for cell in matrix["cells"]}
+    after_effect = f"{protocol.AFTER_EFFECT}/{crashpoints.WORKER_SIGKILL}"
+    idempotent, non_idempotent = cells[f"{after_effect}/idempotent"], cells[
+        f"{after_effect}/non_idempotent"]
+    coverage = matrix["coverage"]
+    observe({
+        crashmatrix.SIGNED_KEY: crashmatrix.digest(data),
+        "coverage": f"{coverage['reached']}/{coverage['defined']} boundaries reached",
+        "cells": matrix["summary"],
+        "violations": matrix["violation_count"],
+        "sigkill_after_effect": {
+            "idempotent": crashmatrix.outcome(idempotent),
+            "non_idempotent": crashmatrix.outcome(non_idempotent),
+        },
+        "wall_s": matrix["timing"]["wall_s"],
+    })
+    assert matrix["violation_count"] == 0, [c for c in matrix["cells"] if c.get("violations")]
+    assert coverage["missing"] == [] and coverage["reached"] == len(protocol.NAMES)
+    assert matrix["summary"][crashmatrix.NOT_REACHED] == 0
+    assert crashmatrix.passed(matrix)
+    assert matrix["omitted_faults"] == []
+    assert {f["name"] for f in matrix["faults"]} == set(crashpoints.FAULT_NAMES)
+    assert (idempotent["status"], idempotent["effects"]) == (crashmatrix.AUTOMATIC, 1)
+    assert (non_idempotent["status"], non_idempotent["effects"], non_idempotent["why"]) == (
+        crashmatrix.PERSON, 1, "non_idempotent_dispatched")

@@ -1,0 +1,234 @@
+"""The crash-point matrix: every named boundary has a cell for every fault and tool kind,
+every boundary the code reports is named in ``lab.protocol``, and the two cells the book
+leads with hold on real processes and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lab import crashmatrix, crashpoints, errors, protocol, pytest_plugin
+
+LAB = Path(crashpoints.__file__).parent
+PROTOCOL_WORDS = {
+    protocol.READY, protocol.STAGE, protocol.DONE, protocol.ITEM, protocol.SKIP,
+    protocol.LAUNCHED, protocol.OBSERVATION, protocol.REQUEST, protocol.ARMED, protocol.DSN_ENV,
+    protocol.TOKEN_ENV,
+}
+
+
+def test_every_boundary_has_a_cell_for_every_fault_and_tool_kind():
+    assert crashpoints.missing_cells() == []
+    assert len(crashpoints.cells()) == (
+        len(protocol.NAMES) * len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
+    )
+    for boundary, fault, kind in crashpoints.cells():
+        found = crashpoints.script(boundary, fault, kind)
+        if isinstance(found, crashpoints.NotApplicable):
+            assert found.reason.strip(), (boundary, fault, kind)
+        else:
+            assert any(step[0] in crashpoints.FAULT_STEPS for step in found.steps), (
+                f"{boundary}/{fault}/{kind} injects no fault"
+            )
+
+
+def test_every_boundary_can_be_reached_by_some_cell():
+    runnable = {b for b, f, k in crashpoints.cells()
+                if isinstance(crashpoints.script(b, f, k), crashpoints.Script)}
+    assert runnable == set(protocol.NAMES)
+
+
+def test_a_boundary_added_without_a_cell_fails_the_coverage_check(monkeypatch):
+    added = protocol.Boundary("after_new_step", protocol.WORKER, "a step nobody scripted")
+    monkeypatch.setattr(protocol, "BOUNDARIES", (*protocol.BOUNDARIES, added))
+    monkeypatch.setattr(protocol, "NAMES", (*protocol.NAMES, added.name))
+    missing = crashpoints.missing_cells()
+    assert missing == [
+        crashpoints.cell_id(added.name, fault, kind)
+        for fault in crashpoints.FAULT_NAMES for kind in crashpoints.KINDS
+    ]
+    with pytest.raises(errors.CheckFailed, match="after_new_step"):
+        crashpoints.run("postgresql://unused@127.0.0.1/none")
+
+
+def _stage_calls() -> list[tuple[str, ast.Call]]:
+    """Every call of a ``_stage`` or ``on_stage`` hook in ``lab/``, with its module."""
+    calls = []
+    for path in sorted(LAB.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("_stage", "on_stage") and node.args):
+                calls.append((path.name, node))
+    return calls
+
+
+def test_the_code_reports_exactly_the_named_boundaries():
+    reported: set[str] = set()
+    for module, call in _stage_calls():
+        first = call.args[0]
+        assert (isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name)
+                and first.value.id == "protocol"), (
+            f"{module}:{call.lineno}: a boundary must be named by a lab.protocol constant"
+        )
+        reported.add(getattr(protocol, first.attr))
+    assert reported == set(protocol.NAMES), (
+        f"named but never reported: {set(protocol.NAMES) - reported}; "
+        f"reported but not named: {reported - set(protocol.NAMES)}"
+    )
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+def test_protocol_words_are_spelled_only_in_lab_protocol():
+    offenders = []
+    for path in sorted(LAB.glob("*.py")):
+        if path.name == "protocol.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docs):
+                words = set(node.value.replace("=", " ").split())
+                if words & PROTOCOL_WORDS:
+                    offenders.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    assert offenders == []
+
+
+def test_matrix_files_are_size_and_shape_checked():
+    with pytest.raises(errors.InputError, match="not JSON"):
+        crashmatrix.load(b"{")
+    with pytest.raises(errors.InputError, match="not a lab-crashpoints"):
+        crashmatrix.load(b'{"format": "other"}')
+    with pytest.raises(errors.InputError, match="larger"):
+        crashmatrix.load(b" " * (crashmatrix.MAX_MATRIX_BYTES + 1))
+    bad_cell = {"format": crashmatrix.FORMAT, "cells": [{"boundary": 1}], "boundaries": [],
+                "faults": [], "kinds": []}
+    with pytest.raises(errors.InputError, match="malformed cell"):
+        crashmatrix.load(json.dumps(bad_cell).encode())
+
+
+def _must_show(matrix: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    cells = {cell["id"]: cell for cell in matrix["cells"]}
+    return (cells[f"{protocol.AFTER_EFFECT}/{crashpoints.WORKER_SIGKILL}/idempotent"],
+            cells[f"{protocol.AFTER_EFFECT}/{crashpoints.WORKER_SIGKILL}/non_idempotent"])
+
+
+def test_sigkill_after_effect_reconciles_idempotent_and_reviews_non_idempotent(
+    request, lab_dsn
+):
+    """SIGKILL of the worker after the tool committed the effect, before the reply: the
+    idempotent cell settles automatically by lookup, the non-idempotent one waits for a
+    person with the reason; each has exactly one effect and no invariant is violated."""
+    matrix = crashpoints.run(lab_dsn, seed=3, jobs=2,
+                             only=[f"{protocol.AFTER_EFFECT}/{crashpoints.WORKER_SIGKILL}/"])
+    pytest_plugin.reached_database(request.node)
+    idempotent, non_idempotent = _must_show(matrix)
+    assert matrix["violation_count"] == 0, matrix["cells"]
+    assert idempotent["reached"] and non_idempotent["reached"]
+    assert (idempotent["status"], idempotent["final_state"], idempotent["effects"]) == (
+        crashpoints.AUTOMATIC, "succeeded", 1)
+    assert idempotent["recovery"] == ["lease_expired", "reconciled_found"]
+    assert idempotent["tool_calls"] == 1 and idempotent["lookups"] == 1
+    assert idempotent["process_exits"] == [-9]
+    assert (non_idempotent["status"], non_idempotent["final_state"],
+            non_idempotent["effects"]) == (crashpoints.PERSON, "unknown", 1)
+    assert non_idempotent["why"] == "non_idempotent_dispatched"
+    assert non_idempotent["tool_calls"] == 1 and non_idempotent["lookups"] == 0
+    rendered = "\n".join(crashmatrix.render_markdown(matrix, signed_note="test"))
+    assert "person: non_idempotent_dispatched" in rendered
+
+
+def _sample_matrix() -> dict[str, Any]:
+    cells = []
+    for boundary, fault, kind in crashpoints.cells():
+        found = crashpoints.script(boundary, fault, kind)
+        if isinstance(found, crashpoints.NotApplicable):
+            cells.append({"id": crashpoints.cell_id(boundary, fault, kind), "boundary": boundary,
+                          "fault": fault, "kind": kind, "status": crashmatrix.NOT_APPLICABLE,
+                          "why": found.reason})
+            continue
+        person = kind == crashpoints.NON_IDEMPOTENT
+        cells.append({
+            "id": crashpoints.cell_id(boundary, fault, kind), "boundary": boundary,
+            "fault": fault, "kind": kind, "reached": True,
+            "status": crashmatrix.PERSON if person else crashmatrix.AUTOMATIC,
+            "final_state": "unknown" if person else "succeeded", "effects": 1,
+            "why": "non_idempotent_dispatched" if person else "", "tool_calls": 1,
+            "lookups": 0 if person else 1, "recovery_s": 1.0, "violations": [],
+        })
+    matrix = crashpoints.assemble(cells, seed=1, jobs=2, complete=True)
+    matrix["timing"] = {"wall_s": 1.0}
+    return matrix
+
+
+def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
+    matrix = _sample_matrix()
+    assert crashmatrix.passed(matrix)
+    lines = crashmatrix.render_markdown(matrix, signed_note="signed")
+    header = next(line for line in lines if line.startswith("| Boundary"))
+    assert header.count("|") - 1 == 1 + len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
+    rows = [line for line in lines if line.startswith("| `after_")]
+    assert [row.split("`")[1] for row in rows] == list(protocol.NAMES)
+    assert all("missing" not in row for row in rows)
+    assert "9 of 9 boundaries reached" in "\n".join(lines)
+    assert "postgres_restart · idempotent" in header
+
+
+def test_chapter_says_whether_the_run_signed_the_matrix():
+    data = crashmatrix.canonical_json(_sample_matrix())
+    signed = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: crashmatrix.digest(data)}]}]}
+    assert "signed with the run" in "\n".join(crashmatrix.book_section(signed, data))
+    other = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: "0" * 64}]}]}
+    assert "does not cover it" in "\n".join(crashmatrix.book_section(other, data))
+    assert crashmatrix.book_section(signed, None) == []
+
+
+def test_a_violation_or_an_unreached_boundary_fails_the_matrix():
+    matrix = _sample_matrix()
+    matrix["cells"][0]["status"] = crashmatrix.NOT_REACHED
+    matrix["cells"][0]["reached"] = False
+    rebuilt = crashpoints.assemble(matrix["cells"], seed=1, jobs=2, complete=True)
+    assert not crashmatrix.passed(rebuilt)
+    matrix = _sample_matrix()
+    matrix["cells"][0]["violations"] = [{"kind": "duplicate_effect", "workflow_id": "w",
+                                         "effect_key": "k", "detail": "2 rows"}]
+    matrix["cells"][0]["status"] = crashmatrix.VIOLATION
+    rebuilt = crashpoints.assemble(matrix["cells"], seed=1, jobs=2, complete=True)
+    assert not crashmatrix.passed(rebuilt)
+    assert "VIOLATION duplicate_effect" in crashmatrix.outcome(rebuilt["cells"][0])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--jobs", "0"], "--jobs must be between 1 and 16"),
+    (["--only", "after_nothing"], "--only after_nothing matches no cell"),
+])
+def test_bad_arguments_are_a_one_line_usage_error(argv, message):
+    done = subprocess.run([sys.executable, "-m", "lab.cli", "crashpoints", *argv],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == errors.EXIT_USAGE
+    assert done.stderr.strip().splitlines() == [f"lab crashpoints: {message}"]
+    assert done.stdout == ""
+
+
+def test_without_a_restartable_server_the_postgres_column_is_left_out_with_the_reason():
+    matrix = crashpoints.assemble([], seed=1, jobs=1, complete=False, restartable=False)
+    assert crashpoints.POSTGRES_RESTART not in {f["name"] for f in matrix["faults"]}
+    assert matrix["omitted_faults"] == [
+        {"name": crashpoints.POSTGRES_RESTART, "why": crashpoints.NO_RESTART}]
+    assert "postgres_restart" in "\n".join(
+        crashmatrix.render_markdown(matrix, signed_note="unsigned"))
