@@ -29,7 +29,7 @@ import labtree
 import pytest
 from conftest import KeyFiles, resign
 
-from lab import book, cli, dsse, evidence, figures, gate, verification
+from lab import book, cli, dsse, evidence, figures, gate, modelbook, modelevidence, verification
 
 REPO = Path(__file__).resolve().parents[1]
 SIGKILL = "test_sigkill_after_tool_reconciles_existing_effect"
@@ -983,22 +983,24 @@ def test_malformed_signed_reports_are_refused_in_one_line(
     assert f"report: not a valid report: {field}" in line
 
 
-def test_device_as_model_report_is_an_input_error(
+def test_device_as_model_report_is_refused(
     small: tuple[Path, Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """/dev/zero as the model report: one line naming it, exit 2, no book."""
+    """/dev/zero as the model report: one line naming it, exit 1, no book, no MemoryError."""
     root, directory = small
-    (directory / book.MODEL_REPORT).symlink_to("/dev/zero")
+    (directory / modelbook.MODEL_DIR).mkdir()
+    report = directory / modelbook.MODEL_DIR / modelevidence.REPORT_FILE
+    report.symlink_to("/dev/zero")
     monkeypatch.chdir(root)
     out = tmp_path / "book"
-    assert cli.main(_build_args(directory, out)) == 2
+    assert cli.main(_build_args(directory, out)) == 1
     captured = capsys.readouterr()
     assert captured.err == (
-        f"lab book build: model report {directory.resolve() / book.MODEL_REPORT}: "
-        "a device, not a regular file\n"
+        f"lab book build: refused: {directory.resolve() / modelbook.MODEL_DIR / report.name}: "
+        "a symbolic link in the model evidence\n"
     )
     assert not out.exists()
 
