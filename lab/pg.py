@@ -59,6 +59,12 @@ def on_database(dsn: str, dbname: str) -> str:
     return boundaries.check_dsn(conninfo.make_conninfo(dsn, dbname=dbname))
 
 
+def with_search_path(dsn: str, schema: str) -> str:
+    """``dsn`` with ``search_path`` set to ``schema`` for every session it opens."""
+    store.check_schema_name(schema)
+    return conninfo.make_conninfo(dsn, options=f"-c search_path={schema}")
+
+
 def database_of(dsn: str) -> str:
     """The database ``dsn`` names (PostgreSQL's default when it names none)."""
     params = conninfo.conninfo_to_dict(dsn)
