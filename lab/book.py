@@ -23,7 +23,6 @@ import hashlib
 import json
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import errors, evidence, figures
+from lab import dsse, errors, evidence, figures, verification
 
 MARKDOWN_FILE = "experiments.md"
 MANIFEST_FILE = "MANIFEST.sha256"
@@ -43,8 +42,7 @@ MODEL_PATTERN = "model-experiment*.json"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-class Refused(errors.LabError):
-    """The evidence cannot be published."""
+Refused = errors.Refused
 
 
 def build(
@@ -69,7 +67,7 @@ def build(
         for name in (evidence.REPORT_FILE, evidence.ENVELOPE_FILE, evidence.PUBLIC_KEY_FILE):
             if (evidence_dir / name).is_file():
                 shutil.copyfile(evidence_dir / name, staged / name)
-        verdict = evidence.verify(
+        verdict = verification.verify(
             staged, public_key=public_key, check_sources=True, root=root or Path.cwd()
         )
         if not verdict.ok or verdict.report is None:
@@ -100,15 +98,15 @@ def _public_key(path: Path, report: Mapping[str, Any]) -> bytes:
     """The signer's PEM from the signed report; a key file beside it must be the same key."""
     pem = str(report.get("signing", {}).get("public_key", ""))
     try:
-        signed = evidence.load_public_key(pem.encode())
-    except evidence.EvidenceError as exc:
+        signed = dsse.load_public_key(pem.encode())
+    except errors.EvidenceError as exc:
         raise Refused(f"the signed report names no usable public key: {exc}") from exc
     if path.is_file():
         try:
-            present = evidence.load_public_key(path.read_bytes())
-        except evidence.EvidenceError as exc:
+            present = dsse.load_public_key(path.read_bytes())
+        except errors.EvidenceError as exc:
             raise Refused(f"{evidence.PUBLIC_KEY_FILE}: {exc}") from exc
-        if evidence.raw_public_key(present) != evidence.raw_public_key(signed):
+        if dsse.raw_public_key(present) != dsse.raw_public_key(signed):
             raise Refused(f"{evidence.PUBLIC_KEY_FILE} is not the key that signed the evidence")
     return pem.encode("ascii")
 
@@ -264,7 +262,7 @@ def _header(
             "not who produced it"
         )
     else:
-        key_note = f"a publication key ({evidence.KEY_ENV})"
+        key_note = f"a publication key ({dsse.KEY_ENV})"
     verified = (
         "against the pinned public key (--public-key)"
         if pinned
@@ -405,18 +403,17 @@ def _md(text: str) -> str:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    """``lab book build``: 0 when the book was written, 1 with a one-line reason when refused."""
+    """``lab book build``: 0 when the book was written; a refusal is raised as ``Refused``."""
     pinned: ed25519.Ed25519PublicKey | None = None
+    if args.public_key:
+        try:
+            pinned = dsse.load_public_key(Path(args.public_key).read_bytes())
+        except (OSError, errors.EvidenceError) as exc:
+            raise Refused(f"cannot use --public-key {args.public_key}: {exc}") from exc
     try:
-        if args.public_key:
-            try:
-                pinned = evidence.load_public_key(Path(args.public_key).read_bytes())
-            except (OSError, evidence.EvidenceError) as exc:
-                raise Refused(f"cannot use --public-key {args.public_key}: {exc}") from exc
         written = build(Path(args.evidence), Path(args.out), public_key=pinned)
-    except (errors.LabError, OSError) as exc:
-        print(f"lab book build: refused: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
+    except OSError as exc:
+        raise Refused(str(exc)) from exc
     figures_count = sum(1 for name in written if name.startswith(f"{FIGURES_DIR}/"))
     print(
         f"wrote {len(written)} files to {args.out} ({figures_count} figures); "

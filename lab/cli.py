@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from lab import errors
 
@@ -51,9 +53,27 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _evidence(args: argparse.Namespace) -> int:
-    from lab import evidence
+    """``lab evidence verify|show``: exit 0 only when the evidence verifies."""
+    from lab import dsse, gate, summary, verification
 
-    return evidence.cli_main(args)
+    path = Path(args.path)
+    if args.evidence_command == "show":
+        _, report_path = verification.locate(path)
+        try:
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise errors.InputError(f"cannot read {report_path}: {exc}") from exc
+        summary.print_summary(report, report_path.parent)
+        return 0 if report.get("status") == gate.PASS else 1
+    pinned = None
+    if args.public_key:
+        try:
+            pinned = dsse.load_public_key(Path(args.public_key).read_bytes())
+        except (OSError, errors.EvidenceError) as exc:
+            raise errors.InputError(f"cannot use --public-key {args.public_key}: {exc}") from exc
+    verdict = verification.verify(path, public_key=pinned, check_sources=bool(args.check_sources))
+    print(verification.format_verdict(verdict))
+    return 0 if verdict.ok else 1
 
 
 def _model(args: argparse.Namespace) -> int:
@@ -204,11 +224,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lab`` console script."""
-    args = build_parser().parse_args(argv)
-    handler = args.handler
-    code: int = handler(args)
+    """Entry point of the ``lab`` console script.
+
+    The one place where a failure becomes a message and an exit code: every
+    subcommand raises ``errors.LabError`` subclasses and ``errors.exit_code``
+    picks the code from the table in ``lab.errors``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    name = " ".join(
+        str(part) for part in (args.command, *_subcommand(args)) if part
+    )
+    try:
+        code: int = args.handler(args)
+    except errors.LabError as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, errors.Refused):
+            message = f"refused: {message}"
+        print(f"lab {name}: {message}", file=sys.stderr)
+        return errors.exit_code(exc)
+    except KeyboardInterrupt:
+        print(f"lab {name}: interrupted", file=sys.stderr)
+        return errors.EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing more, and keep Python's
+        # own flush at exit from raising again on the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return errors.EXIT_VERDICT
     return code
+
+
+def _subcommand(args: argparse.Namespace) -> list[str]:
+    return [
+        getattr(args, attribute)
+        for attribute in ("evidence_command", "model_command", "bench_command",
+                          "review_command", "book_command")
+        if getattr(args, attribute, None)
+    ]
 
 
 if __name__ == "__main__":

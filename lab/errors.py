@@ -1,10 +1,16 @@
-"""The lab's exceptions.
+"""The lab's exceptions, and the one table that maps them to exit codes.
 
 Every failure the lab reports is a ``LabError``; driver errors (psycopg, httpx)
-are translated at the edge, in ``store`` and ``tool``, and chained with
-``from exc`` so nothing above them ever handles a driver exception::
+are translated at the edge, in ``store``, ``tool`` and ``cluster``, and chained
+with ``from exc`` so nothing above them ever handles a driver exception::
 
     LabError
+    ├── UsageError          the command was used wrongly                   (exit 2)
+    │   └── InputError      a file or stdin is missing, too big or malformed (exit 2)
+    ├── EvidenceError       evidence failed to compile, sign or verify     (exit 1)
+    │   └── Refused         publication refused: the evidence does not allow it
+    ├── CheckFailed         a check ran and said no (violations, a failed report)
+    ├── MissingExtra        an optional dependency is not installed        (exit 3)
     ├── Rejected            untrusted input refused by admission
     ├── BoundaryViolation   a target outside loopback, or an unsafe endpoint
     ├── Conflict            the request contradicts what is stored
@@ -14,13 +20,24 @@ are translated at the edge, in ``store`` and ``tool``, and chained with
     ├── Stale               the caller's fence or lease is no longer current
     ├── IntegrityFailure    a stored record failed its digest or binding: fail closed
     ├── ManualReview        only a person may decide what happens next
-    ├── StoreError          PostgreSQL could not be reached or refused the write
-    ├── ProvisioningError   no PostgreSQL could be provided for a run
-    └── ToolError           the tool could not be used
+    ├── StoreError          PostgreSQL could not be reached or refused the write (exit 3)
+    ├── ProvisioningError   no PostgreSQL could be provided for a run      (exit 3)
+    └── ToolError           the tool could not be used                     (exit 3)
         ├── RateLimited     a trusted 429: nothing happened, retry later
         ├── OutcomeUnknown  the request may have taken effect: reconcile
         ├── ToolUnavailable the request never reached the tool: retry later
         └── ToolRefused     the tool answered with a definite refusal
+
+Exit codes of every ``lab`` subcommand (``exit_code`` is the only place that
+decides them; ``lab.cli.main`` prints the one-line message)::
+
+    0    success: the gate said PASS, the evidence verified, the work was done
+    1    a verdict that says no: gate FAIL or PARTIAL, verification failed,
+         invariant violations, publication refused, a proposal rejected, a
+         workflow that conflicts, is stale, denied or needs a person
+    2    usage or bad input: arguments, unreadable or malformed files
+    3    the environment failed: PostgreSQL, the tool, a missing extra
+    130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -31,6 +48,30 @@ class LabError(Exception):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
+
+
+class UsageError(LabError):
+    """The command was used wrongly."""
+
+
+class InputError(UsageError):
+    """An input file or stream is missing, too large, not a regular file or malformed."""
+
+
+class EvidenceError(LabError):
+    """Evidence could not be compiled, signed or verified."""
+
+
+class Refused(EvidenceError):
+    """Publication refused: the evidence does not allow it."""
+
+
+class CheckFailed(LabError):
+    """A check ran and found a problem."""
+
+
+class MissingExtra(LabError):
+    """An optional dependency of this command is not installed."""
 
 
 class Rejected(LabError):
@@ -99,3 +140,21 @@ class ToolUnavailable(ToolError):
 
 class ToolRefused(ToolError):
     """Tool refused the request with a definite answer."""
+
+
+EXIT_OK = 0
+EXIT_VERDICT = 1
+EXIT_USAGE = 2
+EXIT_ENVIRONMENT = 3
+EXIT_INTERRUPTED = 130
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of a ``lab`` command that ended with ``exc`` (see the module table)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, UsageError):
+        return EXIT_USAGE
+    if isinstance(exc, StoreError | ProvisioningError | ToolError | MissingExtra):
+        return EXIT_ENVIRONMENT
+    return EXIT_VERDICT

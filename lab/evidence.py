@@ -16,9 +16,6 @@ durations, trace ids and the signature.
 
 from __future__ import annotations
 
-import argparse
-import base64
-import binascii
 import datetime
 import hashlib
 import importlib.metadata
@@ -33,14 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
-from lab import errors
+from lab import dsse, gate
+from lab.errors import EvidenceError
 
 SCHEMA_VERSION = 1
-PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://durable-agent-lab.dev/runtime-evidence/v1"
 
@@ -52,11 +45,6 @@ REACHED_DATABASE = "lab_database"
 NEEDS_DATABASE = "lab_needs_database"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
-KEY_ENV = "LAB_EVIDENCE_KEY"
-
-PASS = "PASS"  # noqa: S105 - a verdict, not a password
-FAIL = "FAIL"
-PARTIAL = "PARTIAL"
 
 # What the evidence covers: the code that ran and the declaration of what had to run.
 SOURCE_PATTERNS = (
@@ -102,17 +90,8 @@ _DETAIL_TOKEN = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]{0,39})=(?P<value>[A-Z
 _MAX_TEXT = 160
 
 # Outcomes of one test, folded from its setup, call and teardown reports.
-PASSED = "passed"
-FAILED = "failed"
-ERROR = "error"
-SKIPPED = "skipped"
-XFAILED = "xfailed"
-XPASSED = "xpassed"
-NOT_RUN = "not run"  # setup and teardown passed but the body never ran (--setup-only)
-
-
-class EvidenceError(errors.LabError):
-    """Evidence could not be compiled, signed or read."""
+PASSED, FAILED, ERROR = gate.PASSED, gate.FAILED, gate.ERROR
+SKIPPED, XFAILED, XPASSED, NOT_RUN = gate.SKIPPED, gate.XFAILED, gate.XPASSED, gate.NOT_RUN
 
 
 @dataclass(frozen=True)
@@ -381,13 +360,8 @@ def _collection_errors(facts: RunFacts) -> list[dict[str, Any]]:
     return sorted(failed, key=lambda item: item["nodeid"])
 
 
-def _experiments(
-    facts: RunFacts, tests: list[dict[str, Any]]
-) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """Per-experiment rows (declared first, in manifest order), the gate's findings,
-    and the experiments that produced fewer results than declared."""
-    findings: list[str] = []
-    shortfalls: list[str] = []
+def _experiments(facts: RunFacts, tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-experiment rows: declared ones first, in manifest order, then undeclared ones."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for test in tests:
         if test["experiment"] is not None:
@@ -399,46 +373,19 @@ def _experiments(
     for key in keys:
         ran = groups.get(key, [])
         spec = declared.get(key)
-        label = f"{key[0]}/{key[1]}"
-        outcomes = sorted({t["outcome"] for t in ran})
-        if not ran:
-            outcome = "missing"
-        elif outcomes == [PASSED]:
-            outcome = PASSED
-        else:
-            outcome = next(
-                o for o in (FAILED, ERROR, NOT_RUN, XPASSED, XFAILED, SKIPPED) if o in outcomes
-            )
-        row: dict[str, Any] = {
+        rows.append({
             "chapter": key[0],
             "name": key[1],
             "declared": spec is not None,
             "expected_results": spec.results if spec else None,
             "results": len(ran),
-            "outcome": outcome,
+            "outcome": gate.fold_outcomes([t["outcome"] for t in ran]),
             "duration": round(sum(t["duration"] for t in ran), 6),
             "claim": next((t["claim"] for t in ran if t["claim"]), None),
             "needs_database": spec.database if spec else None,
             "tests": [t["nodeid"] for t in ran],
-        }
-        rows.append(row)
-        if spec is None:
-            findings.append(f"{label} ran but is not declared in the manifest")
-        elif ran and len(ran) < spec.results:
-            shortfalls.append(f"{label} produced {len(ran)} of {spec.results} results")
-        for test in ran:
-            if test["outcome"] != PASSED:
-                findings.append(f"{test['nodeid']} {test['outcome']}")
-            elif _needs_database(spec, test) and not test["database"]:
-                findings.append(f"{test['nodeid']} did not reach a real database")
-    return rows, findings, shortfalls
-
-
-def _needs_database(spec: Expected | None, test: Mapping[str, Any]) -> bool:
-    """The manifest's word when it gives one, else whether the test asked for the database."""
-    if spec is not None and spec.database is not None:
-        return spec.database
-    return bool(test["needs_database"])
+        })
+    return rows
 
 
 def compile_report(
@@ -449,54 +396,23 @@ def compile_report(
     now: datetime.datetime | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The run's report (``runtime.json``) and its gate verdict.
-
-    PASS only when every declared experiment produced all its results, all passed
-    against a real database, nothing was skipped, and the selection was not narrowed.
-    """
+    """The run's report (``runtime.json``) with the gate's verdict (``gate.decide``)."""
     env = os.environ if environ is None else environ
     tests = _tests(facts)
-    rows, findings, shortfalls = _experiments(facts, tests)
-    missing = sorted(f"{r['chapter']}/{r['name']}" for r in rows if r["outcome"] == "missing")
+    rows = _experiments(facts, tests)
     reported = {t["nodeid"] for t in tests}
-    unreported = sorted(set(facts.collected) - reported)
     skips = [
         {"nodeid": t["nodeid"], "outcome": t["outcome"], "reason": t.get("message")}
         for t in tests
         if t["experiment"] is not None and t["outcome"] in (SKIPPED, XFAILED)
     ]
-    collection_errors = _collection_errors(facts)
-    failures = list(facts.problems)
-    failures += [f"collection error in {c['nodeid']}: {c['message']}" for c in collection_errors]
-    failures += [f"{nodeid} was collected but never reported" for nodeid in unreported]
-    failures += findings
-    failures += [
-        f"{t['nodeid']} {t['outcome']}"
-        for t in tests
-        if t["experiment"] is None and t["outcome"] in (FAILED, ERROR, NOT_RUN)
-    ]
-    if facts.database is None:
-        failures.append("no real PostgreSQL database was provisioned for the run")
-    if not facts.narrowed:
-        # A narrowed selection explains absent results; it is reported as PARTIAL.
-        failures += [f"{name} did not run" for name in missing]
-        failures += shortfalls
-    if failures:
-        status = FAIL
-    elif facts.narrowed:
-        status = PARTIAL
-    else:
-        status = PASS
     commit, dirty = _git(root)
     when = (now or datetime.datetime.now(datetime.UTC)).astimezone(datetime.UTC)
-    sources = source_digests(root)
-    return {
+    report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
-        "status": status,
-        "gate": {
-            "failures": failures,
-            "narrowed": sorted(facts.narrowed),
-        },
+        "gate": {"narrowed": sorted(facts.narrowed)},
+        "problems": list(facts.problems),
+        "unreported": sorted(set(facts.collected) - reported),
         "timestamp_utc": when.isoformat(timespec="seconds").replace("+00:00", "Z"),
         "commit": commit,
         "dirty": dirty,
@@ -511,17 +427,21 @@ def compile_report(
             {"chapter": e.chapter, "name": e.name, "results": e.results, "database": e.database}
             for e in facts.expected
         ],
-        "missing": missing,
         "skips": skips,
-        "collection_errors": collection_errors,
+        "collection_errors": _collection_errors(facts),
         "experiments": rows,
         "tests": tests,
         "observations": [
             {"nodeid": t["nodeid"], "observation": o} for t in tests for o in t["observations"]
         ],
-        "sources": sources,
+        "sources": source_digests(root),
         "limits": list(LIMITS),
     }
+    verdict = gate.decide(report)
+    report["status"] = verdict.status
+    report["gate"] = {"failures": verdict.failures, "narrowed": verdict.narrowed}
+    report["missing"] = verdict.missing
+    return report
 
 
 def _is_secret_name(name: str) -> bool:
@@ -641,89 +561,6 @@ def source_digests(root: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- signing
 
 
-def pae(payload_type: str, body: bytes) -> bytes:
-    """DSSE v1 pre-authentication encoding of a payload."""
-    kind = payload_type.encode("utf-8")
-    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(body), body)
-
-
-def b64decode(text: str) -> bytes:
-    """Decode standard or URL-safe base64, padded or not; reject anything else."""
-    if not isinstance(text, str):
-        raise ValueError("base64 field is not a string")
-    data = text.strip().replace("-", "+").replace("_", "/")
-    data += "=" * (-len(data) % 4)
-    try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"invalid base64: {exc}") from exc
-
-
-def raw_public_key(key: ed25519.Ed25519PublicKey) -> bytes:
-    """The 32 raw bytes of an Ed25519 public key."""
-    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def keyid(key: ed25519.Ed25519PublicKey) -> str:
-    """Key id: hex sha256 of the raw public key."""
-    return hashlib.sha256(raw_public_key(key)).hexdigest()
-
-
-def public_pem(key: ed25519.Ed25519PublicKey) -> str:
-    """SubjectPublicKeyInfo PEM of a public key."""
-    return key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode("ascii")
-
-
-def load_public_key(pem: bytes) -> ed25519.Ed25519PublicKey:
-    """An Ed25519 public key from PEM; anything else is an ``EvidenceError``."""
-    try:
-        key = serialization.load_pem_public_key(pem)
-    except (ValueError, TypeError) as exc:
-        raise EvidenceError(f"not a PEM public key: {exc}") from exc
-    if not isinstance(key, ed25519.Ed25519PublicKey):
-        raise EvidenceError("the public key is not Ed25519")
-    return key
-
-
-@dataclass(frozen=True)
-class Signer:
-    """An Ed25519 key and where it came from (``key_file`` or ``ephemeral``)."""
-
-    key: ed25519.Ed25519PrivateKey
-    source: str
-
-    @property
-    def keyid(self) -> str:
-        """Hex sha256 of the raw public key."""
-        return keyid(self.key.public_key())
-
-    def describe(self) -> dict[str, str]:
-        """The ``signing`` section of a report."""
-        return {
-            "algorithm": "ed25519",
-            "key_source": self.source,
-            "keyid": self.keyid,
-            "public_key": public_pem(self.key.public_key()),
-        }
-
-
-def load_signer(environ: Mapping[str, str] | None = None) -> Signer:
-    """The publication key named by ``LAB_EVIDENCE_KEY``, else a fresh ephemeral key."""
-    env = os.environ if environ is None else environ
-    path = env.get(KEY_ENV)
-    if not path:
-        return Signer(ed25519.Ed25519PrivateKey.generate(), "ephemeral")
-    try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
-        raise EvidenceError(f"{KEY_ENV} does not name a readable PEM private key: {exc}") from exc
-    if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise EvidenceError(f"{KEY_ENV} is not an Ed25519 private key")
-    return Signer(key, "key_file")
-
-
 def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
     """The in-toto Statement: subjects are the sources and ``runtime.json``."""
     subjects = [
@@ -741,18 +578,6 @@ def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def sign_envelope(
-    payload: bytes, signer: Signer, payload_type: str = PAYLOAD_TYPE
-) -> dict[str, Any]:
-    """A DSSE envelope with one Ed25519 signature over ``PAE(type, payload)``."""
-    signature = signer.key.sign(pae(payload_type, payload))
-    return {
-        "payloadType": payload_type,
-        "payload": base64.b64encode(payload).decode("ascii"),
-        "signatures": [{"keyid": signer.keyid, "sig": base64.b64encode(signature).decode("ascii")}],
-    }
-
-
 def dumps_report(report: Mapping[str, Any]) -> bytes:
     """The canonical bytes of ``runtime.json``."""
     return (json.dumps(report, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
@@ -763,7 +588,7 @@ def write(
     facts: RunFacts,
     *,
     root: Path,
-    signer: Signer,
+    signer: dsse.Signer,
     session_records: tuple[dict[str, Any], dict[str, Any]] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -783,260 +608,7 @@ def write(
     payload = json.dumps(
         statement(report_bytes, report), sort_keys=True, separators=(",", ":"), ensure_ascii=False
     ).encode()
-    envelope = sign_envelope(payload, signer)
+    envelope = dsse.sign_envelope(payload, signer)
     (directory / ENVELOPE_FILE).write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
     (directory / PUBLIC_KEY_FILE).write_text(signing["public_key"], encoding="ascii")
     return report
-
-
-# --------------------------------------------------------------------------- verification
-
-
-@dataclass
-class Verdict:
-    """The outcome of verifying evidence: ok only when ``problems`` is empty."""
-
-    envelope: Path
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    report: dict[str, Any] | None = None
-    signer_keyid: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing failed."""
-        return not self.problems
-
-
-def locate(path: Path) -> tuple[Path, Path]:
-    """``(envelope, runtime.json)`` for an evidence directory or an envelope file."""
-    if path.is_dir():
-        return path / ENVELOPE_FILE, path / REPORT_FILE
-    return path, path.parent / REPORT_FILE
-
-
-def verify(
-    path: Path,
-    *,
-    public_key: ed25519.Ed25519PublicKey | None = None,
-    check_sources: bool = False,
-    root: Path | None = None,
-) -> Verdict:
-    """Check an evidence envelope offline and name every failure.
-
-    Checks the payload type, the Ed25519 signature (against ``public_key`` when
-    pinned, else the key the evidence carries), the statement and its subjects,
-    ``runtime.json`` on disk, the gate fields, and with ``check_sources`` the
-    subjects against the files under ``root`` (default: the working directory).
-    """
-    envelope_path, report_path = locate(path)
-    verdict = Verdict(envelope_path)
-    problems = verdict.problems
-    try:
-        envelope = json.loads(envelope_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        problems.append(f"envelope: cannot read {envelope_path}: {exc}")
-        return verdict
-    if not isinstance(envelope, dict):
-        problems.append("envelope: not a JSON object")
-        return verdict
-    payload_type = envelope.get("payloadType")
-    if payload_type != PAYLOAD_TYPE:
-        problems.append(f"payload type: {payload_type!r} is not {PAYLOAD_TYPE!r}")
-    try:
-        payload = b64decode(envelope.get("payload"))  # type: ignore[arg-type]
-    except ValueError as exc:
-        problems.append(f"payload: {exc}")
-        return verdict
-    parsed: Any = None
-    try:
-        parsed = json.loads(payload)
-    except ValueError as exc:
-        problems.append(f"payload: not JSON ({exc})")
-    predicate = parsed.get("predicate") if isinstance(parsed, dict) else None
-    signing = predicate.get("signing") if isinstance(predicate, dict) else None
-
-    key = public_key
-    if key is None:
-        embedded = signing.get("public_key") if isinstance(signing, dict) else None
-        if not isinstance(embedded, str):
-            problems.append("signature: no public key pinned and none in the evidence")
-            return verdict
-        try:
-            key = load_public_key(embedded.encode())
-        except EvidenceError as exc:
-            problems.append(f"signature: {exc}")
-            return verdict
-        verdict.notes.append(
-            "verified with the public key the evidence carries: this proves integrity, "
-            "not identity; pin the signer with --public-key"
-        )
-    verdict.signer_keyid = keyid(key)
-    try:
-        _check_signature(envelope, payload, key)
-    except EvidenceError as exc:
-        problems.append(str(exc))
-    if isinstance(signing, dict) and signing.get("key_source") == "ephemeral":
-        verdict.notes.append(
-            "signed with an EPHEMERAL key: not a publication signature "
-            f"(set {KEY_ENV} to sign with a known key)"
-        )
-    if not isinstance(parsed, dict):
-        return verdict
-    sources = _check_statement(parsed, report_path, problems)
-    if isinstance(predicate, dict):
-        verdict.report = predicate
-        _check_gate(predicate, problems)
-    if check_sources:
-        _check_sources(sources, root or Path.cwd(), problems)
-    return verdict
-
-
-def _check_signature(
-    envelope: Mapping[str, Any], payload: bytes, key: ed25519.Ed25519PublicKey
-) -> None:
-    """Return if one of the envelope's signatures is ``key``'s over ``payload``.
-
-    Standard and URL-safe base64 are both accepted. Raises ``EvidenceError`` naming
-    the cause: no signature, undecodable fields, a different signer, or a signature
-    that does not cover this payload and payload type.
-    """
-    signatures = envelope.get("signatures")
-    if not isinstance(signatures, list) or not signatures:
-        raise EvidenceError("signature: the envelope carries no signatures")
-    payload_type = envelope.get("payloadType")
-    if not isinstance(payload_type, str):
-        raise EvidenceError("payload type: missing")
-    message = pae(payload_type, payload)
-    for item in signatures:
-        try:
-            key.verify(b64decode(item.get("sig")), message)
-        except (InvalidSignature, ValueError, AttributeError):
-            continue
-        return
-    # keyid is an unauthenticated hint: it only sharpens the message.
-    ids = sorted({str(i["keyid"]) for i in signatures if isinstance(i, dict) and i.get("keyid")})
-    if ids and keyid(key) not in ids:
-        raise EvidenceError(
-            f"signature: signed by key {', '.join(ids)}, not by the expected key {keyid(key)}"
-        )
-    raise EvidenceError(
-        "signature: does not verify over the payload (altered payload or signature)"
-    )
-
-
-def _check_statement(
-    statement_: Mapping[str, Any], report_path: Path, problems: list[str]
-) -> dict[str, str]:
-    """Check the statement against ``runtime.json``; return the source subjects it signs."""
-    if statement_.get("_type") != STATEMENT_TYPE:
-        problems.append(f"statement: _type {statement_.get('_type')!r} is not {STATEMENT_TYPE!r}")
-    if statement_.get("predicateType") != PREDICATE_TYPE:
-        problems.append(f"statement: predicateType {statement_.get('predicateType')!r} unknown")
-    subjects = _subjects(statement_, problems)
-    predicate = statement_.get("predicate")
-    if REPORT_FILE not in subjects:
-        problems.append(f"subjects: {REPORT_FILE} is not a subject")
-    elif not report_path.is_file():
-        problems.append(f"{REPORT_FILE}: missing next to the envelope ({report_path})")
-    else:
-        data = report_path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != subjects[REPORT_FILE]:
-            problems.append(f"{REPORT_FILE}: its sha256 does not match the signed subject")
-        else:
-            try:
-                if json.loads(data) != predicate:
-                    problems.append(f"{REPORT_FILE}: differs from the signed predicate")
-            except ValueError:
-                problems.append(f"{REPORT_FILE}: not JSON")
-    sources = predicate.get("sources") if isinstance(predicate, dict) else None
-    declared = {k: v for k, v in subjects.items() if k != REPORT_FILE}
-    if sources != declared:
-        problems.append("subjects: the source subjects differ from the report's sources")
-    return declared
-
-
-def _subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
-    found: dict[str, str] = {}
-    items = statement_.get("subject")
-    if not isinstance(items, list) or not items:
-        problems.append("statement: no subjects")
-        return found
-    for item in items:
-        name = item.get("name") if isinstance(item, dict) else None
-        digest = item.get("digest") if isinstance(item, dict) else None
-        sha = digest.get("sha256") if isinstance(digest, dict) else None
-        if not isinstance(name, str) or not isinstance(sha, str) or name in found:
-            problems.append(f"statement: malformed or duplicate subject {item!r}")
-            continue
-        found[name] = sha
-    return found
-
-
-def _check_gate(report: Mapping[str, Any], problems: list[str]) -> None:
-    if report.get("schema_version") != SCHEMA_VERSION:
-        problems.append(f"report: schema_version {report.get('schema_version')!r} unsupported")
-    if report.get("status") != PASS:
-        problems.append(f"gate: status is {report.get('status')}, not PASS")
-    if report.get("missing"):
-        problems.append(f"gate: missing experiments: {', '.join(report['missing'])}")
-    if report.get("skips"):
-        names = ", ".join(s.get("nodeid", "?") for s in report["skips"])
-        problems.append(f"gate: skipped or xfailed: {names}")
-    if not report.get("postgresql"):
-        problems.append("gate: no real PostgreSQL database was reached")
-
-
-def _check_sources(sources: Mapping[str, str], root: Path, problems: list[str]) -> None:
-    for name, digest in sorted(sources.items()):
-        path = root / name
-        if not path.is_file():
-            problems.append(f"source {name}: missing from {root}")
-        elif sha256_file(path) != digest:
-            problems.append(f"source {name}: differs from the signed digest")
-    for name in source_files(root):
-        if name not in sources:
-            problems.append(f"source {name}: present in {root} but not covered by the evidence")
-
-
-# --------------------------------------------------------------------------- command
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    """``lab evidence verify|show``: exit 0 only when the evidence verifies."""
-    path = Path(args.path)
-    if args.evidence_command == "show":
-        from lab import runner
-
-        _, report_path = locate(path)
-        try:
-            report = json.loads(report_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            print(f"cannot read {report_path}: {exc}")
-            return 2
-        runner.print_summary(report, report_path.parent)
-        return 0 if report.get("status") == PASS else 1
-    pinned: ed25519.Ed25519PublicKey | None = None
-    if args.public_key:
-        try:
-            pinned = load_public_key(Path(args.public_key).read_bytes())
-        except (OSError, EvidenceError) as exc:
-            print(f"FAIL cannot use --public-key {args.public_key}: {exc}")
-            return 2
-    verdict = verify(path, public_key=pinned, check_sources=bool(args.check_sources))
-    print(format_verdict(verdict))
-    return 0 if verdict.ok else 1
-
-
-def format_verdict(verdict: Verdict) -> str:
-    """A short human verdict: one line, then each failure and note."""
-    report = verdict.report or {}
-    head = "OK" if verdict.ok else "FAIL"
-    lines = [
-        f"{head} {verdict.envelope}: status {report.get('status', '?')}, "
-        f"commit {report.get('commit') or '?'}, signer {verdict.signer_keyid or '?'}"
-    ]
-    lines += [f"  failed: {p}" for p in verdict.problems]
-    lines += [f"  note: {n}" for n in verdict.notes]
-    return "\n".join(lines)
-

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from lab import evidence
+from lab import dsse, errors, evidence, gate
 
 ANNOTATOR = "lab-recorder-annotator"
 COLLECTOR = "lab-recorder-collector"
@@ -221,14 +221,14 @@ class Collector:
         problems: list[str] = []
         try:
             expected = evidence.load_manifest(self.manifest)
-        except evidence.EvidenceError as exc:
+        except errors.EvidenceError as exc:
             expected = []
             problems.append(str(exc))
         try:
-            signer = evidence.load_signer()
-        except evidence.EvidenceError as exc:
+            signer = dsse.load_signer()
+        except errors.EvidenceError as exc:
             problems.append(str(exc))
-            signer = evidence.load_signer({})
+            signer = dsse.load_signer({})
         status = int(session.exitstatus)
         facts = evidence.RunFacts(
             records=self.records,
@@ -254,7 +254,7 @@ class Collector:
             signer=signer,
             session_records=boundaries,
         )
-        if self.report["status"] != evidence.PASS and status == pytest.ExitCode.OK:
+        if self.report["status"] != gate.PASS and status == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

@@ -17,46 +17,41 @@ def cli_main(args: argparse.Namespace) -> int:
     """Body of ``lab review list|show|requeue|resolve``; the DSN comes from BOOK_LAB_DSN."""
     dsn = os.environ.get(processes.DSN_ENV, "")
     if not dsn:
-        print(f"lab review needs {processes.DSN_ENV} in its environment", file=sys.stderr)
-        return 2
+        raise errors.UsageError(f"lab review needs {processes.DSN_ENV} in its environment")
     reviewer = store.Actor(tenant=args.tenant, subject=args.reviewer, role="reviewer")
     # A pipe gets whole identifiers rather than a table cut to 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
-    try:
-        with store.Store.open(dsn, args.schema, max_connections=1,
-                              application_name="lab-review") as db:
-            if args.review_command == "list":
-                table = Table("workflow", "attempt", "fence", "reason", "cancel requested")
-                for item in db.in_review():
-                    table.add_row(item.id, str(item.attempt), str(item.fence),
-                                  item.review_reason or "(not yet reviewed)",
-                                  "yes" if item.cancel_requested else "no")
-                console.print(table)
-            elif args.review_command == "show":
-                item = db.get(args.workflow)
-                start = db.barrier_for(item.id, item.fence)
-                print(json.dumps({
-                    "workflow": item.id,
-                    "state": item.state,
-                    "review_reason": item.review_reason,
-                    "attempt": item.attempt,
-                    "max_attempts": item.max_attempts,
-                    "fence": item.fence,
-                    "trace_id": item.trace_id,
-                    "start_barrier": start.start_id if start else None,
-                    "proof": "no start barrier: never dispatched" if start is None
-                    else "start barrier committed: may have been dispatched",
-                    "events": [f"{e['kind']} fence={e['fence']} {e['detail']}".strip()
-                               for e in db.events(item.id)],
-                }, indent=2))
-            elif args.review_command == "requeue":
-                item = db.requeue_reviewed(reviewer, args.workflow, force=args.force,
-                                           reason=args.reason)
-                print(f"requeued {item.id}: state {item.state}")
-            else:
-                item = db.resolve_reviewed(reviewer, args.workflow, args.outcome, args.reason)
-                print(f"resolved {item.id}: state {item.state}")
-    except errors.LabError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    with store.Store.open(dsn, args.schema, max_connections=1,
+                          application_name="lab-review") as db:
+        if args.review_command == "list":
+            table = Table("workflow", "attempt", "fence", "reason", "cancel requested")
+            for item in db.in_review():
+                table.add_row(item.id, str(item.attempt), str(item.fence),
+                              item.review_reason or "(not yet reviewed)",
+                              "yes" if item.cancel_requested else "no")
+            console.print(table)
+        elif args.review_command == "show":
+            item = db.get(args.workflow)
+            start = db.barrier_for(item.id, item.fence)
+            print(json.dumps({
+                "workflow": item.id,
+                "state": item.state,
+                "review_reason": item.review_reason,
+                "attempt": item.attempt,
+                "max_attempts": item.max_attempts,
+                "fence": item.fence,
+                "trace_id": item.trace_id,
+                "start_barrier": start.start_id if start else None,
+                "proof": "no start barrier: never dispatched" if start is None
+                else "start barrier committed: may have been dispatched",
+                "events": [f"{e['kind']} fence={e['fence']} {e['detail']}".strip()
+                           for e in db.events(item.id)],
+            }, indent=2))
+        elif args.review_command == "requeue":
+            item = db.requeue_reviewed(reviewer, args.workflow, force=args.force,
+                                       reason=args.reason)
+            print(f"requeued {item.id}: state {item.state}")
+        else:
+            item = db.resolve_reviewed(reviewer, args.workflow, args.outcome, args.reason)
+            print(f"resolved {item.id}: state {item.state}")
     return 0

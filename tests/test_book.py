@@ -10,7 +10,6 @@ its lease expiring on the database clock, and a reconciliation.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import base64
 import hashlib
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import book, cli, evidence, figures
+from lab import book, cli, dsse, evidence, figures, gate, verification
 
 REPO = Path(__file__).resolve().parents[1]
 SIGKILL = "test_sigkill_after_tool_reconciles_existing_effect"
@@ -90,7 +89,7 @@ def _inner(
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_", "BOOK_")) and k != evidence.KEY_ENV
+        if not k.startswith(("PYTEST_", "BOOK_")) and k != dsse.KEY_ENV
     }
     env["BOOK_LAB_DSN"] = dsn
     return subprocess.run(
@@ -126,9 +125,9 @@ def tree(tmp_path_factory: pytest.TempPathFactory, lab_dsn: str) -> Path:
     partial = _inner(root, lab_dsn, "--lab-evidence", "ev-partial", "-k", "pure")
     assert partial.returncode != 0
     for directory, status in (
-        ("evidence", evidence.PASS),
-        ("ev-fail", evidence.FAIL),
-        ("ev-partial", evidence.PARTIAL),
+        ("evidence", gate.PASS),
+        ("ev-fail", gate.FAIL),
+        ("ev-partial", gate.PARTIAL),
     ):
         report = json.loads((root / directory / evidence.REPORT_FILE).read_text())
         assert report["status"] == status, (directory, report["gate"])
@@ -261,8 +260,8 @@ def test_manifest_lists_every_file_written(built: Path, tree: Path) -> None:
     for name in (evidence.REPORT_FILE, evidence.ENVELOPE_FILE, evidence.PUBLIC_KEY_FILE):
         assert files[f"evidence/{name}"] == (tree / "evidence" / name).read_bytes(), name
     # The copy verifies on its own, pinned to the key beside it.
-    key = evidence.load_public_key(files["evidence/runtime.pub.pem"])
-    assert evidence.verify(built / "evidence", public_key=key, check_sources=True, root=tree).ok
+    key = dsse.load_public_key(files["evidence/runtime.pub.pem"])
+    assert verification.verify(built / "evidence", public_key=key, check_sources=True, root=tree).ok
 
 
 def test_two_builds_are_byte_identical(tree: Path, tmp_path: Path) -> None:
@@ -439,7 +438,7 @@ def test_refuses_a_different_signer(
 ) -> None:
     """Pinned to another key, genuine evidence is refused: it is not that signer's."""
     other = tmp_path / "other.pem"
-    other.write_text(evidence.public_pem(ed25519.Ed25519PrivateKey.generate().public_key()))
+    other.write_text(dsse.public_pem(ed25519.Ed25519PrivateKey.generate().public_key()))
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(Path("evidence"), out, other), out)
@@ -453,7 +452,7 @@ def test_refuses_a_public_key_file_of_another_signer(
     copy = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", copy)
     (copy / evidence.PUBLIC_KEY_FILE).write_text(
-        evidence.public_pem(ed25519.Ed25519PrivateKey.generate().public_key())
+        dsse.public_pem(ed25519.Ed25519PrivateKey.generate().public_key())
     )
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
@@ -706,9 +705,7 @@ def test_cli_rejects_an_unreadable_public_key(
     """A --public-key that is not a PEM key is a one-line refusal."""
     bad = tmp_path / "bad.pem"
     bad.write_text("not a key")
-    args = argparse.Namespace(
-        book_command="build", evidence=str(tmp_path), out=str(tmp_path / "b"),
-        public_key=str(bad),
-    )
-    assert book.cli_main(args) == 1
+    argv = ["book", "build", "--evidence", str(tmp_path), "--out", str(tmp_path / "b"),
+            "--public-key", str(bad)]
+    assert cli.main(argv) == 1
     assert capsys.readouterr().err.startswith("lab book build: refused: cannot use --public-key")

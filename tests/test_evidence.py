@@ -5,7 +5,6 @@ Pure: no database, no pytest run; reports are built from report-log dicts.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 from pathlib import Path
@@ -16,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from lab import evidence
+from lab import cli, dsse, errors, evidence, gate, verification
 
 DATABASE = {"provider": "dsn", "server_version": "15.8", "details": {"host": "127.0.0.1"}}
 
@@ -82,8 +81,8 @@ def _facts(**overrides: Any) -> evidence.RunFacts:
 def signed(repo: Path, tmp_path: Path) -> Path:
     """A passing run's evidence directory, signed with an ephemeral key."""
     directory = tmp_path / "evidence"
-    report = evidence.write(directory, _facts(), root=repo, signer=evidence.load_signer({}))
-    assert report["status"] == evidence.PASS, report["gate"]
+    report = evidence.write(directory, _facts(), root=repo, signer=dsse.load_signer({}))
+    assert report["status"] == gate.PASS, report["gate"]
     return directory
 
 
@@ -102,7 +101,7 @@ def _save(directory: Path, envelope: dict[str, Any]) -> None:
 def test_pae_matches_the_dsse_specification_vector() -> None:
     """PAE is byte-exact with the DSSE protocol's published example and its signature."""
     body, kind = b"hello world", "http://example.com/HelloWorld"
-    assert evidence.pae(kind, body) == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+    assert dsse.pae(kind, body) == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
 
     # The protocol's ECDSA P-256 signature verifies over exactly our bytes.
     x = 46950820868899156662930047687818585632848591499744589407958293238635476079160
@@ -112,20 +111,20 @@ def test_pae_matches_the_dsse_specification_vector() -> None:
         "A3JqsQGtVsJ2O2xqrI5IcnXip5GToJ3F+FnZ+O88SjtR6rDAajabZKciJTfUiHqJPcIAriEGAHTVeCUjW2JIZA=="
     )
     der = encode_dss_signature(int.from_bytes(raw[:32], "big"), int.from_bytes(raw[32:], "big"))
-    key.verify(der, evidence.pae(kind, body), ec.ECDSA(hashes.SHA256()))
+    key.verify(der, dsse.pae(kind, body), ec.ECDSA(hashes.SHA256()))
 
 
 def test_pae_counts_bytes_not_characters() -> None:
     """Lengths are of the UTF-8 bytes, and an empty body still ends with a space."""
-    assert evidence.pae("application/vnd.exämple+json", b"{}").startswith(b"DSSEv1 29 ")
-    assert evidence.pae("application/vnd.in-toto+json", b"") == (
+    assert dsse.pae("application/vnd.exämple+json", b"{}").startswith(b"DSSEv1 29 ")
+    assert dsse.pae("application/vnd.in-toto+json", b"") == (
         b"DSSEv1 28 application/vnd.in-toto+json 0 "
     )
 
 
 def test_round_trip_verifies_and_says_the_key_is_ephemeral(signed: Path, repo: Path) -> None:
     """Evidence just written verifies, sources included, and owns up to its ephemeral key."""
-    verdict = evidence.verify(signed, check_sources=True, root=repo)
+    verdict = verification.verify(signed, check_sources=True, root=repo)
     assert verdict.ok, verdict.problems
     assert any("EPHEMERAL" in note for note in verdict.notes)
     assert any("integrity, not identity" in note for note in verdict.notes)
@@ -152,7 +151,7 @@ def test_url_safe_base64_is_accepted(signed: Path) -> None:
     envelope["payload"] = base64.urlsafe_b64encode(payload).decode().rstrip("=")
     envelope["signatures"][0]["sig"] = base64.urlsafe_b64encode(sig).decode()
     _save(signed, envelope)
-    verdict = evidence.verify(signed)
+    verdict = verification.verify(signed)
     assert verdict.ok, verdict.problems
 
 
@@ -164,7 +163,7 @@ def test_one_changed_payload_byte_fails_the_signature(signed: Path) -> None:
     payload[index] = ord("F")
     envelope["payload"] = base64.b64encode(bytes(payload)).decode()
     _save(signed, envelope)
-    verdict = evidence.verify(signed)
+    verdict = verification.verify(signed)
     assert not verdict.ok
     assert any(p.startswith("signature: does not verify") for p in verdict.problems)
 
@@ -176,7 +175,7 @@ def test_one_changed_signature_byte_fails(signed: Path) -> None:
     sig[10] ^= 0x01
     envelope["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
     _save(signed, envelope)
-    verdict = evidence.verify(signed)
+    verdict = verification.verify(signed)
     assert [p for p in verdict.problems if p.startswith("signature:")], verdict.problems
 
 
@@ -185,7 +184,7 @@ def test_payload_type_is_authenticated(signed: Path) -> None:
     envelope = _envelope(signed)
     envelope["payloadType"] = "application/json"
     _save(signed, envelope)
-    problems = evidence.verify(signed).problems
+    problems = verification.verify(signed).problems
     assert any(p.startswith("payload type:") for p in problems)
     assert any(p.startswith("signature:") for p in problems)
 
@@ -194,7 +193,7 @@ def test_changed_report_file_fails(signed: Path) -> None:
     """runtime.json on disk must be the signed one."""
     path = signed / evidence.REPORT_FILE
     path.write_bytes(path.read_bytes().replace(b'"PASS"', b'"FAIL"', 1))
-    problems = evidence.verify(signed).problems
+    problems = verification.verify(signed).problems
     assert "runtime.json: its sha256 does not match the signed subject" in problems
 
 
@@ -202,8 +201,8 @@ def test_changed_source_fails_only_with_check_sources(signed: Path, repo: Path) 
     """A source edited after the run is named when the subjects are checked."""
     (repo / "lab" / "core.py").write_text("VALUE = 2\n")
     (repo / "lab" / "new.py").write_text("")
-    assert evidence.verify(signed, root=repo).ok
-    problems = evidence.verify(signed, check_sources=True, root=repo).problems
+    assert verification.verify(signed, root=repo).ok
+    problems = verification.verify(signed, check_sources=True, root=repo).problems
     assert "source lab/core.py: differs from the signed digest" in problems
     assert any(p.startswith("source lab/new.py: present") for p in problems)
 
@@ -211,7 +210,7 @@ def test_changed_source_fails_only_with_check_sources(signed: Path, repo: Path) 
 def test_pinned_wrong_public_key_fails(signed: Path) -> None:
     """A pinned key that did not sign is named as the cause."""
     other = ed25519.Ed25519PrivateKey.generate().public_key()
-    verdict = evidence.verify(signed, public_key=other)
+    verdict = verification.verify(signed, public_key=other)
     assert not verdict.ok
     assert any("not by the expected key" in p for p in verdict.problems)
 
@@ -228,21 +227,15 @@ def test_publication_key_from_environment(repo: Path, tmp_path: Path) -> None:
         )
     )
     public_path = tmp_path / "signer.pub.pem"
-    public_path.write_text(evidence.public_pem(private.public_key()))
-    signer = evidence.load_signer({evidence.KEY_ENV: str(key_path)})
+    public_path.write_text(dsse.public_pem(private.public_key()))
+    signer = dsse.load_signer({dsse.KEY_ENV: str(key_path)})
     assert signer.source == "key_file"
     directory = tmp_path / "evidence"
     evidence.write(directory, _facts(), root=repo, signer=signer)
     assert (directory / evidence.PUBLIC_KEY_FILE).read_text() == public_path.read_text()
 
-    args = argparse.Namespace(
-        evidence_command="verify",
-        path=str(directory),
-        public_key=str(public_path),
-        check_sources=False,
-    )
-    assert evidence.cli_main(args) == 0
-    verdict = evidence.verify(directory, public_key=private.public_key())
+    assert cli.main(["evidence", "verify", str(directory), "--public-key", str(public_path)]) == 0
+    verdict = verification.verify(directory, public_key=private.public_key())
     assert verdict.ok and not verdict.notes
 
 
@@ -251,14 +244,9 @@ def test_verify_command_exits_non_zero_and_names_the_failure(
 ) -> None:
     """``lab evidence verify`` prints FAIL and the cause."""
     wrong = tmp_path / "wrong.pem"
-    wrong.write_text(evidence.public_pem(ed25519.Ed25519PrivateKey.generate().public_key()))
-    args = argparse.Namespace(
-        evidence_command="verify",
-        path=str(signed / evidence.ENVELOPE_FILE),
-        public_key=str(wrong),
-        check_sources=False,
-    )
-    assert evidence.cli_main(args) == 1
+    wrong.write_text(dsse.public_pem(ed25519.Ed25519PrivateKey.generate().public_key()))
+    args = ["evidence", "verify", str(signed / evidence.ENVELOPE_FILE), "--public-key", str(wrong)]
+    assert cli.main(args) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAIL ")
     assert "not by the expected key" in out
@@ -271,12 +259,12 @@ def test_an_independent_dsse_implementation_verifies_our_envelope(signed: Path) 
 
     envelope = _envelope(signed)
     report = json.loads((signed / evidence.REPORT_FILE).read_text())
-    public = evidence.load_public_key(report["signing"]["public_key"].encode())
+    public = dsse.load_public_key(report["signing"]["public_key"].encode())
     key = SSlibKey(
-        keyid=evidence.keyid(public),
+        keyid=dsse.keyid(public),
         keytype="ed25519",
         scheme="ed25519",
-        keyval={"public": evidence.raw_public_key(public).hex()},
+        keyval={"public": dsse.raw_public_key(public).hex()},
     )
     parsed = Envelope.from_dict(envelope)
     accepted = parsed.verify([key], 1)
@@ -301,11 +289,11 @@ def _comparable(report: dict[str, Any]) -> dict[str, Any]:
 
 def test_two_compilations_differ_only_in_time_and_signature(repo: Path, tmp_path: Path) -> None:
     """Same results, different run: only times, durations and the signature change."""
-    first = evidence.write(tmp_path / "one", _facts(), root=repo, signer=evidence.load_signer({}))
+    first = evidence.write(tmp_path / "one", _facts(), root=repo, signer=dsse.load_signer({}))
     shuffled = _facts(records=[*_passing(NODE_B), *_passing(NODE_A, {"kept": 1})])
     for record in shuffled.records:
         record["duration"] = 0.5
-    second = evidence.write(tmp_path / "two", shuffled, root=repo, signer=evidence.load_signer({}))
+    second = evidence.write(tmp_path / "two", shuffled, root=repo, signer=dsse.load_signer({}))
     assert first != second
     assert _comparable(first) == _comparable(second)
     assert first["signing"]["keyid"] != second["signing"]["keyid"]
@@ -335,7 +323,7 @@ def test_secrets_on_the_command_line_stay_out_of_the_report(repo: Path, tmp_path
         directory,
         _facts(command=[*command, "ghp_secret_value"], database=database),
         root=repo,
-        signer=evidence.load_signer({}),
+        signer=dsse.load_signer({}),
         environ=env,
     )
     text = "".join(p.read_text() for p in directory.iterdir())
@@ -356,18 +344,18 @@ def test_gate_rules(repo: Path) -> None:
         report = evidence.compile_report(_facts(**overrides), root=repo, signing={})
         return report["status"], report["gate"]["failures"]
 
-    assert status() == (evidence.PASS, [])
-    assert status(database=None)[0] == evidence.FAIL
+    assert status() == (gate.PASS, [])
+    assert status(database=None)[0] == gate.FAIL
     only_a = [*_passing(NODE_A)]
-    assert status(records=only_a, collected=[NODE_A])[0] == evidence.FAIL
+    assert status(records=only_a, collected=[NODE_A])[0] == gate.FAIL
     assert status(records=only_a, collected=[NODE_A], narrowed=["-k test_a"]) == (
-        evidence.PARTIAL,
+        gate.PARTIAL,
         [],
     )
     # A skip, an xfail, and xdist's report for a crashed worker (when "???").
     skipped = [_record(NODE_B, "setup", "skipped", longrepr=["experiments/x.py", 1, "Skipped: no"])]
     state, failures = status(records=[*only_a, *skipped])
-    assert state == evidence.FAIL and f"{NODE_B} skipped" in failures
+    assert state == gate.FAIL and f"{NODE_B} skipped" in failures
     xfailed = [_record(NODE_B, "call", "skipped", wasxfail="flaky")]
     assert f"{NODE_B} xfailed" in status(records=[*only_a, *xfailed])[1]
     crashed = [_record(NODE_B, "???", "failed", longrepr="worker 'gw0' crashed")]
@@ -382,9 +370,9 @@ def test_gate_rules(repo: Path) -> None:
     no_db = [_record(NODE_B, w, props=asked) for w in ("setup", "call", "teardown")]
     assert f"{NODE_B} did not reach a real database" in status(records=[*only_a, *no_db])[1]
     pure = [evidence.Expected("ch01_x", "test_a"), evidence.Expected("ch01_x", "test_b", 1, False)]
-    assert status(records=[*only_a, *no_db], expected=pure)[0] == evidence.PASS
+    assert status(records=[*only_a, *no_db], expected=pure)[0] == gate.PASS
     no_fixture = [_record(NODE_B, w) for w in ("setup", "call", "teardown")]
-    assert status(records=[*only_a, *no_fixture])[0] == evidence.PASS
+    assert status(records=[*only_a, *no_fixture])[0] == gate.PASS
     declared = [
         evidence.Expected("ch01_x", "test_a"),
         evidence.Expected("ch01_x", "test_b", 1, True),
@@ -440,10 +428,10 @@ def test_manifest_shape_is_enforced(tmp_path: Path) -> None:
     """A malformed manifest is an error, never an empty expectation."""
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps({"experiments": [{"chapter": "c", "name": "test_a", "results": 0}]}))
-    with pytest.raises(evidence.EvidenceError, match="results"):
+    with pytest.raises(errors.EvidenceError, match="results"):
         evidence.load_manifest(path)
     path.write_text(json.dumps({"experiments": [{"chapter": "c", "name": "test_a"}] * 2}))
-    with pytest.raises(evidence.EvidenceError, match="twice"):
+    with pytest.raises(errors.EvidenceError, match="twice"):
         evidence.load_manifest(path)
 
 

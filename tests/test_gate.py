@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from psycopg import conninfo
 
-from lab import evidence
+from lab import dsse, evidence, gate, verification
 
 pytest_plugins = ["pytester"]
 
@@ -131,7 +131,7 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*gate: PASS; evidence in *signed by * (ephemeral)*"])
     report = _report(tree)
-    assert report["status"] == evidence.PASS
+    assert report["status"] == gate.PASS
     assert report["gate"] == {"failures": [], "narrowed": []}
     assert [t["outcome"] for t in report["tests"]] == ["passed"] * 4
     pure = report["tests"][1]
@@ -141,7 +141,7 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     assert report["postgresql"]["server_version"] == "15.0 (stand-in)"
     rows = {r["name"]: r for r in report["experiments"]}
     assert rows["test_windows"]["results"] == 2
-    assert evidence.verify(tree.path / "evidence", check_sources=True, root=tree.path).ok
+    assert verification.verify(tree.path / "evidence", check_sources=True, root=tree.path).ok
 
     lines = [json.loads(x) for x in (tree.path / "evidence" / evidence.TESTS_FILE).open()]
     assert lines[0]["$report_type"] == "SessionStart"
@@ -197,7 +197,7 @@ def test_each_broken_experiment_fails_the_gate(
     result = _run(tree, "experiments")
     assert result.ret != 0
     report = _report(tree)
-    assert report["status"] == evidence.FAIL
+    assert report["status"] == gate.FAIL
     assert finding in report["gate"]["failures"], report["gate"]["failures"]
     result.stdout.fnmatch_lines(["*gate: FAIL*", f"*failed: {finding}*"])
 
@@ -225,7 +225,7 @@ def test_no_database_fails_the_gate(tree: pytest.Pytester) -> None:
     result = _run(tree, "experiments", "--stand-in-database=no")
     assert result.ret != 0
     report = _report(tree)
-    assert report["status"] == evidence.FAIL
+    assert report["status"] == gate.FAIL
     assert report["postgresql"] is None
     assert "no real PostgreSQL database was provisioned for the run" in report["gate"]["failures"]
 
@@ -265,7 +265,7 @@ def test_narrowed_run_is_partial(tree: pytest.Pytester, args: list[str], reason:
     result = _run(tree, *args)
     assert result.ret != 0
     report = _report(tree)
-    assert report["status"] == evidence.PARTIAL, report["gate"]
+    assert report["status"] == gate.PARTIAL, report["gate"]
     assert reason in report["gate"]["narrowed"]
     result.stdout.fnmatch_lines(["*gate: PARTIAL*"])
 
@@ -275,7 +275,7 @@ def test_setup_only_run_is_not_a_pass(tree: pytest.Pytester) -> None:
     result = _run(tree, "experiments", "--setup-only")
     assert result.ret != 0
     report = _report(tree)
-    assert report["status"] == evidence.FAIL
+    assert report["status"] == gate.FAIL
     assert "experiments/ch01_x/test_a.py::test_db not run" in report["gate"]["failures"]
 
 
@@ -305,7 +305,7 @@ def test_explicit_evidence_dir_applies_the_gate_to_any_run(tree: pytest.Pytester
     result = _run(tree, "tests", "--lab-evidence", "out")
     assert result.ret != 0
     report = _report(tree, "out")
-    assert report["status"] == evidence.FAIL
+    assert report["status"] == gate.FAIL
     assert report["missing"] == ["ch01_x/test_db", "ch01_x/test_pure", "ch02_y/test_windows"]
 
 
@@ -314,7 +314,7 @@ def test_xdist_run_collects_from_workers_and_passes(tree: pytest.Pytester) -> No
     result = tree.runpytest_subprocess("-p", "no:lab", *QUIET, "-n", "2", "experiments")
     assert result.ret == 0, result.stdout.str()
     report = _report(tree)
-    assert report["status"] == evidence.PASS, report["gate"]
+    assert report["status"] == gate.PASS, report["gate"]
     observed = {o["nodeid"].rsplit("::", 1)[1]: o["observation"] for o in report["observations"]}
     assert observed == {"test_db": {"state": "succeeded"}, "test_pure": {"count": 3, "pure": True}}
     assert report["tests"][0]["claim"] == "The database claim."
@@ -326,7 +326,7 @@ def test_crashed_xdist_worker_is_a_failed_experiment(tree: pytest.Pytester) -> N
     result = tree.runpytest_subprocess("-p", "no:lab", *QUIET, "-n", "2", "experiments")
     assert result.ret != 0
     report = _report(tree)
-    assert report["status"] == evidence.FAIL
+    assert report["status"] == gate.FAIL
     crashed = next(t for t in report["tests"] if t["nodeid"].endswith("::test_db"))
     assert crashed["outcome"] == "failed"
     assert "crashed" in crashed["message"]
@@ -368,7 +368,7 @@ def test_real_plugin_without_postgresql_fails_the_gate(pytester: pytest.Pytester
     result = tree.runpytest_subprocess(*QUIET, "--lab-postgres=none")
     assert result.ret != 0
     report = _report(tree)
-    assert report["status"] == evidence.FAIL
+    assert report["status"] == gate.FAIL
     assert "no real PostgreSQL database was provisioned for the run" in report["gate"]["failures"]
 
 
@@ -381,12 +381,12 @@ def test_real_plugin_against_postgresql_passes(
     result = tree.runpytest_subprocess(*QUIET, "--lab-postgres=dsn")
     assert result.ret == 0, result.stdout.str()
     report = _report(tree)
-    assert report["status"] == evidence.PASS, report["gate"]
+    assert report["status"] == gate.PASS, report["gate"]
     assert report["postgresql"]["provider"] == "dsn"
     text = (tree.path / "evidence" / evidence.REPORT_FILE).read_text()
     password = _password(lab_dsn)
     assert password is None or password not in text
-    assert evidence.verify(tree.path / "evidence").ok
+    assert verification.verify(tree.path / "evidence").ok
 
 
 def _password(dsn: str) -> str | None:
@@ -409,14 +409,14 @@ def test_signing_key_from_environment_is_used(
             serialization.NoEncryption(),
         )
     )
-    monkeypatch.setenv(evidence.KEY_ENV, str(path))
+    monkeypatch.setenv(dsse.KEY_ENV, str(path))
     assert _run(tree, "experiments").ret == 0
     report = _report(tree)
     assert report["signing"]["key_source"] == "key_file"
-    assert evidence.verify(tree.path / "evidence", public_key=key.public_key()).ok
+    assert verification.verify(tree.path / "evidence", public_key=key.public_key()).ok
 
-    monkeypatch.setenv(evidence.KEY_ENV, str(tmp_path / "absent.pem"))
+    monkeypatch.setenv(dsse.KEY_ENV, str(tmp_path / "absent.pem"))
     assert _run(tree, "experiments").ret != 0
     report = _report(tree)
     assert report["signing"]["key_source"] == "ephemeral"
-    assert any(f.startswith(evidence.KEY_ENV) for f in report["gate"]["failures"])
+    assert any(f.startswith(dsse.KEY_ENV) for f in report["gate"]["failures"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lab import cli, evidence, runner
+from lab import cli, evidence, runner, summary
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -65,8 +65,7 @@ def test_run_streams_pytest_then_summarises_the_signed_report(
     assert f"Evidence: evidence/{evidence.ENVELOPE_FILE}" in out
     assert (tmp_path / "evidence" / evidence.REPORT_FILE).is_file()
 
-    show = argparse.Namespace(evidence_command="show", path="evidence")
-    assert evidence.cli_main(show) == 1
+    assert cli.main(["evidence", "show", "evidence"]) == 1
 
 
 def test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop(
@@ -108,7 +107,7 @@ def test_summary_of_a_passing_report() -> None:
         "dirty": False,
     }
     console, sink = _console()
-    runner.print_summary(report, Path("evidence"), console)
+    summary.print_summary(report, Path("evidence"), console)
     out = sink.getvalue()
     assert "passed 2/2" in out
     assert '{"effects": 1, "state": "succeeded"}' in out
@@ -120,5 +119,5 @@ def test_summary_of_a_passing_report() -> None:
 
 def test_shorten_cuts_long_observations() -> None:
     """Observations are compact JSON, cut with an ellipsis."""
-    assert runner.shorten({"b": 1, "a": 2}) == '{"a": 2, "b": 1}'
-    assert runner.shorten("x" * 100, 10) == "x" * 9 + "…"
+    assert summary.shorten({"b": 1, "a": 2}) == '{"a": 2, "b": 1}'
+    assert summary.shorten("x" * 100, 10) == "x" * 9 + "…"
