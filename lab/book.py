@@ -30,7 +30,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import dsse, errors, evidence, figures, verification
+from lab import dsse, errors, evidence, figures, sidebyside, verification
 
 MARKDOWN_FILE = "experiments.md"
 MANIFEST_FILE = "MANIFEST.sha256"
@@ -185,6 +185,7 @@ def _render(
         for row in rows:
             for section in figures_md.get((chapter, str(row["name"])), []):
                 lines.append(section)
+    lines += sidebyside.section(report, _md)
     lines += _model_section(copies)
     lines += ["## Limits", ""]
     lines += [f"- {_md(str(limit))}" for limit in report.get("limits", [])]

@@ -55,7 +55,7 @@ def module() -> Any:
     try:
         return importlib.import_module("dbos")
     except ImportError as exc:
-        raise errors.LabError(
+        raise errors.MissingExtra(
             "DBOS is not installed: pip install '.[peers]' to compare with it"
         ) from exc
 

@@ -76,7 +76,7 @@ def modules() -> tuple[Any, Any, Any]:
         types = importlib.import_module("langgraph.types")
         saver = importlib.import_module("langgraph.checkpoint.postgres").PostgresSaver
     except ImportError as exc:
-        raise errors.LabError(
+        raise errors.MissingExtra(
             "LangGraph is not installed: pip install '.[peers]' to compare with it"
         ) from exc
     return graph, types, saver

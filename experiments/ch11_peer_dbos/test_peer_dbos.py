@@ -46,11 +46,13 @@ def _work(idempotent: bool) -> tuple[str, peer_dbos.Work]:
     return store.new_id("dbos"), work
 
 
-def _seen(dbos: peer_dbos.Peer, workflow_id: str) -> dict[str, Any]:
-    """DBOS's own state of the workflow, as the evidence keeps it."""
+def _seen(dbos: peer_dbos.Peer, workflow_id: str, max_attempts: int = 0) -> dict[str, Any]:
+    """DBOS's own state of the workflow, as the evidence keeps it, with the step's settings."""
     status = dbos.status(workflow_id)
     return {
         "dbos_version": peer_dbos.version(),
+        "dbos_config": {"step_retries": f"max_attempts={max_attempts}" if max_attempts else "off",
+                        "executor_id": "local"},
         "dbos_status": [
             {k: row[k] for k in ("status", "recovery_attempts", "application_version")}
             for row in status
@@ -129,7 +131,7 @@ def test_dbos_step_retry_budget_restarts_after_crash(lab, dbos, observe):
         "effects": effects,
         "tool_calls": calls,
         "budget": budget,
-        **_seen(dbos, workflow_id),
+        **_seen(dbos, workflow_id, max_attempts=budget),
         "outcome": f"{calls} attempts for a budget of {budget}: the budget restarts in the "
                    f"recovering process; DBOS status {status}",
     })
