@@ -90,3 +90,45 @@ def drop_schema(dsn: str, schema: str) -> None:
     store.check_schema_name(schema)
     with session(dsn, "drop a peer's schema") as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def create_databases(admin_dsn: str, names: Sequence[str]) -> bool:
+    """Create every database of ``names``; False (and none left behind) when the role may not."""
+    created: list[str] = []
+    try:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            for name in names:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                created.append(name)
+    except psycopg.errors.InsufficientPrivilege:
+        drop_databases(admin_dsn, created)
+        return False
+    except psycopg.Error as exc:
+        drop_databases(admin_dsn, created)
+        raise errors.StoreError(
+            f"PostgreSQL could not create a scratch database (SQLSTATE {exc.sqlstate})"
+        ) from exc
+    return True
+
+
+def drop_databases(admin_dsn: str, names: Sequence[str]) -> None:
+    """Drop the databases of ``names`` (sessions still on them are ended)."""
+    with session(admin_dsn, "drop a scratch database") as conn:
+        for name in names:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def wal_syncs(dsn: str) -> int | None:
+    """WAL flushes to disk so far, cluster-wide; None before PostgreSQL 14 (no pg_stat_wal)."""
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+    except psycopg.errors.UndefinedTable:
+        return None
+    except psycopg.Error as exc:
+        raise errors.StoreError(
+            f"PostgreSQL could not read WAL statistics (SQLSTATE {exc.sqlstate})"
+        ) from exc
+    return None if row is None else int(row[0])
