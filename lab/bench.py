@@ -150,8 +150,8 @@ def _print_sweep(report: Mapping[str, Any], out: Console) -> None:
     ceiling = report["ceiling"]
     out.print(f"machine ceiling: {fmt(ceiling['commits_per_second'])} one-row INSERT commits/s "
               f"(before {fmt(ceiling['before']['commits_per_second'])}, after "
-              f"{fmt(ceiling['after']['commits_per_second'])}); share = wf/s x xacts/wf / "
-              "ceiling")
+              f"{fmt(ceiling['after']['commits_per_second'])}), one session; share = wf/s x "
+              "xacts/wf / ceiling (above 1 when concurrent commits share WAL flushes)")
     comparison = report["comparison"]
     out.print(f"best lab: {comparison['best_lab']} at {fmt(comparison['best_lab_wf_s'])} wf/s; "
               f"best DBOS: {comparison['best_dbos']} at {fmt(comparison['best_dbos_wf_s'])} wf/s")

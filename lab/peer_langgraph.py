@@ -114,7 +114,7 @@ class Nodes:
     """The graph's node functions, bound to a tool client and (delegate mode) the lab store."""
 
     mode: str
-    client: tool.ToolClient
+    client: tool.ToolClient | None
     interrupt: Callable[[Any], Any]
     pause: str | None = None
     db: store.Store | None = None
@@ -153,15 +153,17 @@ class Nodes:
 
     def credit(self, state: State) -> State:
         """Carry out the credit: call the tool (alone) or run a lab worker (delegate)."""
+        if self.client is None:
+            raise errors.UsageError("this graph was built for reading state, not for running")
         if self.db is not None:
-            return self._delegated(state)
+            return self._delegated(state, self.client)
         self._stage("before_tool")
         work = _Work(state["effect_key"], state["fingerprint"], state["plan"])
         receipt = self.client.call(work)
         self._stage("after_tool")
         return {"receipt": receipt.to_json()}
 
-    def _delegated(self, state: State) -> State:
+    def _delegated(self, state: State, client: tool.ToolClient) -> State:
         assert self.db is not None
         db = self.db
         workflow_id = state["workflow_id"]
@@ -170,7 +172,7 @@ class Nodes:
             if stage == "after_tool":
                 self._stage(stage)
 
-        runner = worker.Worker(db=db, client=self.client, name="langgraph-node",
+        runner = worker.Worker(db=db, client=client, name="langgraph-node",
                                lease=LAB_LEASE, hook=hook)
         # A predecessor that died holding the claim: its lease runs out on PostgreSQL's
         # clock, and the lab turns the work into ``unknown`` rather than running it again.
@@ -224,7 +226,8 @@ def snapshot(dsn: str, schema: str, thread: str) -> dict[str, Any]:
     """The thread's state as LangGraph reports it: next nodes, checkpoints, pending writes."""
     _, types, _ = modules()
     with checkpointer(dsn, schema) as saver:
-        nodes = Nodes(mode="alone", client=_NoTool(), interrupt=types.interrupt)
+        # Reading the state runs no node: a graph without a tool client is enough.
+        nodes = Nodes(mode="alone", client=None, interrupt=types.interrupt)
         graph = build(nodes, saver)
         state = graph.get_state(config(thread))
         history = list(graph.get_state_history(config(thread)))
@@ -241,13 +244,6 @@ def snapshot(dsn: str, schema: str, thread: str) -> dict[str, Any]:
         "review_reason": values.get("review_reason"),
         "errors": [str(task.error) for task in state.tasks if task.error is not None],
     }
-
-
-class _NoTool(tool.ToolClient):
-    """Reading a snapshot runs no node; a client that cannot be used is enough."""
-
-    def __init__(self) -> None:
-        pass
 
 
 # -- driving LangGraph processes from an experiment -----------------------------------------------

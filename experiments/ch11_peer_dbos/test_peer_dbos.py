@@ -26,6 +26,7 @@ LEFT_BEHIND_SECONDS = "2"
 @pytest.fixture
 def dbos(lab: harness.Harness) -> Iterator[peer_dbos.Peer]:
     """DBOS processes on a system schema of this experiment's own, dropped afterwards."""
+    peer_dbos.module()  # MissingExtra, with its one-line remedy, without the peers extra
     assert peer_dbos.version() == PINNED, "the chapter asserts what DBOS 3.4.0 does"
     peer = peer_dbos.Peer(lab.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
     try:

@@ -27,6 +27,7 @@ APPROVE = json.dumps({"approved": True})
 @pytest.fixture
 def graph(lab: harness.Harness) -> Iterator[peer_langgraph.Peer]:
     """LangGraph processes on a checkpoint schema of this experiment's own."""
+    peer_langgraph.modules()  # MissingExtra, with its one-line remedy, without the extra
     assert peer_langgraph.versions() == PINNED, "the chapter asserts what these versions do"
     peer = peer_langgraph.Peer(lab.dsn, f"{lab.schema}_lg", lab.schema, lab.store.keys,
                                on_event=lab.mark)
