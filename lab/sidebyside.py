@@ -131,6 +131,8 @@ def configuration(report: Mapping[str, Any]) -> list[str]:
             seen.add(f"DBOS Transact {_text(observation['dbos_version'])}")
         if "dbos_config" in observation:
             seen.add(f"DBOS step settings {_text(observation['dbos_config'])}")
+        if "langgraph_config" in observation:
+            seen.add(f"LangGraph settings {_text(observation['langgraph_config'])}")
         versions = observation.get("langgraph_versions")
         if isinstance(versions, dict):
             seen.add(", ".join(f"{k} {_text(v)}" for k, v in sorted(versions.items())))

@@ -51,10 +51,23 @@ def _interrupted(lab, graph, rig, thread: str, *extra: str) -> None:
     assert seen["next"] == ["approve"] and seen["interrupts"], "no approval interrupt"
 
 
+def _checkpointed_before_credit(lab, graph, thread: str) -> None:
+    """Wait, while the credit node is paused, for the checkpoint that precedes it.
+
+    LangGraph's default durability is "async": a step's checkpoint is written while the
+    next step already runs, so a SIGKILL right after the effect can also lose the
+    approval's checkpoint. The window here is the one the chapter names: the step before
+    is durable, the credit node is not.
+    """
+    lab.wait_until(lambda: graph.snapshot(thread)["next"] == ["credit"], within=30.0,
+                   what="LangGraph to write the checkpoint before the credit node")
+
+
 def _seen(graph, thread: str) -> dict[str, object]:
     seen = graph.snapshot(thread)
     return {
         "langgraph_versions": peer_langgraph.versions(),
+        "langgraph_config": {"checkpointer": "PostgresSaver", "durability": "async (default)"},
         "langgraph_state": {k: seen[k] for k in ("next", "checkpoints", "receipt_id",
                                                  "approval", "errors")},
     }
@@ -73,6 +86,7 @@ def test_langgraph_credit_node_reruns_after_sigkill_after_effect(lab, graph, obs
                           "--pause", "after_tool")
     resumed.wait_for("BOOK_STAGE after_tool", timeout=60)
     assert lab.effects() == 1, "the crash window is after the effect"
+    _checkpointed_before_credit(lab, graph, thread)
     assert resumed.kill() == -signal.SIGKILL
     assert graph.snapshot(thread)["next"] == ["credit"], "the node was checkpointed"
     again = graph.spawn("continue", "graph-continue", rig.service, thread)
@@ -245,7 +259,9 @@ def test_langgraph_node_delegating_to_the_lab_keeps_one_effect(lab, graph, obser
                           "--mode", "delegate", "--contract", contract, "--pause", "after_tool")
     resumed.wait_for("BOOK_STAGE after_tool", timeout=60)
     assert lab.effects() == 1, "the crash window is after the effect"
+    _checkpointed_before_credit(lab, graph, thread)
     assert resumed.kill() == -signal.SIGKILL
+    assert graph.snapshot(thread)["next"] == ["credit"], "the node was checkpointed"
     started = time.monotonic()
     again = graph.spawn("continue", "graph-continue", rig.service, thread,
                         "--mode", "delegate", "--contract", contract)
