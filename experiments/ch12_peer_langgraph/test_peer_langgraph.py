@@ -199,7 +199,7 @@ def test_langgraph_resume_after_expiry_still_credits(lab, graph, observe):
         "peer_window": "approval_expiry",
         "system": "langgraph",
         "effects": effects,
-        "resumed_after_expiry": True,
+        "resumed_seconds_after_expiry": round(late, 3),
         **_seen(graph, thread),
         "outcome": f"resumed at least {late:.2f} s after the approval expired: "
                    f"{effects} effect(s)",
@@ -291,6 +291,6 @@ def test_langgraph_node_delegating_to_the_lab_keeps_one_effect(lab, graph, obser
         "review_reason": workflow["review_reason"],
         "resume_seconds": round(time.monotonic() - started, 2),
         **_seen(graph, thread),
-        "outcome": f"LangGraph node delegating to the lab: {calls} tool call(s), {effects} "
-                   f"effect(s), lab state {workflow['state']}",
+        "outcome": f"{calls} tool call(s), {effects} effect(s) after the SIGKILL; "
+                   f"lab state {workflow['state']}",
     })
