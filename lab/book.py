@@ -8,6 +8,7 @@ refuses anything but a verified PASS. From that copy it then writes::
                           each experiment, its sequence figures (Mermaid), the run's
                           provenance and the lab's stated limits
     figures/<name>.svg    one sequence figure per experiment result with an event history
+    figures/<name>.png    with --png: each figure as cairosvg draws it, labels checked legible
     evidence/             the verified runtime.json, its envelope and public key, and the
                           model experiment report when there is one
     MANIFEST.sha256       sha256sum lines for every file above
@@ -51,11 +52,13 @@ def build(
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
     root: Path | None = None,
+    png: bool = False,
 ) -> list[str]:
     """Verify the evidence in ``evidence_dir``, then write the book into ``out``.
 
     ``root`` is the working tree whose sources must still match the evidence
-    (default: the current directory). Returns the paths written, relative to
+    (default: the current directory). ``png`` also writes ``figures/<name>.png``
+    beside each SVG (needs the ``book`` extra). Returns the paths written, relative to
     ``out`` and sorted; raises ``Refused`` with a one-line reason instead.
     """
     evidence_dir, out = evidence_dir.resolve(), out.resolve()
@@ -90,6 +93,8 @@ def build(
         files[f"{EVIDENCE_DIR}/{name}"] = data
     pinned = public_key is not None
     files.update(_render(report, files, pinned=pinned))
+    if png:
+        files.update(figures.pngs(files))
     _write(out, files)
     return sorted(files)
 
@@ -412,10 +417,14 @@ def cli_main(args: argparse.Namespace) -> int:
         except (OSError, errors.EvidenceError) as exc:
             raise Refused(f"cannot use --public-key {args.public_key}: {exc}") from exc
     try:
-        written = build(Path(args.evidence), Path(args.out), public_key=pinned)
+        written = build(
+            Path(args.evidence), Path(args.out), public_key=pinned,
+            png=bool(getattr(args, "png", False)),
+        )
     except OSError as exc:
         raise Refused(str(exc)) from exc
-    figures_count = sum(1 for name in written if name.startswith(f"{FIGURES_DIR}/"))
+    figures_count = sum(1 for name in written
+                        if name.startswith(f"{FIGURES_DIR}/") and name.endswith(".svg"))
     print(
         f"wrote {len(written)} files to {args.out} ({figures_count} figures); "
         f"digests in {Path(args.out) / MANIFEST_FILE}"

@@ -76,6 +76,12 @@ def _evidence(args: argparse.Namespace) -> int:
     return 0 if verdict.ok else 1
 
 
+def _manifest(args: argparse.Namespace) -> int:
+    from lab import manifest
+
+    return manifest.cli_main(args)
+
+
 def _model(args: argparse.Namespace) -> int:
     from lab import model
 
@@ -147,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     show = ev_commands.add_parser("show", help="print the summary of a report")
     show.add_argument("path", nargs="?", default="evidence")
     ev.set_defaults(handler=_evidence)
+
+    man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")
+    man_commands = man.add_subparsers(dest="manifest_command", required=True)
+    for sub, text in (("sync", "rewrite it from collection (exact counts), show the diff"),
+                      ("check", "exit 1 naming each difference from collection")):
+        sub_parser = man_commands.add_parser(sub, help=text)
+        sub_parser.add_argument("--experiments", default="experiments")
+        sub_parser.add_argument("--manifest", default=None,
+                                help="default: EXPERIMENTS/manifest.json")
+    man.set_defaults(handler=_manifest)
 
     mdl = commands.add_parser("model", help="model-generation traces")
     mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
@@ -227,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--evidence", default="evidence")
     build.add_argument("--out", default="book")
     build.add_argument("--public-key", default=None)
+    build.add_argument("--png", action="store_true",
+                       help="also write a PNG beside each SVG figure (the book extra)")
     book.set_defaults(handler=_book)
     return parser
 
@@ -266,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _subcommand(args: argparse.Namespace) -> list[str]:
     return [
         getattr(args, attribute)
-        for attribute in ("evidence_command", "model_command", "bench_command",
+        for attribute in ("evidence_command", "manifest_command", "model_command", "bench_command",
                           "review_command", "book_command")
         if getattr(args, attribute, None)
     ]

@@ -1,10 +1,28 @@
 """What an experiment works with: its store, tools, workers, worker processes and helpers.
 
-One ``Harness`` per experiment, built by the plugin's ``harness`` fixture on
-the experiment's own schema. It owns everything it starts (tool services,
-clients, OS processes) and closes or kills all of it at teardown, pass or
-fail. It also keeps a timeline of what the experiment did to its processes,
-for the book's figures.
+One ``Harness`` per experiment, built by the plugin's ``lab`` fixture on the
+experiment's own schema (``def test_x(lab, observe): ...``). It owns everything
+it starts (tool services, clients, OS processes) and closes or kills all of it
+at teardown, pass or fail. It also keeps a timeline of what the experiment did
+to its processes, for the book's figures.
+
+What an author uses, all documented with examples in ``docs/authoring.md``:
+
+* ``lab.approved(...)``, ``sample_plan(...)``, ``lab.actor(tenant, role)``;
+* ``lab.credit_tool()`` -> ``Rig`` (``rig.service`` has the fault switches of
+  ``lab.tool``: ``fail_next``, ``hold_next``, ``drop_next_reply``,
+  ``reject_next``, ``slow_next`` and the counters);
+* ``lab.spawn_worker(rig, name, ...)`` -> ``WorkerProcess`` (``wait_for``,
+  ``release``, ``kill``, ``finish(expect_exit=...)``);
+* ``lab.state``, ``lab.effects``, ``lab.count_events``, ``lab.claims``;
+* ``lab.expire_lease``, ``lab.expire_approval``, ``lab.make_due``,
+  ``lab.recover_by_elapsed_lease``, ``lab.wait_until``.
+
+Admission limits a plan must respect: ``amount_minor`` from
+``plan.MIN_AMOUNT_MINOR`` to ``plan.MAX_AMOUNT_MINOR`` (1..10000), ``currency``
+``plan.CURRENCY``; a model's proposal may only name an account of ``plan.ACCOUNTS``
+and is at most ``proposal.MAX_PROPOSAL_BYTES`` bytes (re-exported here as ``AMOUNT_RANGE``,
+``ACCOUNTS`` and ``MAX_PROPOSAL_BYTES``).
 """
 
 from __future__ import annotations
@@ -17,8 +35,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from lab import processes, store, tool, worker
+from lab import plan as plans
+from lab import processes, proposal, store, tool, worker
 from lab.plan import Plan
+
+# The admission limits, by name, for experiments and the author's guide.
+AMOUNT_RANGE = (plans.MIN_AMOUNT_MINOR, plans.MAX_AMOUNT_MINOR)
+ACCOUNTS = plans.ACCOUNTS
+MAX_PROPOSAL_BYTES = proposal.MAX_PROPOSAL_BYTES
+ROLES = ("proposer", "approver", "reviewer")
 
 PROPOSER = store.Actor(tenant="tenant-a", subject="employee-a", role="proposer")
 APPROVER = store.Actor(tenant="tenant-a", subject="manager-a", role="approver")
@@ -26,16 +51,46 @@ REVIEWER = store.Actor(tenant="tenant-a", subject="reviewer-a", role="reviewer")
 SEED_LEASE = timedelta(seconds=3)
 
 
-def sample_plan(idempotent: bool = True) -> Plan:
-    """The seed's sample plan: 500 minor units of CNY to account-a."""
+def sample_plan(
+    idempotent: bool = True, *, amount_minor: int = 500, account: str = "account-a"
+) -> Plan:
+    """The seed's sample plan: 500 minor units of CNY to account-a.
+
+    ``amount_minor`` must lie in ``AMOUNT_RANGE`` (1..10000) and ``account`` be 1-64
+    letters, digits, ``.``, ``_`` or ``-`` (a model's proposal may only name one of
+    ``ACCOUNTS``); the store refuses anything else with ``errors.Rejected``.
+    """
     return Plan(
         version=1,
         action="issue_credit",
-        account="account-a",
-        amount_minor=500,
+        account=account,
+        amount_minor=amount_minor,
         currency="CNY",
         idempotent=idempotent,
     )
+
+
+def actor(tenant: str, role: str, subject: str | None = None) -> store.Actor:
+    """A person of ``tenant`` acting as ``role`` (one of ``ROLES``).
+
+    The subject defaults to ``"<role>-<tenant>"``; give one when two people of the
+    same tenant and role must be told apart.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+    if not tenant:
+        raise ValueError("tenant must not be empty")
+    return store.Actor(tenant=tenant, subject=subject or f"{role}-{tenant}", role=role)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of a workflow, from its ``claimed`` audit event."""
+
+    workflow_id: str
+    fence: int
+    owner: str
+    seconds: float  # since the experiment started, on PostgreSQL's clock
 
 
 def sample_proposal() -> dict[str, Any]:
@@ -85,11 +140,26 @@ class Harness:
         )
         return Rig(service=service, client=client, worker=runner)
 
-    def approved(self, idempotent: bool = True, plan: Plan | None = None) -> store.Workflow:
-        """Create and approve ``plan`` (default: the sample plan) for a minute, as the seed does."""
-        created = self.store.create(PROPOSER, store.new_id("op"), plan or sample_plan(idempotent))
-        self.store.approve(APPROVER, created.id, created.fingerprint, timedelta(minutes=1))
+    def approved(
+        self, idempotent: bool = True, plan: Plan | None = None, tenant: str = "tenant-a"
+    ) -> store.Workflow:
+        """Create and approve ``plan`` (default: the sample plan) for a minute, as the seed does.
+
+        ``tenant`` other than ``"tenant-a"`` uses that tenant's proposer and approver
+        (``actor(tenant, "proposer")``, ``actor(tenant, "approver")``).
+        """
+        proposer, approver = (
+            (PROPOSER, APPROVER)
+            if tenant == PROPOSER.tenant
+            else (actor(tenant, "proposer"), actor(tenant, "approver"))
+        )
+        created = self.store.create(proposer, store.new_id("op"), plan or sample_plan(idempotent))
+        self.store.approve(approver, created.id, created.fingerprint, timedelta(minutes=1))
         return self.store.get(created.id)
+
+    def actor(self, tenant: str, role: str, subject: str | None = None) -> store.Actor:
+        """A person of ``tenant`` acting as ``role``; see the module function ``actor``."""
+        return actor(tenant, role, subject)
 
     def spawn_worker(self, rig: Rig, name: str, *extra: str) -> processes.WorkerProcess:
         """Start ``lab worker`` as an OS process against this schema and ``rig``'s tool."""
@@ -126,6 +196,27 @@ class Harness:
         """How many effects the tool's ledger holds."""
         count: int = self.store.execute("SELECT count(*) AS n FROM tool_effects")[0]["n"]
         return count
+
+    def claims(self, workflow_id: str | None = None) -> list[Claim]:
+        """Who claimed what, in order: one ``Claim`` per ``claimed`` event.
+
+        A workflow's ``owner`` is cleared when it leaves ``running``; this history
+        keeps every claim, so "which process claimed" is
+        ``[c.owner for c in lab.claims(job.id)]``.
+        """
+        # The store writes the claimed event's detail as exactly "owner=<name>"
+        # (store.claim); this is the one place that reads it back.
+        rows = self.store.execute(
+            "SELECT workflow_id, fence, substring(detail FROM '^owner=(.*)$') AS owner, "
+            "extract(epoch FROM created_at - %s) AS t FROM events "
+            "WHERE kind = 'claimed' AND (%s::text IS NULL OR workflow_id = %s) ORDER BY seq",
+            (self.db_t0, workflow_id, workflow_id),
+        )
+        return [
+            Claim(str(r["workflow_id"]), int(r["fence"]), str(r["owner"] or ""),
+                  round(float(r["t"]), 3))
+            for r in rows
+        ]  # fmt: skip
 
     def count_events(self, kind: str) -> int:
         """How many audit events of ``kind`` exist."""

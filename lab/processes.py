@@ -192,17 +192,25 @@ class WorkerProcess:
         self._proc.stdin.flush()
         self._on_event("experiment", f"release {self.name}")
 
-    def finish(self, timeout: float = 30.0) -> None:
-        """Wait for a clean exit; raise with the child's stderr otherwise."""
+    def finish(self, timeout: float = 30.0, expect_exit: int | None = 0) -> int:
+        """Wait for the child to exit and return its exit code.
+
+        Raise (with the child's stderr) unless the code is ``expect_exit``: 0 for a
+        clean run, 1 for a worker that stopped on a lab error such as ``ManualReview``
+        (its stderr names it), ``None`` to accept any code.
+        """
         try:
             code = self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise TimeoutError(f"{self.name} did not exit within {timeout}s") from exc
         for reader in self._readers:
             reader.join(timeout=5)
-        if code != 0:
-            raise AssertionError(f"{self.name} failed with exit {code}; {self._tail()}")
-        self._on_event(self.name, "exited 0")
+        if expect_exit is not None and code != expect_exit:
+            raise AssertionError(
+                f"{self.name} exited {code}, expected {expect_exit}; {self._tail()}"
+            )
+        self._on_event(self.name, f"exited {code}")
+        return code
 
     def kill(self) -> int:
         """SIGKILL the child and reap it; returns the (negative) return code."""

@@ -3,9 +3,26 @@
 The service is the side effect the lab protects. It authenticates a bearer
 token (compared in constant time), writes one ledger row per effect, answers
 an authoritative lookup by effect key, and has switches to inject the faults
-the experiments need: commit the effect and drop the reply, or answer 429.
-The client translates every httpx error into the lab's exceptions, deciding
-which failures leave the outcome unknown.
+the experiments need. The client translates every httpx error into the lab's
+exceptions, deciding which failures leave the outcome unknown.
+
+The fault switches, each armed for the next effect request(s) (``POST /effects``)
+and documented with a runnable example in ``docs/authoring.md``:
+
+* ``fail_next(status=500, commit="before"|"after", count=1)``: answer an HTTP
+  error, with nothing written (``"before"`` the ledger commit) or with the
+  effect written (``"after"``);
+* ``hold_next(seconds)``: keep the request in flight until the experiment
+  releases the returned ``HeldRequest`` (or ``seconds`` pass), e.g. to SIGKILL
+  the caller mid-call;
+* ``drop_next_reply(count=1)``: commit the effect and close the connection
+  without a reply (``drop_responses = True`` drops every reply while set);
+* ``reject_next(count)``: answer 429 and write nothing;
+* ``slow_next(seconds, count=1)``: wait before committing, like a slow tool;
+* ``on_lookup``: a callback run during each authoritative lookup.
+
+The counters ``calls``, ``lookups``, ``failed``, ``held``, ``slowed``,
+``dropped`` and ``rejected`` say what the service saw and did.
 """
 
 from __future__ import annotations
@@ -17,10 +34,12 @@ import re
 import secrets
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 import psycopg
@@ -36,6 +55,84 @@ EFFECTS_PATH = "/effects"
 START_HEADER = "Lab-Start-Id"
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-[0-9a-f]{16}-0[01]")
 _START_ID = re.compile(r"st1_[0-9a-f]{32}")
+# A hold that nobody releases ends on its own: a forgotten hold must not hang a run.
+DEFAULT_HOLD_SECONDS = 30.0
+
+Commit = Literal["before", "after"]
+"""Where an injected fault falls relative to the ledger commit of the effect."""
+
+
+def _check_commit(commit: str) -> None:
+    if commit not in ("before", "after"):
+        raise ValueError(f"commit must be 'before' or 'after', not {commit!r}")
+
+
+def _check_count(count: int) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative integer, not {count!r}")
+
+
+class HeldRequest:
+    """One effect request the tool keeps in flight until it is released.
+
+    Returned by ``ToolService.hold_next``. The request is held before the ledger
+    commit (``commit="before"``: nothing is written until it is released) or
+    after it (``"after"``: the effect is written, the reply waits). A hold ends
+    when ``release()`` is called or ``seconds`` have passed, whichever is first;
+    the request then carries on as usual, even if its caller is gone by then.
+    """
+
+    def __init__(self, seconds: float, commit: Commit) -> None:
+        self.seconds = seconds
+        self.commit: Commit = commit
+        self._arrived = threading.Event()
+        self._released = threading.Event()
+        self._finished = threading.Event()
+
+    @property
+    def arrived(self) -> bool:
+        """True once a request has reached the hold."""
+        return self._arrived.is_set()
+
+    @property
+    def finished(self) -> bool:
+        """True once the held request has been answered (or its caller was gone)."""
+        return self._finished.is_set()
+
+    def wait_held(self, timeout: float = 15.0) -> None:
+        """Block until a request is being held; raise ``TimeoutError`` if none came."""
+        if not self._arrived.wait(timeout):
+            raise TimeoutError(f"no effect request reached the hold within {timeout}s")
+
+    def release(self) -> None:
+        """Let the held request carry on."""
+        self._released.set()
+
+    def wait_finished(self, timeout: float = 15.0) -> None:
+        """Block until the released request has been handled (its effect written or not)."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the held request was not handled within {timeout}s")
+
+    def _block(self) -> None:
+        self._arrived.set()
+        self._released.wait(self.seconds)
+
+    def _finish(self) -> None:
+        self._finished.set()
+
+
+class _Faults:
+    """The faults armed for one effect request, taken together when it arrives."""
+
+    def __init__(
+        self,
+        failure: tuple[HTTPStatus, Commit] | None,
+        hold: HeldRequest | None,
+        delay: float,
+    ) -> None:
+        self.failure = failure
+        self.hold = hold
+        self.delay = delay
 
 
 class Dispatchable(Protocol):
@@ -60,14 +157,25 @@ class ToolService:
         store.check_schema_name(schema)
         self.idempotent = idempotent
         self.token = token or secrets.token_urlsafe(24)
+        #: While True, every effect reply is dropped after the commit (see ``drop_next_reply``).
         self.drop_responses = False
+        #: Called with the effect key during each authoritative lookup, before the ledger
+        #: is read: an experiment can act while a lookup is in flight.
         self.on_lookup: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self._reject_remaining = 0
+        self._drop_remaining = 0
+        self._failures: deque[tuple[HTTPStatus, Commit]] = deque()
+        self._holds: deque[HeldRequest] = deque()
+        self._all_holds: list[HeldRequest] = []
+        self._delays: deque[float] = deque()
         self._calls = 0
         self._lookups = 0
         self._dropped = 0
         self._rejected = 0
+        self._failed = 0
+        self._held = 0
+        self._slowed = 0
         self._drop_rate = 0.0
         self._reject_rate = 0.0
         self._random = random.Random(0)
@@ -91,7 +199,7 @@ class ToolService:
 
     @property
     def calls(self) -> int:
-        """Authenticated effect requests received (429s included)."""
+        """Authenticated, well-formed effect requests received (429s and failures included)."""
         with self._lock:
             return self._calls
 
@@ -109,9 +217,93 @@ class ToolService:
 
     @property
     def rejected(self) -> int:
-        """Requests answered with 429."""
+        """Requests answered with 429 (nothing written)."""
         with self._lock:
             return self._rejected
+
+    @property
+    def failed(self) -> int:
+        """Requests answered with an injected error status by ``fail_next``."""
+        with self._lock:
+            return self._failed
+
+    @property
+    def held(self) -> int:
+        """Requests that reached a ``hold_next`` hold."""
+        with self._lock:
+            return self._held
+
+    @property
+    def slowed(self) -> int:
+        """Requests delayed by ``slow_next``."""
+        with self._lock:
+            return self._slowed
+
+    def fail_next(self, status: int = 500, commit: Commit = "before", count: int = 1) -> None:
+        """Answer the next ``count`` effect requests with HTTP ``status`` (500..599).
+
+        ``commit="before"``: the failure comes before the ledger commit, so nothing
+        is written. ``commit="after"``: the effect is committed, then the error is
+        answered; the caller cannot tell the two apart (``OutcomeUnknown``).
+        """
+        if isinstance(status, bool) or not isinstance(status, int) or not 500 <= status <= 599:
+            raise ValueError(f"status must be a server error from 500 to 599, not {status!r}")
+        _check_commit(commit)
+        _check_count(count)
+        with self._lock:
+            self._failures.extend([(HTTPStatus(status), commit)] * count)
+
+    def hold_next(
+        self, seconds: float = DEFAULT_HOLD_SECONDS, commit: Commit = "before"
+    ) -> HeldRequest:
+        """Keep the next effect request in flight; returns the hold to wait on and release.
+
+        The request is held at most ``seconds``. ``commit="before"`` holds it before
+        the ledger commit (kill the caller now and the effect is still written once
+        the hold ends, as a real service finishes a request whose client vanished);
+        ``"after"`` holds the reply of an effect already written. A caller held past
+        its client's timeout (5 s) sees ``OutcomeUnknown``. ``stop()`` releases every
+        hold, so a forgotten one never outlives the experiment.
+        """
+        if not 0 < seconds <= 300:
+            raise ValueError(f"seconds must lie in (0, 300], not {seconds!r}")
+        _check_commit(commit)
+        hold = HeldRequest(seconds, commit)
+        with self._lock:
+            self._holds.append(hold)
+            self._all_holds.append(hold)
+        return hold
+
+    def drop_next_reply(self, count: int = 1) -> None:
+        """Commit the next ``count`` effects, then close the connection without a reply."""
+        _check_count(count)
+        with self._lock:
+            self._drop_remaining += count
+
+    def slow_next(self, seconds: float, count: int = 1) -> None:
+        """Wait ``seconds`` before committing each of the next ``count`` effects.
+
+        Past the client's timeout (5 s) the caller sees ``OutcomeUnknown`` while the
+        effect is still written afterwards.
+        """
+        if not 0 < seconds <= 300:
+            raise ValueError(f"seconds must lie in (0, 300], not {seconds!r}")
+        _check_count(count)
+        with self._lock:
+            self._delays.extend([float(seconds)] * count)
+
+    def _take_faults(self) -> _Faults:
+        with self._lock:
+            failure = self._failures.popleft() if self._failures else None
+            hold = self._holds.popleft() if self._holds else None
+            delay = self._delays.popleft() if self._delays else 0.0
+            if failure is not None:
+                self._failed += 1
+            if hold is not None:
+                self._held += 1
+            if delay:
+                self._slowed += 1
+        return _Faults(failure, hold, delay)
 
     def randomize_faults(self, *, drop_reply_rate: float, reject_rate: float, seed: int) -> None:
         """Drop replies after commit and answer 429 at random, reproducibly from ``seed``."""
@@ -124,15 +316,22 @@ class ToolService:
 
     def _drop_this_reply(self) -> bool:
         with self._lock:
-            drop = self.drop_responses or (
+            drop = self.drop_responses or self._drop_remaining > 0 or (
                 self._drop_rate > 0 and self._random.random() < self._drop_rate
             )
+            if self._drop_remaining > 0:
+                self._drop_remaining -= 1
             if drop:
                 self._dropped += 1
             return drop
 
     def reject_next(self, count: int) -> None:
-        """Answer the next ``count`` effect requests with 429, writing nothing."""
+        """Answer the next ``count`` effect requests with 429, writing nothing.
+
+        The client raises ``RateLimited``; the worker queues the work again on a
+        persisted timer and spends one attempt of the persistent budget.
+        """
+        _check_count(count)
         with self._lock:
             self._reject_remaining = count
 
@@ -182,7 +381,15 @@ class ToolService:
         return self
 
     def stop(self) -> None:
-        """Stop serving and close the ledger connections."""
+        """Release every hold, stop serving and close the ledger connections."""
+        with self._lock:
+            holds = list(self._all_holds)
+        for hold in holds:
+            hold.release()
+        for hold in holds:
+            # A released request still uses the ledger pool: let it finish before closing.
+            if hold.arrived:
+                hold._finished.wait(5)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -354,6 +561,22 @@ class _Handler(BaseHTTPRequestHandler):
         if self.tool._count_call():
             self._reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": "rate_limited"})
             return
+        faults = self.tool._take_faults()
+        try:
+            self._effect(body, faults)
+        finally:
+            if faults.hold is not None:
+                faults.hold._finish()
+
+    def _effect(self, body: dict[str, Any], faults: _Faults) -> None:
+        """Perform one validated effect request with the faults armed for it."""
+        if faults.delay:
+            time.sleep(faults.delay)
+        if faults.hold is not None and faults.hold.commit == "before":
+            faults.hold._block()
+        if faults.failure is not None and faults.failure[1] == "before":
+            self._reply(faults.failure[0], {"error": "injected_failure"})
+            return
         trace = _TRACEPARENT.fullmatch(self.headers.get("traceparent", ""))
         start = self.headers.get(START_HEADER, "")
         status, receipt = self.tool.record_effect(
@@ -361,8 +584,14 @@ class _Handler(BaseHTTPRequestHandler):
             trace_id=trace.group(1) if trace else None,
             start_id=start if _START_ID.fullmatch(start) else None,
         )
+        if faults.hold is not None and faults.hold.commit == "after":
+            faults.hold._block()
         if receipt is None:
             self._reply(status, {"error": "effect_key_reused_with_other_plan"})
+            return
+        if faults.failure is not None:
+            # The effect is committed; the caller gets a server error.
+            self._reply(faults.failure[0], {"error": "injected_failure"})
             return
         if self.tool._drop_this_reply():
             # The effect is committed; the caller never learns it.

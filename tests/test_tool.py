@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
@@ -123,3 +125,119 @@ def test_token_comparison_is_constant_time():
 
     source = inspect.getsource(tool._Handler._authenticated)
     assert "hmac.compare_digest" in source
+
+
+# -- the documented fault switches -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("commit", "written"), [("before", 0), ("after", 1)])
+def test_fail_next_answers_500_before_or_after_the_commit(lab, rig, service, commit, written):
+    """fail_next answers the armed status once; "before" writes nothing, "after" writes the
+    effect; the next call is served normally and replays nothing."""
+    job = lab.approved()
+    service.fail_next(500, commit=commit)
+    with pytest.raises(errors.OutcomeUnknown, match="HTTP 500"):
+        rig.client.call(job)
+    assert lab.effects() == written
+    assert service.failed == 1
+    receipt = rig.client.call(job)
+    assert receipt.effect_key == job.effect_key
+    assert lab.effects() == 1 and service.calls == 2 and service.failed == 1
+
+
+def test_fail_next_counts_and_statuses(lab, rig, service):
+    """A count arms that many failures with the given status; bad arguments are refused."""
+    service.fail_next(503, count=2)
+    for _ in range(2):
+        with pytest.raises(errors.OutcomeUnknown, match="HTTP 503"):
+            rig.client.call(lab.approved())
+    rig.client.call(lab.approved())
+    assert service.failed == 2 and lab.effects() == 1
+    for bad in ({"status": 404}, {"status": True}, {"commit": "during"}, {"count": -1}):
+        with pytest.raises(ValueError):
+            service.fail_next(**bad)
+
+
+def test_drop_next_reply_drops_only_the_armed_replies(lab, rig, service):
+    """drop_next_reply commits the effect and loses the reply once, then replies again."""
+    job = lab.approved()
+    service.drop_next_reply()
+    with pytest.raises(errors.OutcomeUnknown):
+        rig.client.call(job)
+    assert lab.effects() == 1 and service.dropped == 1
+    assert rig.client.call(job).effect_key == job.effect_key
+    assert service.dropped == 1
+
+
+def test_reject_next_answers_429_and_writes_nothing(lab, rig, service):
+    service.reject_next(2)
+    for _ in range(2):
+        with pytest.raises(errors.RateLimited):
+            rig.client.call(lab.approved())
+    assert service.rejected == 2 and lab.effects() == 0
+    rig.client.call(lab.approved())
+    assert lab.effects() == 1
+
+
+def test_hold_next_keeps_the_request_in_flight_until_released(lab, rig, service):
+    """A held request has written nothing until it is released; then it completes."""
+    job = lab.approved()
+    hold = service.hold_next(seconds=10)
+    results: list[object] = []
+    caller = threading.Thread(target=lambda: results.append(rig.client.call(job)))
+    caller.start()
+    hold.wait_held()
+    assert hold.arrived and not hold.finished
+    assert lab.effects() == 0, "a held request wrote before its release"
+    assert service.held == 1
+    hold.release()
+    hold.wait_finished()
+    caller.join(timeout=10)
+    assert lab.effects() == 1 and len(results) == 1
+
+
+def test_hold_after_commit_has_written_the_effect(lab, rig, service):
+    job = lab.approved()
+    hold = service.hold_next(seconds=10, commit="after")
+    caller = threading.Thread(target=rig.client.call, args=(job,))
+    caller.start()
+    hold.wait_held()
+    assert lab.effects() == 1
+    hold.release()
+    caller.join(timeout=10)
+    assert hold.finished
+
+
+def test_an_unreleased_hold_ends_by_itself(lab, rig, service):
+    hold = service.hold_next(seconds=0.2)
+    rig.client.call(lab.approved())
+    assert hold.arrived and hold.finished and lab.effects() == 1
+
+
+def test_slow_next_delays_the_commit_past_a_short_client_timeout(lab, service):
+    """A slow tool past the client's timeout is an unknown outcome whose effect lands later."""
+    service.slow_next(0.6)
+    with tool.ToolClient(service.endpoint, service.token, timeout=0.2) as client, \
+            pytest.raises(errors.OutcomeUnknown):
+        client.call(lab.approved())
+    lab.wait_until(lambda: lab.effects() == 1, within=5, what="the slow effect")
+    assert service.slowed == 1
+
+
+def test_stopping_the_service_releases_a_forgotten_hold(lab, rig, service):
+    """stop() lets a held request finish instead of leaving its caller hanging."""
+    hold = service.hold_next(seconds=60)
+    outcomes: list[object] = []
+
+    def call() -> None:
+        try:
+            outcomes.append(rig.client.call(lab.approved()))
+        except errors.ToolError as exc:
+            outcomes.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    hold.wait_held()
+    service.stop()
+    caller.join(timeout=10)
+    assert hold.finished and not caller.is_alive() and len(outcomes) == 1

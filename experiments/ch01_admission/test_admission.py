@@ -47,8 +47,10 @@ def test_operation_key_has_unambiguous_tenant_scope(observe):
     first = plan.effect_key("a:b", "c")
     second = plan.effect_key("a", "b:c")
     assert first != second, "ambiguous compound identity"
-    assert first == plan.effect_key("a:b", "c"), "unstable identity"
-    observe({"tenant_scope_unambiguous": True, "operation_key_stable": True})
+    again = plan.effect_key("a:b", "c")
+    assert first == again, "unstable identity"
+    observe({"keys_distinct": first != second, "key_stable": first == again,
+             "key_prefix": first.split("_", 1)[0]})
 
 
 def test_operation_identity_rejects_parameter_drift(lab, observe):
@@ -58,10 +60,11 @@ def test_operation_identity_rejects_parameter_drift(lab, observe):
     again = lab.store.create(harness.PROPOSER, "same-operation", harness.sample_plan(True))
     assert first.id == again.id, "duplicate workflow"
     changed = dataclasses.replace(harness.sample_plan(True), amount_minor=501)
-    with pytest.raises(errors.Conflict):
+    with pytest.raises(errors.Conflict) as drift:
         lab.store.create(harness.PROPOSER, "same-operation", changed)
-    assert lab.store.execute("SELECT count(*) AS n FROM workflows")[0]["n"] == 1
+    workflows = lab.store.execute("SELECT count(*) AS n FROM workflows")[0]["n"]
+    assert workflows == 1
     observe(
-        {"same_workflow": first.id == again.id, "drift_rejected": True,
-         "state": lab.state(first.id).state}
+        {"same_workflow": first.id == again.id, "drift_refused_with": drift.typename,
+         "workflows": workflows, "state": lab.state(first.id).state}
     )

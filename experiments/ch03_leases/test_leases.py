@@ -54,11 +54,11 @@ def test_heartbeat_cannot_revive_an_expired_lease(lab, observe):
     after = lab.state(job.id).lease_until
     assert after is not None and after > claimed.lease_until, "heartbeat did not extend lease"
     lab.expire_lease(job.id)
-    with pytest.raises(errors.Stale):
+    with pytest.raises(errors.Stale) as stale:
         lab.store.heartbeat(claimed, SECOND)
     observe({
-        "live_lease_extended": True,
-        "expired_owner_rejected": True,
+        "live_lease_extended_s": round((after - claimed.lease_until).total_seconds(), 3),
+        "expired_heartbeat_refused_with": stale.typename,
         "lease_expiry": "SQL-injected",
     })
 

@@ -17,7 +17,7 @@ def test_commit_reply_lost_becomes_unknown_then_reconciled(lab, observe):
     unknown; the lookup by effect key then finds the effect and completes it, once."""
     job = lab.approved(idempotent=True)
     rig = lab.credit_tool(idempotent=True)
-    rig.service.drop_responses = True
+    rig.service.drop_next_reply()
     rig.worker.run_one()
     unknown = lab.state(job.id)
     assert unknown.state == "unknown"
@@ -27,6 +27,7 @@ def test_commit_reply_lost_becomes_unknown_then_reconciled(lab, observe):
     assert final.state == "succeeded"
     assert lab.effects() == 1
     observe({
+        "replies_dropped": rig.service.dropped,
         "after_reply_loss": unknown.state,
         "after_lookup": final.state,
         "effects": lab.effects(),
@@ -39,7 +40,7 @@ def test_non_idempotent_unknown_never_automatically_replays(lab, observe):
     reconciliation demands manual review and later runs leave the single effect alone."""
     job = lab.approved(idempotent=False)
     rig = lab.credit_tool(idempotent=False)
-    rig.service.drop_responses = True
+    rig.service.drop_next_reply()
     rig.worker.run_one()
     assert lab.state(job.id).state == "unknown"
     assert lab.effects() == 1, "missing unknown effect"
@@ -133,18 +134,18 @@ def test_receipt_fingerprint_mismatch_cannot_complete_or_reconcile(lab, observe)
     receipt = rig.client.call(claimed)
     forged = dataclasses.replace(receipt, fingerprint="wrong")
     events_before = len(lab.store.events())
-    with pytest.raises(errors.ReceiptMismatch):
+    with pytest.raises(errors.ReceiptMismatch) as completion:
         lab.store.complete(claimed, forged)
     lab.store.unknown(claimed)
     unknown = lab.state(job.id)
-    with pytest.raises(errors.ReceiptMismatch):
+    with pytest.raises(errors.ReceiptMismatch) as reconciliation:
         lab.store.settle_found(unknown, forged)
     assert lab.state(job.id).state == "unknown"
     assert lab.effects() == 1, "invalid proof changed state"
     assert len(lab.store.events()) == events_before + 1  # only the 'unknown' event
     observe({
-        "completion_rejected": True,
-        "reconciliation_rejected": True,
+        "completion_refused_with": completion.typename,
+        "reconciliation_refused_with": reconciliation.typename,
         "state": lab.state(job.id).state,
         "effects": lab.effects(),
     })

@@ -30,12 +30,14 @@ def test_two_worker_processes_claim_exactly_one(lab, observe):
     winner.finish()
     claims = lab.count_events("claimed")
     assert claims == 1
+    assert [claim.owner for claim in lab.claims(job.id)] == [winner.name]
     assert lab.effects() == 1
     assert rig.service.calls == 1
     assert lab.state(job.id).state == "succeeded", "duplicate process execution"
     observe({
         "os_processes": 2,
         "claims": claims,
+        "claimed_by": [claim.owner for claim in lab.claims(job.id)],
         "effects": lab.effects(),
         "state": lab.state(job.id).state,
     })
@@ -126,5 +128,5 @@ def test_sigkill_non_idempotent_requires_manual_review(lab, observe, window):
         "state": final.state,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-        "manual_review": True,
+        "review_reason": final.review_reason,
     })

@@ -52,7 +52,7 @@ def test_cancel_after_effect_preserves_succeeded_fact(lab, observe):
         "state": final.state,
         "cancel_requested": final.cancel_requested,
         "effects": lab.effects(),
-        "compensated": False,
+        "events": [event["kind"] for event in lab.store.events(job.id)],
     })
 
 

@@ -54,20 +54,24 @@ def test_loopback_boundaries_reject_remote_targets(observe):
     """A database DSN whose primary or fallback host is remote, and a tool endpoint that
     is remote, encrypted elsewhere, or carries credentials or a query, are refused before
     any connection is attempted."""
+    refused_dsns = 0
     for dsn in REMOTE_DSNS:
         with pytest.raises(errors.BoundaryViolation) as refused:
             store.Store.open(dsn, "wf_boundary")
         assert "book-lab-only" not in str(refused.value)
+        refused_dsns += 1
+    refused_endpoints = 0
     for endpoint in UNSAFE_ENDPOINTS:
         with pytest.raises(errors.BoundaryViolation):
             tool.ToolClient(endpoint, "token")
+        refused_endpoints += 1
     pinned = conninfo.conninfo_to_dict(
         boundaries.check_dsn("host=localhost port=5432 dbname=book", environ={})
     )
     assert pinned.get("hostaddr") == "127.0.0.1"
     observe({
-        "database_primary_and_fallback_restricted": True,
-        "tool_endpoint_restricted": True,
-        "localhost_resolution_pinned": True,
+        "remote_dsns_refused": f"{refused_dsns}/{len(REMOTE_DSNS)}",
+        "unsafe_endpoints_refused": f"{refused_endpoints}/{len(UNSAFE_ENDPOINTS)}",
+        "localhost_pinned_to": pinned.get("hostaddr"),
     })
 

@@ -45,11 +45,13 @@ def test_exact_replay_returns_the_existing_barrier(lab, observe):
     assert first is not None
     before = counts(lab)
     again = lab.store.pre_dispatch(claim)
+    after = counts(lab)
     assert again == first
-    assert counts(lab) == before
+    assert after == before
     assert first.start_id == barrier.start_id(claim.id, claim.fence)
-    observe({"replay": "existing", "start_id_derived_from": "workflow and fence",
-             "rows_written_on_replay": 0})
+    observe({"replay_returns_first": again == first,
+             "start_id_derived_from": "workflow and fence",
+             "rows_written_on_replay": sum(after.values()) - sum(before.values())})
 
 
 def test_barrier_drift_is_a_conflict(lab, observe):
@@ -59,10 +61,12 @@ def test_barrier_drift_is_a_conflict(lab, observe):
     assert lab.store.pre_dispatch(claim) is not None
     before = counts(lab)
     drifted = dataclasses.replace(claim, attempt=claim.attempt + 1)
-    with pytest.raises(errors.Conflict):
+    with pytest.raises(errors.Conflict) as conflict:
         lab.store.pre_dispatch(drifted)
-    assert counts(lab) == before
-    observe({"drift": "attempt", "result": "conflict", "rows_written": 0})
+    after = counts(lab)
+    assert after == before
+    observe({"drift": "attempt", "refused_with": conflict.typename,
+             "rows_written": sum(after.values()) - sum(before.values())})
 
 
 def test_fence_moved_before_the_barrier_writes_nothing(lab, observe):
@@ -238,17 +242,19 @@ def test_key_rotation_keeps_old_results_readable(lab, observe):
         rig.worker.run_one()
         new_result = reopened.get(new.id)
         assert new_result.result is not None and new_result.result["key_id"] == "rotated-key"
-        assert reopened.receipt_of(old_result) is not None
+        old_receipt = reopened.receipt_of(old_result)
+        assert old_receipt is not None
         assert reopened.receipt_of(new_result) is not None
         forgetful = sealing.KeyCatalog({"rotated-key": rotated.keys["rotated-key"]},
                                        "rotated-key")
-        with pytest.raises(errors.IntegrityFailure, match="unknown key id"):
+        with pytest.raises(errors.IntegrityFailure, match="unknown key id") as unknown_key:
             forgetful.open(old_result.result, old.id)
         rig.worker.db = lab.store
     assert "account" not in str(old_result.result)
     observe({"old_key_id": "development" if old_kid.startswith("dev-") else "configured",
-             "new_key_id": "rotated-key", "old_result_readable": True,
-             "unknown_key_id": "fails closed", "cipher": "AES-256-GCM"})
+             "new_key_id": new_result.result["key_id"],
+             "old_result_opens_to_its_effect": old_receipt.effect_key == old.effect_key,
+             "unknown_key_id_refused_with": unknown_key.typename, "cipher": "AES-256-GCM"})
 
 
 def test_one_trace_id_links_proposal_barrier_effect_and_completion(lab, observe):
@@ -263,9 +269,14 @@ def test_one_trace_id_links_proposal_barrier_effect_and_completion(lab, observe)
     ledger = lab.store.execute("SELECT trace_id, start_id FROM tool_effects")
     assert ledger == [{"trace_id": job.trace_id, "start_id": start.start_id}]
     assert start.trace_id == job.trace_id
-    assert lab.store.completion_for(start.start_id) is not None
-    observe({"trace_linked": ["workflow", "start_barrier", "tool_request", "ledger",
-                              "completion"], "traceparent": "W3C 00-<trace>-<span>-01"})
+    completion = lab.store.completion_for(start.start_id)
+    assert completion is not None
+    linked = {"workflow": job.trace_id, "start_barrier": start.trace_id,
+              "ledger": ledger[0]["trace_id"]}
+    observe({"distinct_trace_ids": len(set(linked.values())), "trace_linked": sorted(linked),
+             "ledger_start_id_is_barrier": ledger[0]["start_id"] == start.start_id,
+             "completion_recorded": completion is not None,
+             "traceparent": "W3C 00-<trace>-<span>-01"})
 
 
 def test_sealed_result_is_bound_to_its_workflow(lab, observe):
@@ -279,6 +290,6 @@ def test_sealed_result_is_bound_to_its_workflow(lab, observe):
     a, b = lab.state(first.id), lab.state(second.id)
     assert a.state == b.state == "succeeded"
     moved = dataclasses.replace(b, result=a.result)
-    with pytest.raises(errors.IntegrityFailure):
+    with pytest.raises(errors.IntegrityFailure) as swapped:
         lab.store.receipt_of(moved)
-    observe({"swapped_result": "fails closed", "bound_to": "workflow id"})
+    observe({"swapped_result_refused_with": swapped.typename, "bound_to": "workflow id"})
