@@ -515,7 +515,8 @@ def sweep(
         results = [run(config, workflows)
                    for order in sweep_order(configs, repeat) for config in order]
     ceiling_after = measure.ceiling(admin_dsn, CEILING_SECONDS)
-    ceiling = min(ceiling_before["commits_per_second"], ceiling_after["commits_per_second"])
+    # The most the server did alone: other load on the machine only ever lowers it.
+    ceiling = max(ceiling_before["commits_per_second"], ceiling_after["commits_per_second"])
     per_config: list[dict[str, Any]] = []
     medians: dict[Config, float | None] = {}
     for config in configs:
