@@ -46,7 +46,7 @@ URL_ENV = "LAB_DBOS_URL"
 SCHEMA_ENV = "LAB_DBOS_SCHEMA"
 TOOL_ENV = "LAB_DBOS_TOOL"
 WORK_ENV = "LAB_DBOS_WORK"
-TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name; the same one `lab worker` reads
+TOKEN_ENV = processes.TOKEN_ENV  # the same variable `lab worker` reads
 TERMINAL = frozenset({"SUCCESS", "ERROR", "CANCELLED", "MAX_RECOVERY_ATTEMPTS_EXCEEDED"})
 
 
