@@ -14,12 +14,22 @@ processes in loops, and while they work a supervisor (this process):
   original key; a non-idempotent one goes to manual review), as an operator's
   recoverer would.
 
+With ``restart_every_ms`` it also SIGKILLs the PostgreSQL postmaster and
+restarts it on the same data directory (a durable server: fsync and
+synchronous commits on), and with ``partition_every_ms`` / ``latency_ms``
+every link between processes runs through a loopback fault proxy
+(``lab.proxy``): workers to PostgreSQL, the tool to its ledger, workers to
+the tool. A partition blackholes or resets one link for ``partition_for_ms``.
+Every process rides these out (jittered backoff, fenced writes); the
+controller itself tolerates an unreachable database and writes its report
+before any cleanup.
+
 Kills and terminations start once a first item is done (the warm-up; the
 tool's faults are already on). The fault phase ends at ``duration`` or as
-soon as every workflow is settled; then the drain stops every fault, lets the
-workers finish, waits for leases to expire and reconciles until nothing is
-left to do. ``lab.invariants`` then checks the final database and the whole
-event history.
+soon as every workflow is settled (and, with restarts, ``min_restarts``
+happened); then the drain stops every fault, lets the workers finish, waits
+for leases to expire and reconciles until nothing is left to do.
+``lab.invariants`` then checks the final database and the whole event history.
 
 A worker process talks to one tool endpoint, and a tool service is either
 idempotent or not, so the population is split into two schemas: idempotent
@@ -37,129 +47,44 @@ runs with one seed are alike, not identical.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import queue
 import random
 import secrets
 import signal
-import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import psycopg
-from rich.console import Console
-from rich.table import Table
+from lab import backoff, errors, invariants, plan, processes, proxy, sealing, store, tool, worker
+from lab.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
 
-from lab import errors, invariants, plan, processes, sealing, store, tool, worker
+__all__ = ["Chaos", "Settings", "run", "split"]
 
-LEASE_S = 1.0
-HEARTBEAT_S = 0.25
-BACKOFF_S = 0.1
-IDLE_EXIT_S = 2.0
 RECOVER_EVERY_S = 0.1
-DRAIN_TIMEOUT_S = 120.0
 WARM_UP_TIMEOUT_S = 60.0
+# How long cleanup retries a database that is still coming back before it reports failure.
+CLEANUP_PATIENCE_S = 30.0
 APPROVAL_TTL = timedelta(hours=6)  # far beyond any run: expiry is not a fault of this run
 TENANTS = ("tenant-a", "tenant-b")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """One chaos run's parameters (times in seconds unless the name says ms)."""
-
-    workflows: int = 500
-    workers: int = 4
-    duration: float = 60.0
-    kill_every_ms: float = 200.0
-    drop_replies: float = 0.1
-    reject_429: float = 0.1
-    terminate_every_ms: float = 2000.0
-    non_idempotent_share: float = 0.2
-    seed: int = 42
-    lease: float = LEASE_S
-    heartbeat: float = HEARTBEAT_S
-    backoff: float = BACKOFF_S
-    idle_exit: float = IDLE_EXIT_S
-    drain_timeout: float = DRAIN_TIMEOUT_S
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Settings:
-        """Settings from ``lab chaos`` arguments."""
-        return cls(
-            workflows=args.workflows,
-            workers=args.workers,
-            duration=args.duration,
-            kill_every_ms=args.kill_every,
-            drop_replies=args.drop_replies,
-            reject_429=args.reject_429,
-            terminate_every_ms=args.terminate_backends,
-            non_idempotent_share=args.non_idempotent_share,
-            seed=args.seed,
-        )
-
-    def validate(self) -> None:
-        """Raise ``Rejected`` for settings that cannot make a bounded run."""
-        if not 1 <= self.workflows <= 100_000:
-            raise errors.Rejected("workflows must be between 1 and 100000")
-        if not 1 <= self.workers <= 64:
-            raise errors.Rejected("workers must be between 1 and 64")
-        if not 0 < self.duration <= 3600:
-            raise errors.Rejected("duration must be between 0 and 3600 seconds")
-        if self.kill_every_ms < 0 or self.terminate_every_ms < 0:
-            raise errors.Rejected("fault intervals must not be negative (0 means never)")
-        for name in ("drop_replies", "reject_429", "non_idempotent_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise errors.Rejected(f"{name} must lie between 0 and 1")
-        if not 0 < self.heartbeat < self.lease:
-            raise errors.Rejected("heartbeat must be positive and shorter than the lease")
-        sizes = split(self)
-        if any(size > 0 and slots == 0 for _, size, slots in sizes):
-            raise errors.Rejected("a mixed population needs at least two worker processes")
-
-
-def split(settings: Settings) -> list[tuple[bool, int, int]]:
-    """(idempotent, workflows, worker processes) for each non-empty population."""
-    non_idempotent = round(settings.workflows * settings.non_idempotent_share)
-    idempotent = settings.workflows - non_idempotent
-    if idempotent and non_idempotent:
-        non_slots = min(settings.workers - 1, max(1, round(settings.workers * (
-            settings.non_idempotent_share))))
-        return [(True, idempotent, settings.workers - non_slots), (False, non_idempotent,
-                                                                     non_slots)]
-    return [(bool(idempotent), settings.workflows, settings.workers)]
-
-
-@dataclass
-class _Counts:
-    """Fault and recovery counters; written by one thread each, read at the end."""
-
-    kills: int = 0
-    kill_misses: int = 0
-    backend_terminations: int = 0
-    termination_misses: int = 0
-    worker_starts: int = 0
-    worker_exits: Counter[str] = field(default_factory=Counter)
-    worker_items: Counter[str] = field(default_factory=Counter)
-    drain_kills: int = 0
-    leases_expired: int = 0
-    reconciled: Counter[str] = field(default_factory=Counter)
-    recoverer_errors: Counter[str] = field(default_factory=Counter)
+# The links a network fault can cut (each through its own proxy).
+WORKERS_POSTGRES = "workers-postgres"
+TOOL_POSTGRES = "tool-postgres"
+WORKERS_TOOL = "workers-tool"
 
 
 class _Population:
-    """One schema: its tool service, its workers, and an in-process reconciler."""
+    """One schema: its tool service, its workers, and an in-process reconciler.
+
+    ``ledger_dsn`` is how the tool reaches its ledger (through a proxy when the
+    run has network faults); the controller's own store connects directly.
+    """
 
     def __init__(
         self, dsn: str, token: str, keys: sealing.KeyCatalog, idempotent: bool, size: int,
-        slots: int,
+        slots: int, ledger_dsn: str | None = None,
     ):
         self.label = "idempotent" if idempotent else "non_idempotent"
         self.code = "i" if idempotent else "n"
@@ -169,7 +94,10 @@ class _Population:
         self.slots: list[processes.WorkerProcess | None] = [None] * slots
         self.generation = 0
         self.dsn = dsn
+        self.ledger_dsn = ledger_dsn or dsn
         self.keys = keys
+        self.tool_proxy: proxy.Proxy | None = None
+        self.acknowledged: list[invariants.Acknowledged] = []
         self.service: tool.ToolService | None = None
         self.db: store.Store | None = None
         self.client: tool.ToolClient | None = None
@@ -180,39 +108,59 @@ class _Population:
         self.db = store.Store.open(
             self.dsn, self.schema, create=True, application_name="lab-chaos", keys=self.keys
         )
-        self.service = tool.ToolService(self.dsn, self.schema, idempotent=self.idempotent).start()
+        self.service = tool.ToolService(
+            self.ledger_dsn, self.schema, idempotent=self.idempotent
+        ).start()
         self.client = tool.ToolClient(self.service.endpoint, self.service.token)
         self.reconciler = worker.Worker(
             db=self.db, client=self.client, name="chaos-recoverer",
             lease=timedelta(seconds=LEASE_S),
         )
 
-    def close(self, drop: bool) -> None:
+    @property
+    def worker_endpoint(self) -> str:
+        """Where this population's workers reach the tool (its proxy, when there is one)."""
+        assert self.service is not None
+        if self.tool_proxy is not None:
+            return f"http://127.0.0.1:{self.tool_proxy.port}"
+        return self.service.endpoint
+
+    def close(self, drop: bool) -> list[str]:
+        """Stop everything; drop the schema when asked. Returns what could not be done."""
+        problems: list[str] = []
         for child in self.slots:
             if child is not None:
                 child.cleanup()
         if self.client is not None:
             self.client.close()
+        if self.tool_proxy is not None:
+            self.tool_proxy.stop()
         if self.service is not None:
             self.service.stop()
         if self.db is not None:
             self.db.close()
         if drop:
-            store.drop_schema(self.dsn, self.schema)
+            # The database may just be coming back from a restart: retry for a while.
+            patience = backoff.Backoff(base=0.1, cap=2.0, patience=CLEANUP_PATIENCE_S)
+            while True:
+                try:
+                    store.drop_schema(self.dsn, self.schema)
+                    break
+                except errors.StoreError as exc:
+                    if patience.exhausted:
+                        problems.append(f"schema {self.schema} was not dropped: {exc}")
+                        break
+                    time.sleep(patience.failed())
+        return problems
 
     def refresh(self) -> dict[str, int]:
-        """Count what is still open: due or delayed ready work, running, unreviewed unknown."""
+        """Count what is still open: due or delayed ready work, running, unreviewed unknown.
+
+        A database that cannot be reached (restarting, partitioned) leaves the last
+        counts in place: raises ``errors.StoreError`` for the caller to count.
+        """
         assert self.db is not None
-        row = self.db.execute(
-            """
-            SELECT count(*) FILTER (WHERE state = 'ready') AS ready,
-                   count(*) FILTER (WHERE state = 'running') AS running,
-                   count(*) FILTER (WHERE state = 'unknown' AND review_reason = '')
-                       AS unreviewed_unknown
-              FROM workflows
-            """
-        )[0]
-        self.open = {name: int(row[name]) for name in self.open}
+        self.open = self.db.open_counts()
         return self.open
 
 
@@ -226,9 +174,16 @@ class Chaos:
         *,
         log: Callable[[str], None] | None = None,
         keep_schemas: bool = False,
+        restart: Callable[[], float] | None = None,
     ):
         settings.validate()
+        if settings.restart_every_ms > 0 and restart is None:
+            raise errors.ProvisioningError(
+                "--restart-postgres-every needs a server this run started (the embedded "
+                "provider): a given DSN's server cannot be restarted by the lab"
+            )
         self.dsn = dsn
+        self._restart = restart
         self.settings = settings
         self.keep_schemas = keep_schemas
         self._log = log or (lambda message: None)
@@ -239,32 +194,68 @@ class Chaos:
         self._kill_rng = random.Random(root.getrandbits(64))
         self._term_rng = random.Random(root.getrandbits(64))
         self._tool_seeds = [root.getrandbits(32) for _ in range(2)]
-        self.counts = _Counts()
+        # Drawn after the older streams, so adding database faults kept their sequences.
+        self._restart_rng = random.Random(root.getrandbits(64))
+        self._partition_rng = random.Random(root.getrandbits(64))
+        self.counts = Counts()
         # One key catalog for the run: every process seals results the checker can open.
         self.keys = sealing.load_catalog()
+        # Network faults: one proxy per link, each its own fault target.
+        self.proxies: dict[str, proxy.Proxy] = {}
+        if settings.proxied:
+            host, port = store.dsn_address(dsn)
+            for link in (WORKERS_POSTGRES, TOOL_POSTGRES):
+                self.proxies[link] = proxy.Proxy(host, port, link).start()
+        self.worker_dsn = self._via(WORKERS_POSTGRES)
         self.populations = [
-            _Population(dsn, self.token, self.keys, idempotent, size, slots)
+            _Population(dsn, self.token, self.keys, idempotent, size, slots,
+                        ledger_dsn=self._via(TOOL_POSTGRES))
             for idempotent, size, slots in split(settings)
         ]
         self._stop_recoverer = threading.Event()
         self._recoverer_failure: BaseException | None = None
-        self._terminator: psycopg.Connection[Any] | None = None
+        self._stop_restarts = threading.Event()
+        self._restart_failure: BaseException | None = None
         self._items_done: dict[str, int] = {}
+        self._began = time.monotonic()
+        self.partitions = proxy.Partitions(
+            self.proxies, self._partition_rng, settings.partition_for_ms / 1000.0, self._began
+        )
+
+    def _via(self, link: str) -> str:
+        """The DSN a client on ``link`` uses: its proxy when the run has one."""
+        fault_proxy = self.proxies.get(link)
+        if fault_proxy is None:
+            return self.dsn
+        return store.dsn_via(self.dsn, "127.0.0.1", fault_proxy.port)
 
     # -- the whole run -----------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Set up, inject faults, drain, check; returns the report (JSON-ready)."""
-        began = time.monotonic()
+        """Set up, inject faults, drain, check; returns the report (JSON-ready).
+
+        Cleanup is ``close()``'s, so a report is made even when cleanup fails after it.
+        """
+        began = self._began = self.partitions.origin = time.monotonic()
         recoverer = threading.Thread(target=self._recover_loop, name="chaos-recoverer",
+                                     daemon=True)
+        restarter = threading.Thread(target=self._restart_loop, name="chaos-restarter",
                                      daemon=True)
         try:
             for population in self.populations:
                 population.start()
+                assert population.service is not None
+                if self.settings.proxied:
+                    population.tool_proxy = proxy.Proxy(
+                        "127.0.0.1", int(population.service.endpoint.rsplit(":", 1)[1]),
+                        f"{WORKERS_TOOL}:{population.code}",
+                    ).start()
+                    self.proxies[population.tool_proxy.name] = population.tool_proxy
+            for fault_proxy in self.proxies.values():
+                fault_proxy.set_latency(self.settings.latency_ms / 1000.0)
             self._create_workflows()
-            self._terminator = psycopg.connect(
-                self.dsn, autocommit=True, application_name="lab-chaos-terminator"
-            )
+            assert self.populations[0].db is not None
+            durability = self.populations[0].db.server_settings()
             setup_s = time.monotonic() - began
             self._log(f"{self.settings.workflows} workflows approved in {setup_s:.1f}s; "
                       f"schemas {', '.join(p.schema for p in self.populations)}")
@@ -281,7 +272,11 @@ class Chaos:
             faults_began = time.monotonic()
             self._log(f"first item done after {faults_began - warm_up_began:.1f}s; "
                       "killing and terminating")
+            restarter.start()
             settled_in_faults = self._fault_phase()
+            self._stop_restarts.set()
+            restarter.join(timeout=120)
+            self._check_faults()
             open_after_faults = self._open_total()
             drain_began = time.monotonic()
             self._log(f"fault phase over after {drain_began - faults_began:.1f}s "
@@ -289,9 +284,12 @@ class Chaos:
             for population in self.populations:
                 assert population.service is not None
                 population.service.randomize_faults(drop_reply_rate=0.0, reject_rate=0.0, seed=0)
+            self.partitions.heal(time.monotonic(), force=True)
+            for fault_proxy in self.proxies.values():
+                fault_proxy.set_latency(0.0)
             self._drain(recoverer)
             check_began = time.monotonic()
-            report = self._report()
+            report = self._report(durability)
             ended = time.monotonic()
             report["timing"] = {
                 "wall_s": round(ended - began, 2),
@@ -307,12 +305,26 @@ class Chaos:
             return report
         finally:
             self._stop_recoverer.set()
+            self._stop_restarts.set()
             if recoverer.is_alive():
                 recoverer.join(timeout=30)
-            if self._terminator is not None:
-                self._terminator.close()
-            for population in self.populations:
-                population.close(drop=not self.keep_schemas)
+            if restarter.is_alive():
+                restarter.join(timeout=120)
+
+    def close(self) -> list[str]:
+        """Stop workers, tools and proxies; drop the schemas unless kept.
+
+        Returns what could not be done (one line each): cleanup never hides a verdict.
+        """
+        problems: list[str] = []
+        for population in self.populations:
+            try:
+                problems += population.close(drop=not self.keep_schemas)
+            except errors.LabError as exc:
+                problems.append(f"{population.label}: {exc}")
+        for fault_proxy in self.proxies.values():
+            fault_proxy.stop()
+        return problems
 
     def _create_workflows(self) -> None:
         for population in self.populations:
@@ -345,10 +357,10 @@ class Chaos:
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
         self._open_total(refresh=True)
         while time.monotonic() < deadline:
-            self._check_recoverer()
+            self._check_faults()
             self._maintain()
-            for _, _, child in self._live():
-                self._read_lines(child)
+            for population, _, child in self._live():
+                self._read_lines(child, population)
             if any(self._items_done.values()) or self._open_total(refresh=True) == 0:
                 return
             time.sleep(0.05)
@@ -358,14 +370,18 @@ class Chaos:
         settings = self.settings
         now = time.monotonic()
         deadline = now + settings.duration
-        next_kill = now + self._interval(self._kill_rng, settings.kill_every_ms)
-        next_term = now + self._interval(self._term_rng, settings.terminate_every_ms)
+        next_kill = now + interval(self._kill_rng, settings.kill_every_ms)
+        next_term = now + interval(self._term_rng, settings.terminate_every_ms)
+        next_partition = now + spread(self._partition_rng, settings.partition_every_ms)
         next_count = now
         while True:
-            self._check_recoverer()
+            self._check_faults()
             now = time.monotonic()
             if now >= next_count:
-                if self._open_total(refresh=True) == 0:
+                # Work may settle before the database was ever killed: with restarts
+                # asked for, the phase lasts until ``min_restarts`` happened too.
+                restarted = len(self.counts.restarts) >= settings.min_restarts
+                if self._open_total(refresh=True) == 0 and restarted:
                     return True
                 next_count = now + 0.25
             if now >= deadline:
@@ -373,19 +389,37 @@ class Chaos:
             self._maintain()
             if now >= next_kill:
                 self._kill_one()
-                next_kill += self._interval(self._kill_rng, settings.kill_every_ms)
+                next_kill += interval(self._kill_rng, settings.kill_every_ms)
                 next_kill = max(next_kill, now)
             if now >= next_term:
                 self._terminate_one()
-                next_term += self._interval(self._term_rng, settings.terminate_every_ms)
+                next_term += interval(self._term_rng, settings.terminate_every_ms)
                 next_term = max(next_term, now)
-            wake = min(next_kill, next_term, next_count, deadline)
+            self.partitions.heal(now)
+            if now >= next_partition:
+                self.partitions.cut(now)
+                next_partition = now + spread(self._partition_rng,
+                                                    settings.partition_every_ms)
+            wake = min(next_kill, next_term, next_partition, next_count, deadline,
+                       self.partitions.heals_at)
             time.sleep(min(max(wake - time.monotonic(), 0.0), 0.05))
 
-    @staticmethod
-    def _interval(rng: random.Random, mean_ms: float) -> float:
-        """Seconds to the next fault, exponential with ``mean_ms`` (0 means never)."""
-        return math.inf if mean_ms <= 0 else rng.expovariate(1000.0 / mean_ms)
+    # -- database faults ---------------------------------------------------------------
+
+    def _restart_loop(self) -> None:
+        """SIGKILL and restart the postmaster every ``restart_every_ms`` (give or take half)."""
+        if self._restart is None or self.settings.restart_every_ms <= 0:
+            return
+        try:
+            while not self._stop_restarts.wait(
+                spread(self._restart_rng, self.settings.restart_every_ms)
+            ):
+                at = time.monotonic() - self._began
+                down = self._restart()
+                self.counts.restarts.append({"at_s": round(at, 2), "down_s": round(down, 3)})
+                self._log(f"PostgreSQL SIGKILLed and restarted ({down:.2f}s down)")
+        except BaseException as exc:  # surfaced by the supervisor, never swallowed
+            self._restart_failure = exc
 
     def _live(self) -> list[tuple[_Population, int, processes.WorkerProcess]]:
         return [
@@ -407,7 +441,7 @@ class Chaos:
         """
         live = []
         for entry in self._live():
-            self._read_lines(entry[2])
+            self._read_lines(entry[2], entry[0])
             if self._items_done.get(entry[2].name, 0) > 0:
                 live.append(entry)
         if not live:
@@ -417,29 +451,25 @@ class Chaos:
         self.counts.kills += 1
         self._reap(population, slot)
 
-    def _worker_backends(self) -> list[tuple[int, str]]:
-        """(pid, worker name) of every backend of this run's workers."""
-        assert self._terminator is not None
-        prefix = f"{processes.WORKER_APP_PREFIX}{self.token}"
-        rows = self._terminator.execute(
-            "SELECT pid, application_name FROM pg_stat_activity "
-            "WHERE left(application_name, %s) = %s ORDER BY pid",
-            (len(prefix), prefix),
-        ).fetchall()
-        return [(int(pid), str(name)[len(processes.WORKER_APP_PREFIX):]) for pid, name in rows]
-
     def _terminate_one(self) -> None:
         """``pg_terminate_backend`` on a random backend of a live worker of this run."""
-        assert self._terminator is not None
+        db = self.populations[0].db
+        assert db is not None
         # A reaped worker's backend may linger for a moment: it is not a target.
         live = {child.name for _, _, child in self._live()}
-        pids = [pid for pid, name in self._worker_backends() if name in live]
-        if not pids:
+        prefix = f"{processes.WORKER_APP_PREFIX}{self.token}"
+        try:
+            pids = [pid for pid, name in db.backends(prefix)
+                    if name[len(processes.WORKER_APP_PREFIX):] in live]
+            if not pids:
+                self.counts.termination_misses += 1
+                return
+            done = db.terminate_backend(self._term_rng.choice(pids))
+        except errors.StoreError:  # the database is away: nothing to terminate now
+            self.counts.unreachable_reads += 1
             self.counts.termination_misses += 1
             return
-        victim = self._term_rng.choice(pids)
-        row = self._terminator.execute("SELECT pg_terminate_backend(%s)", (victim,)).fetchone()
-        if row is not None and row[0]:
+        if done:
             self.counts.backend_terminations += 1
         else:
             self.counts.termination_misses += 1
@@ -459,7 +489,8 @@ class Chaos:
         name = f"{self.token}{population.code}{slot}-{population.generation}"
         s = self.settings
         population.slots[slot] = processes.spawn_worker(
-            self.dsn, population.schema, population.service.endpoint, population.service.token,
+            self.worker_dsn, population.schema, population.worker_endpoint,
+            population.service.token,
             name, "--loop", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
             "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
             keys=self.keys,
@@ -479,18 +510,29 @@ class Chaos:
             last = (child.stderr.strip().splitlines() or ["?"])[-1]
             cause = f"exit_{code}:{last.split(':')[0]}"
         self.counts.worker_exits[cause] += 1
-        self._read_lines(child)
+        self._read_lines(child, population)
         self._items_done.pop(child.name, None)
 
-    def _read_lines(self, child: processes.WorkerProcess) -> None:
-        """Count the items a worker reported so far (its stdout, read without blocking)."""
+    def _read_lines(
+        self, child: processes.WorkerProcess, population: _Population | None = None
+    ) -> None:
+        """Count the items a worker reported so far (its stdout, read without blocking).
+
+        ``BOOK_ITEM id state fence`` is printed after the item's transaction committed:
+        each is kept as an acknowledged outcome for the ``lost_after_restart`` check.
+        """
+        if population is None:
+            population = next(p for p in self.populations if child in p.slots)
         while True:
             try:
                 line = child.lines.get_nowait()
             except queue.Empty:
                 return
             if line and line.startswith("BOOK_ITEM "):
-                self.counts.worker_items[line.split()[2]] += 1
+                _, workflow_id, state, fence = line.split()[:4]
+                population.acknowledged.append(
+                    invariants.Acknowledged(workflow_id, state, int(fence)))
+                self.counts.worker_items[state] += 1
                 self._items_done[child.name] = self._items_done.get(child.name, 0) + 1
             elif line and line.startswith("BOOK_SKIP "):
                 self.counts.worker_items[f"skip:{line.split()[1]}"] += 1
@@ -505,25 +547,29 @@ class Chaos:
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
             self._recoverer_failure = exc
 
-    def _check_recoverer(self) -> None:
-        if self._recoverer_failure is not None:
-            raise RuntimeError("the chaos recoverer failed") from self._recoverer_failure
+    def _check_faults(self) -> None:
+        """Surface a failure of the recoverer or restarter thread as the run's failure."""
+        for what, failure in (("recoverer", self._recoverer_failure),
+                              ("PostgreSQL restarter", self._restart_failure)):
+            if failure is None:
+                continue
+            if isinstance(failure, errors.LabError):
+                raise failure
+            raise errors.CheckFailed(f"the chaos {what} failed: {failure!r}") from failure
 
     def _recover(self, population: _Population) -> None:
-        """Expired leases become unknown; unreviewed unknowns are reconciled by lookup."""
+        """Expired leases become unknown; unreviewed unknowns are reconciled by lookup;
+        work in review that the database proves was never dispatched leaves review."""
         assert population.db is not None and population.reconciler is not None
         try:
             self.counts.leases_expired += population.db.recover_expired()
-            rows = population.db.execute(
-                "SELECT id FROM workflows WHERE state = 'unknown' AND review_reason = '' "
-                "ORDER BY updated_at"
-            )
+            ids = population.db.unreviewed_unknown()
         except errors.LabError as exc:
             self.counts.recoverer_errors[type(exc).__name__] += 1
             return
-        for row in rows:
+        for workflow_id in ids:
             try:
-                settled = population.reconciler.reconcile(row["id"])
+                settled = population.reconciler.reconcile(workflow_id)
             except errors.ManualReview as exc:
                 self.counts.reconciled[f"manual_review:{exc.reason}"] += 1
             except errors.LabError as exc:  # a race (Stale) or a lookup that failed: next pass
@@ -531,50 +577,86 @@ class Chaos:
             else:
                 self.counts.reconciled[{"succeeded": "found", "ready": "requeued"}.get(
                     settled.state, settled.state)] += 1
+        try:
+            for workflow_id in population.db.undispatched_in_review():
+                moved = population.db.settle_undispatched(workflow_id)
+                if moved is not None:
+                    self.counts.undispatched[moved.state] += 1
+        except errors.LabError as exc:
+            self.counts.recoverer_errors[type(exc).__name__] += 1
 
     # -- drain -------------------------------------------------------------------------
 
     def _open_total(self, refresh: bool = False) -> int:
+        """Open work in all populations; a database that is away leaves the last counts."""
         total = 0
         for population in self.populations:
-            counts = population.refresh() if refresh else population.open
+            counts = population.open
+            if refresh:
+                try:
+                    counts = population.refresh()
+                except errors.StoreError:
+                    self.counts.unreachable_reads += 1
             total += sum(counts.values())
         return total
 
     def _drain(self, recoverer: threading.Thread) -> None:
-        """No more faults: let workers and the recoverer settle everything they can."""
-        deadline = time.monotonic() + self.settings.drain_timeout
-        while time.monotonic() < deadline:
-            self._check_recoverer()
-            if self._open_total(refresh=True) == 0:
-                break
-            self._maintain()
-            time.sleep(0.1)
+        """No more faults: let workers and the recoverer settle everything they can.
+
+        The recoverer's passes move here, into this thread, so that each count of
+        open work comes right after a pass: work a pass just took out of review
+        (proven undispatched, queued again) is counted, and gets a worker.
+        """
         self._stop_recoverer.set()
         recoverer.join(timeout=30)
-        self._check_recoverer()
-        # Workers leave by themselves once idle; whatever is left after that is stuck.
-        wait_until = time.monotonic() + self.settings.idle_exit + 15.0
-        while self._live() and time.monotonic() < wait_until:
-            time.sleep(0.1)
-        for population in self.populations:
-            for slot, child in enumerate(population.slots):
-                if child is None:
-                    continue
-                if child.alive():
-                    self.counts.drain_kills += 1
-                self._reap(population, slot)
-        # A last pass with no worker alive: leases of anything still running run out.
-        for _ in range(3):
-            if self._open_total(refresh=True) == 0:
-                break
-            time.sleep(self.settings.lease + 0.2)
+        self._check_faults()
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while True:
+            while time.monotonic() < deadline:
+                for population in self.populations:
+                    self._recover(population)
+                if self._open_total(refresh=True) == 0:
+                    break
+                self._maintain()
+                time.sleep(RECOVER_EVERY_S)
+            # Workers leave by themselves once idle; whatever is left after that is stuck.
+            wait_until = time.monotonic() + self.settings.idle_exit + 15.0
+            while self._live() and time.monotonic() < wait_until:
+                time.sleep(0.1)
             for population in self.populations:
-                self._recover(population)
+                for slot, child in enumerate(population.slots):
+                    if child is None:
+                        continue
+                    if child.alive():
+                        self.counts.drain_kills += 1
+                    self._reap(population, slot)
+            # A last pass with no worker alive: leases of anything still running run out.
+            for _ in range(3):
+                if self._open_total(refresh=True) == 0:
+                    break
+                time.sleep(self.settings.lease + 0.2)
+                for population in self.populations:
+                    self._recover(population)
+            ready = sum(p.open["ready"] for p in self.populations)
+            if ready == 0 or time.monotonic() >= deadline:
+                return
+            # Recovery queued work again after the workers left: drain once more.
 
     # -- the check and the report ----------------------------------------------------------
 
-    def _report(self) -> dict[str, Any]:
+    def _load(self, population: _Population) -> invariants.History:
+        """The population's history, waiting out a database that is still coming back."""
+        patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
+        while True:
+            try:
+                return invariants.load(self.dsn, population.schema, open_result=self.keys.open,
+                                       acknowledged=population.acknowledged)
+            except errors.StoreError:
+                if patience.exhausted:
+                    raise
+                time.sleep(patience.failed())
+
+    def _report(self, durability: dict[str, str]) -> dict[str, Any]:
         s = self.settings
         per_population: list[dict[str, Any]] = []
         violations: list[dict[str, str]] = []
@@ -585,7 +667,7 @@ class Chaos:
         effects = dropped = rejected = calls = lookups = 0
         for population in self.populations:
             assert population.service is not None
-            history = invariants.load(self.dsn, population.schema, open_result=self.keys.open)
+            history = self._load(population)
             found = invariants.check(history)
             violations += [{"schema": population.schema, **v.to_json()} for v in found]
             found_all += found
@@ -636,6 +718,19 @@ class Chaos:
                 "idle_exit_s": s.idle_exit,
                 "max_attempts": store.DEFAULT_MAX_ATTEMPTS,
                 "layout": "one schema per tool mode, each with its own tool service and workers",
+                "restart_postgres_every_ms": s.restart_every_ms,
+                "partition_every_ms": s.partition_every_ms,
+                "partition_for_ms": s.partition_for_ms,
+                "latency_ms": s.latency_ms,
+                "proxied_links": sorted(self.proxies),
+            },
+            "database": {
+                "durable_mode_requested": s.durable,
+                "durability": durability,
+                "restarts": c.restarts,
+                "restart_count": len(c.restarts),
+                "down_s": round(sum(r["down_s"] for r in c.restarts), 3),
+                "unreachable_reads": c.unreachable_reads,
             },
             "states": dict(sorted(states.items())),
             "effects": effects,
@@ -646,6 +741,10 @@ class Chaos:
                 "termination_timer_without_backend": c.termination_misses,
                 "dropped_replies": dropped,
                 "rejected_429": rejected,
+                "postgres_restarts": len(c.restarts),
+                "partitions": len(self.partitions.log),
+                "partition_log": self.partitions.log,
+                "proxy_resets": sum(p.resets for p in self.proxies.values()),
             },
             "tool": {"calls": calls, "lookups": lookups},
             "workers": {
@@ -657,6 +756,7 @@ class Chaos:
             "recovery": {
                 "leases_expired": c.leases_expired,
                 "reconciled": dict(sorted(c.reconciled.items())),
+                "undispatched_out_of_review": dict(sorted(c.undispatched.items())),
                 "retried_next_pass": dict(sorted(c.recoverer_errors.items())),
             },
             "manual_reviews": sum(reviews.values()),
@@ -675,112 +775,19 @@ def run(
     *,
     log: Callable[[str], None] | None = None,
     keep_schemas: bool = False,
+    restart: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Run one bounded chaos round against ``dsn`` and return its report.
 
     The round creates its own schemas (``chaos_<token>_i`` / ``_n``) and drops
-    them at the end unless ``keep_schemas``.
+    them at the end unless ``keep_schemas``; what cleanup could not do is in the
+    report's ``cleanup`` list. ``restart`` crash-restarts the server (needed for
+    ``restart_every_ms``).
     """
-    return Chaos(dsn, settings, log=log, keep_schemas=keep_schemas).run()
-
-
-def summary_tables(report: dict[str, Any]) -> list[Table]:
-    """The report as rich tables: states per population, faults, invariants."""
-    populations = report["populations"]
-    states = Table(title="final states")
-    states.add_column("state")
-    for population in populations:
-        states.add_column(population["label"], justify="right")
-    states.add_column("total", justify="right")
-    for state in sorted(report["states"]):
-        states.add_row(state, *[str(p["states"].get(state, 0)) for p in populations],
-                       str(report["states"][state]))
-    states.add_row("effects in ledger", *[str(p["effects"]) for p in populations],
-                   str(report["effects"]))
-    states.add_row("manual reviews", *[str(sum(p["manual_reviews"].values()))
-                                       for p in populations], str(report["manual_reviews"]))
-
-    faults = Table(title="faults and recovery")
-    faults.add_column("what")
-    faults.add_column("count", justify="right")
-    f, w, r = report["faults"], report["workers"], report["recovery"]
-    rows = [
-        ("worker SIGKILLs", f["kills"]),
-        ("kill timers with no working process to hit", f["kill_timer_without_target"]),
-        ("backend terminations", f["backend_terminations"]),
-        ("replies dropped after commit", f["dropped_replies"]),
-        ("429 answers", f["rejected_429"]),
-        ("worker process starts", w["starts"]),
-        ("leases expired and recovered", r["leases_expired"]),
-        ("tool calls / lookups", f"{report['tool']['calls']} / {report['tool']['lookups']}"),
-    ]
-    rows += [(f"reconciled: {kind}", n) for kind, n in r["reconciled"].items()]
-    rows += [(f"manual review: {why}", n) for why, n in report["manual_review_reasons"].items()]
-    rows += [(f"worker exits: {cause}", n) for cause, n in w["exits"].items()]
-    for what, count in rows:
-        faults.add_row(what, str(count))
-
-    checks = Table(title="invariants")
-    checks.add_column("invariant")
-    checks.add_column("violations", justify="right")
-    for kind, count in report["violations_by_kind"].items():
-        checks.add_row(kind, str(count), style="red" if count else None)
-    checks.add_row("total", str(report["violation_count"]),
-                   style="bold red" if report["violation_count"] else "bold green")
-    return [states, faults, checks]
-
-
-def print_summary(report: dict[str, Any], console: Console) -> None:
-    """Print the report's tables, timing and any violations."""
-    for table in summary_tables(report):
-        console.print(table)
-    t, run_ = report["timing"], report["run"]
-    console.print(
-        f"seed {run_['seed']}; {run_['workflows']} workflows, {run_['worker_processes']} worker "
-        f"processes; lease {run_['lease_s']}s, heartbeat {run_['heartbeat_s']}s; "
-        f"wall {t['wall_s']}s (setup {t['setup_s']}s, warm-up {t['warm_up_s']}s, "
-        f"faults {t['fault_phase_s']}s, drain {t['drain_s']}s, check {t['check_s']}s); "
-        f"{t['settled_before_drain']} of {run_['workflows']} workflows settled before the drain"
-    )
-    for violation in report["violations"][:20]:
-        console.print(f"[red]{violation['kind']}[/red] {violation['workflow_id']} "
-                      f"{violation['effect_key']}: {violation['detail']}")
-    console.print(f"violations: {report['violation_count']}",
-                  style="bold red" if report["violation_count"] else "bold green")
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    """Body of ``lab chaos``: provision PostgreSQL, run, print, write ``--output``.
-
-    Exit 0 when every invariant held, 1 when any was violated, 2 when the run
-    could not be made.
-    """
-    from lab import cluster
-
-    console = Console()
-    progress = Console(stderr=True)
+    chaos = Chaos(dsn, settings, log=log, keep_schemas=keep_schemas, restart=restart)
     try:
-        settings = Settings.from_args(args)
-        settings.validate()
-        running = cluster.start(mode=args.lab_postgres)
-    except errors.LabError as exc:
-        print(f"lab chaos: {exc}", file=sys.stderr)
-        return 2
-    try:
-        database = running.provisioned.describe()
-        progress.log(f"PostgreSQL {database.get('server_version')} via "
-                     f"{database.get('provider')}")
-        report = run(running.provisioned.dsn, settings, log=progress.log)
-    except errors.LabError as exc:
-        print(f"lab chaos: {exc}", file=sys.stderr)
-        return 2
+        report = chaos.run()
     finally:
-        running.stop()
-    report["postgres"] = database
-    print_summary(report, console)
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    console.print(f"report written to {output}")
-    return 0 if report["violation_count"] == 0 else 1
-
+        problems = chaos.close()
+    report["cleanup"] = problems
+    return report

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import errors
+from lab import errors, providers
 
 
 def _plancheck(args: argparse.Namespace) -> int:
@@ -89,9 +89,9 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from lab import chaos
+    from lab import chaos_report
 
-    return chaos.cli_main(args)
+    return chaos_report.cli_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -186,9 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mean ms between pg_terminate_backend of a worker (0: never)")
     chaos.add_argument("--non-idempotent-share", type=float, default=0.2)
     chaos.add_argument("--seed", type=int, default=42)
+    chaos.add_argument("--restart-postgres-every", type=float, default=0.0, metavar="MS",
+                       help="SIGKILL and restart PostgreSQL about every MS (0: never; "
+                            "implies --durable; embedded provider)")
+    chaos.add_argument("--min-restarts", type=int, default=2, metavar="N",
+                       help="with restarts, the fault phase lasts until N happened (within "
+                            "--duration), even when all work settled sooner")
+    chaos.add_argument("--partition-every", type=float, default=0.0, metavar="MS",
+                       help="cut one link (blackhole or reset) about every MS (0: never)")
+    chaos.add_argument("--partition-for", type=float, default=1000.0, metavar="MS",
+                       help="how long a partition lasts")
+    chaos.add_argument("--latency", type=float, default=0.0, metavar="MS",
+                       help="delay on every proxied link")
+    chaos.add_argument("--durable", action="store_true",
+                       help="run PostgreSQL with fsync=on and synchronous_commit=on")
     chaos.add_argument("--output", default="evidence/chaos.json")
-    chaos.add_argument("--lab-postgres", default="auto",
-                       choices=["auto", "dsn", "container", "embedded"])
+    chaos.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
     chaos.set_defaults(handler=_chaos)
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")

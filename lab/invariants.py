@@ -3,9 +3,9 @@
 Pure functions over plain data (``History``): the final workflow rows, the
 whole audit-event history and the tool's ledger. Nothing here calls the
 worker, the store's transitions or the tool, so a bug in those cannot hide
-itself from the check; ``load`` reads the three tables with its own SQL in one
-snapshot. Each rule returns ``Violation`` records that name the workflow and
-the effect key concerned::
+itself from the check; ``load`` reads the tables through ``store.history_rows``,
+a read-only snapshot that never goes through a transition. Each rule returns
+``Violation`` records that name the workflow and the effect key concerned::
 
     duplicate_effect          more than one ledger row for one effect key
     effect_without_owner      an effect no succeeded/unknown workflow of that key and plan owns
@@ -17,6 +17,10 @@ the effect key concerned::
     budget_overrun            more attempts (or claims) than the workflow's budget
     succeeded_without_effect  a succeeded workflow without exactly one matching ledger row
                               whose receipt is the stored result
+    lost_after_restart        a write the system acknowledged is missing: an outcome a
+                              worker saw committed that the final row does not carry, or
+                              a ledger effect whose start barrier (committed before every
+                              dispatch) is not in the database
 """
 
 from __future__ import annotations
@@ -26,11 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import psycopg
-from psycopg import sql
-from psycopg.rows import dict_row
-
-from lab import boundaries
+from lab import store
 
 # Repeated here, not imported from ``store``: the checker states its own idea of "finished".
 TERMINAL_STATES = frozenset({"succeeded", "cancelled", "failed", "incompatible"})
@@ -57,6 +57,7 @@ STALE_COMPLETION = "stale_completion"
 LOST_WORKFLOW = "lost_workflow"
 BUDGET_OVERRUN = "budget_overrun"
 SUCCEEDED_WITHOUT_EFFECT = "succeeded_without_effect"
+LOST_AFTER_RESTART = "lost_after_restart"
 KINDS = (
     DUPLICATE_EFFECT,
     EFFECT_WITHOUT_OWNER,
@@ -66,6 +67,7 @@ KINDS = (
     LOST_WORKFLOW,
     BUDGET_OVERRUN,
     SUCCEEDED_WITHOUT_EFFECT,
+    LOST_AFTER_RESTART,
 )
 
 
@@ -105,15 +107,40 @@ class EffectFact:
     fingerprint: str
     receipt: str
     idempotent: bool
+    start_id: str | None = None
+
+
+@dataclass(frozen=True)
+class BarrierFact:
+    """One committed start barrier: the intent recorded before a dispatch."""
+
+    start_id: str
+    workflow_id: str
+    fence: int
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """An outcome a worker was told was committed (seen outside the database)."""
+
+    workflow_id: str
+    state: str
+    fence: int
 
 
 @dataclass(frozen=True)
 class History:
-    """Everything the checker reads: final workflows, every event, every ledger row."""
+    """Everything the checker reads: final workflows, every event, every ledger row.
+
+    ``barriers`` are the committed start barriers; ``acknowledged`` are outcomes
+    reported by workers after their commit returned (empty when nobody recorded any).
+    """
 
     workflows: Sequence[WorkflowFact]
     events: Sequence[EventFact]
     effects: Sequence[EffectFact]
+    barriers: Sequence[BarrierFact] = ()
+    acknowledged: Sequence[Acknowledged] = ()
 
 
 @dataclass(frozen=True)
@@ -328,6 +355,48 @@ def succeeded_without_effect(history: History) -> list[Violation]:
     return found
 
 
+def lost_after_restart(history: History) -> list[Violation]:
+    """Nothing acknowledged is lost: what a worker saw committed is still in the database.
+
+    A worker reports an outcome only after its transaction committed, so the final
+    row must still show it: a reported success is final (succeeded is terminal) and
+    no reported fence is newer than the row's. And a ledger effect that names a start
+    barrier must find that barrier of its own workflow, since the barrier is committed
+    before the tool is called. Either missing means a committed write was lost, as a
+    database restart without durable commits can do.
+    """
+    rows = {wf.id: wf for wf in history.workflows}
+    found: list[Violation] = []
+    for ack in history.acknowledged:
+        wf = rows.get(ack.workflow_id)
+        if wf is None:
+            problem = "acknowledged workflow is missing"
+        elif ack.state == "succeeded" and wf.state != "succeeded":
+            problem = f"acknowledged succeeded at fence {ack.fence}, ended {wf.state}"
+        elif wf.fence < ack.fence:
+            problem = f"acknowledged {ack.state} at fence {ack.fence}, row has fence {wf.fence}"
+        else:
+            continue
+        found.append(Violation(LOST_AFTER_RESTART, ack.workflow_id,
+                               wf.effect_key if wf else "", problem))
+    barriers = {b.start_id: b for b in history.barriers}
+    owners = {wf.effect_key: wf for wf in history.workflows}
+    for effect in sorted(history.effects, key=lambda e: e.seq):
+        if effect.start_id is None:
+            continue
+        barrier = barriers.get(effect.start_id)
+        owner = owners.get(effect.effect_key)
+        if barrier is not None and owner is not None and barrier.workflow_id == owner.id:
+            continue
+        problem = ("its start barrier is not in the database" if barrier is None
+                   else "its start barrier belongs to another workflow")
+        found.append(Violation(LOST_AFTER_RESTART, owner.id if owner else "",
+                               effect.effect_key,
+                               f"receipt {effect.receipt} names start {effect.start_id}: "
+                               f"{problem}"))
+    return found
+
+
 RULES: tuple[Callable[[History], list[Violation]], ...] = (
     duplicate_effects,
     effects_without_owner,
@@ -337,6 +406,7 @@ RULES: tuple[Callable[[History], list[Violation]], ...] = (
     lost_workflows,
     budget_overruns,
     succeeded_without_effect,
+    lost_after_restart,
 )
 
 
@@ -368,41 +438,29 @@ def _readable(
         return {"unreadable": f"{type(exc).__name__}: {exc}"}
 
 
-def load(dsn: str, schema: str, *, open_result: ResultOpener | None = None) -> History:
-    """Read one schema's workflows, events and ledger in a single consistent snapshot.
+def load(
+    dsn: str,
+    schema: str,
+    *,
+    open_result: ResultOpener | None = None,
+    acknowledged: Sequence[Acknowledged] = (),
+) -> History:
+    """Read one schema's workflows, events, ledger and barriers in a single snapshot.
 
     Results sealed at rest are opened with ``open_result(sealed, workflow_id)``
     (a key catalog's ``open``); one that cannot be opened is kept as
-    ``{"unreadable": why}`` and so never proves an effect.
+    ``{"unreadable": why}`` and so never proves an effect. ``acknowledged`` are the
+    outcomes workers reported, carried into the history unchanged. Raises
+    ``errors.StoreError`` when the database cannot be read.
     """
-    with psycopg.connect(
-        boundaries.check_dsn(dsn), row_factory=dict_row, application_name="lab-invariants"
-    ) as conn:
-        # REPEATABLE READ: the three reads see one moment, even if something still writes.
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        with conn.transaction():
-            conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
-            workflows = conn.execute(
-                """
-                SELECT id, state, coalesce(plan -> 'idempotent' = 'true'::jsonb, false)
-                           AS idempotent,
-                       effect_key, fingerprint, fence, attempt, max_attempts,
-                       review_reason, result
-                  FROM workflows ORDER BY created_at, id
-                """
-            ).fetchall()
-            events = conn.execute(
-                "SELECT seq, workflow_id, kind, fence, detail FROM events ORDER BY seq"
-            ).fetchall()
-            effects = conn.execute(
-                "SELECT seq, effect_key, fingerprint, receipt, idempotent "
-                "FROM tool_effects ORDER BY seq"
-            ).fetchall()
+    rows = store.history_rows(dsn, schema)
     return History(
         workflows=[
             WorkflowFact(**{**row, "result": _readable(row["result"], row["id"], open_result)})
-            for row in workflows
+            for row in rows["workflows"]
         ],
-        events=[EventFact(**row) for row in events],
-        effects=[EffectFact(**row) for row in effects],
+        events=[EventFact(**row) for row in rows["events"]],
+        effects=[EffectFact(**row) for row in rows["effects"]],
+        barriers=[BarrierFact(**row) for row in rows["barriers"]],
+        acknowledged=list(acknowledged),
     )

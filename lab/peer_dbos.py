@@ -2,7 +2,7 @@
 
 One DBOS workflow, ``lab_peer_credit``, with one ``@DBOS.step`` that calls the
 lab's credit tool over HTTP under the same effect key the lab would use. The same
-program serves the throughput benchmark and the peer chapter (``ch11_peer_dbos``):
+program serves the throughput benchmark and the peer chapter (``ch12_peer_dbos``):
 
 ``prepare``   create and migrate DBOS's system tables, register the benchmark queue
 ``worker``    a benchmark queue worker speaking the lab's line protocol: ``BOOK_READY``

@@ -21,11 +21,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import IO
 
-from lab import egress, errors, sealing, store, tool, worker
+from lab import backoff, egress, errors, sealing, store, tool, worker
 
 DSN_ENV = "BOOK_LAB_DSN"
 # Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
 WORKER_APP_PREFIX = "lab-worker:"
+# How long a worker waits for a lost database (failures in a row) before it gives up.
+DB_PATIENCE_S = 60.0
 TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret; the token travels in the environment, never in argv
 
 
@@ -47,9 +49,9 @@ def worker_main(args: argparse.Namespace) -> int:
             wait_for_newline()
 
     try:
-        with store.Store.open(
-            dsn, args.schema, max_connections=2, application_name=f"{WORKER_APP_PREFIX}{args.name}"
-        ) as db, tool.ToolClient(args.tool, token) as client:
+        with _open_store(dsn, args.schema, args.name) as db, tool.ToolClient(
+            args.tool, token
+        ) as client:
             runner = worker.Worker(
                 db=db,
                 client=client,
@@ -75,23 +77,43 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_store(dsn: str, schema: str, name: str) -> store.Store:
+    """Connect, riding out a database that is away (restarting) with jittered backoff."""
+    patience = backoff.Backoff(patience=DB_PATIENCE_S)
+    while True:
+        try:
+            return store.Store.open(
+                dsn, schema, max_connections=2, application_name=f"{WORKER_APP_PREFIX}{name}"
+            )
+        except errors.StoreError:
+            if patience.exhausted:
+                raise
+            time.sleep(patience.failed())
+
+
 def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
     """Run items until none was due for ``idle_exit`` seconds (or ``max_items`` ran).
 
     A stale fence, a manual-review decision, a tool failure or a lost database
     connection ends one item, not the loop: the database has already refused or
-    recorded what it must, and the pool replaces a terminated backend.
+    recorded what it must, and the pool replaces a terminated backend. A database
+    that is away is waited for with bounded, jittered backoff (its outage does not
+    count as idle time) until ``DB_PATIENCE_S`` of failures in a row.
     """
     done = 0
     idle_since = time.monotonic()
+    lost = backoff.Backoff(patience=DB_PATIENCE_S)
     while max_items <= 0 or done < max_items:
         try:
             item = runner.run_one()
+            lost.reset()
         except errors.StoreError as exc:
-            # A lost backend is replaced by the pool; a database that stays away
-            # lets the idle timer run out instead of spinning forever.
             print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
-            item = None
+            if lost.exhausted:
+                raise
+            time.sleep(lost.failed())
+            idle_since = time.monotonic()
+            continue
         except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
             print(f"BOOK_SKIP {type(exc).__name__}", flush=True)
             item = None

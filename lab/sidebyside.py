@@ -1,8 +1,8 @@
 """The book's side-by-side table: per failure window, what the lab, DBOS and LangGraph did.
 
 Every cell comes from the verified report, nothing is written by hand: the peer
-columns from the observations the peer chapters (``ch11_peer_dbos``,
-``ch12_peer_langgraph``) record with ``peer_window``, ``system``, ``effects`` and a
+columns from the observations the peer chapters (``ch12_peer_dbos``,
+``ch13_peer_langgraph``) record with ``peer_window``, ``system``, ``effects`` and a
 measured ``outcome``; the lab column from the lab's own experiments for that window
 (``LAB_EXPERIMENTS``: their result and observed facts) plus any observation a peer
 chapter records with ``system: "lab"`` (a LangGraph node delegating to the lab). A
@@ -52,7 +52,9 @@ LAB_EXPERIMENTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("ch06_cancellation", "test_cancel_after_effect_preserves_succeeded_fact"),
         ("ch06_cancellation", "test_cancellation_during_lookup_cannot_requeue"),
     ),
-    "postgres_restart_during_recovery": (),
+    "postgres_restart_during_recovery": (
+        ("ch11_database_faults", "test_postgres_killed_mid_window_recovers_without_violation"),
+    ),
     "approval_binding": (
         ("ch02_approval", "test_approval_binds_tenant_role_and_fingerprint"),
     ),

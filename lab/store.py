@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
-from typing import Any, LiteralString
+from typing import Any, LiteralString, overload
 
 import psycopg
-from psycopg import sql
+from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
@@ -42,6 +42,12 @@ STATES = (
     "incompatible",
 )
 TERMINAL_STATES = frozenset({"succeeded", "cancelled", "failed", "incompatible"})
+# The review reason that carries the database's proof that nothing was dispatched.
+UNDISPATCHED_REVIEW = "not_dispatched_no_start_barrier"
+# What decides whether a committed transaction survives a crash of the server or machine.
+DURABILITY_SETTINGS = ("fsync", "synchronous_commit", "full_page_writes", "wal_sync_method")
+# Completions that prove their start had no effect: the tool answered 429 or was never reached.
+NON_EFFECT_OUTCOMES = ("rate_limited", "unreachable")
 
 # The oldest due ready workflow, skipping rows another claimer holds. It reads only
 # the partial ``ready_work`` index, so its cost does not grow with finished history.
@@ -386,17 +392,12 @@ class Store:
     def heartbeat(self, claim: Workflow, lease: timedelta) -> datetime:
         """Extend a live lease held under ``claim``'s fence; an expired one stays expired."""
         with self._transaction("extend a lease") as conn:
-            row = conn.execute(
-                """
-                UPDATE workflows SET lease_until = clock_timestamp() + %s
-                 WHERE id = %s AND fence = %s AND owner = %s AND state = 'running'
-                   AND lease_until > clock_timestamp()
-                RETURNING lease_until
-                """,
-                (lease, claim.id, claim.fence, claim.owner),
-            ).fetchone()
-        if row is None:
-            raise errors.Stale("lease expired or fence moved: heartbeat refused")
+            row = _fenced(
+                conn, claim, "running", "lease_until = clock_timestamp() + %s", (lease,),
+                guard=" AND owner = %s AND lease_until > clock_timestamp()",
+                guard_params=(claim.owner,),
+                refusal="lease expired or fence moved: heartbeat refused", touch=False,
+            )
         lease_until: datetime = row["lease_until"]
         return lease_until
 
@@ -493,19 +494,15 @@ class Store:
         sealed = self.keys.seal(receipt.to_json(), claim.id)
         with self._transaction("complete a workflow") as conn:
             barrier = _barrier_at(conn, claim.id, claim.fence)
-            row = conn.execute(
-                """
-                UPDATE workflows
-                   SET state = 'succeeded', result = %s, owner = '', lease_until = NULL,
-                       review_reason = '', updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'running'
-                   AND fingerprint = %s AND effect_key = %s
-                RETURNING *
-                """,
-                (Jsonb(sealed), claim.id, claim.fence, claim.fingerprint, claim.effect_key),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("claim is no longer current: completion refused")
+            row = _fenced(
+                conn, claim, "running",
+                "state = 'succeeded', result = %s, owner = '', lease_until = NULL, "
+                "review_reason = ''",
+                (Jsonb(sealed),),
+                guard=" AND fingerprint = %s AND effect_key = %s",
+                guard_params=(claim.fingerprint, claim.effect_key),
+                refusal="claim is no longer current: completion refused",
+            )
             if barrier is not None:
                 _complete_start(conn, Completion.success(barrier, receipt.receipt_id))
             _event(conn, claim.id, "completed", claim.fence, "")
@@ -514,19 +511,11 @@ class Store:
     def unknown(self, claim: Workflow, cause: str = "reply_lost") -> Workflow:
         """Record that the dispatch's outcome is not known (it may have happened)."""
         with self._transaction("record an unknown outcome") as conn:
-            row = conn.execute(
-                """
-                UPDATE workflows
-                   SET state = 'unknown', owner = '', lease_until = NULL,
-                       updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'running'
-                RETURNING *
-                """,
-                (claim.id, claim.fence),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("claim is no longer current: unknown refused")
-            _event(conn, claim.id, "unknown", claim.fence, f"cause={cause}")
+            row = _fenced(
+                conn, claim, "running", "state = 'unknown', owner = '', lease_until = NULL", (),
+                refusal="claim is no longer current: unknown refused",
+                event=("unknown", f"cause={cause}"),
+            )
         return Workflow.from_row(row)
 
     def retry_later(self, claim: Workflow, backoff: timedelta, cause: str) -> Workflow:
@@ -538,24 +527,19 @@ class Store:
         if backoff < timedelta(0):
             raise errors.Rejected("backoff must not be negative")
         with self._transaction("schedule a retry") as conn:
-            row = conn.execute(
+            row = _fenced(
+                conn, claim, "running",
                 """
-                UPDATE workflows
-                   SET state = CASE WHEN cancel_requested THEN 'cancelled'
-                                    WHEN attempt >= max_attempts THEN 'failed'
-                                    ELSE 'ready' END,
-                       review_reason = CASE WHEN attempt >= max_attempts
-                                                 AND NOT cancel_requested
-                                            THEN 'attempt_budget_spent' ELSE '' END,
-                       ready_at = clock_timestamp() + %s,
-                       owner = '', lease_until = NULL, updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'running'
-                RETURNING *
+                state = CASE WHEN cancel_requested THEN 'cancelled'
+                             WHEN attempt >= max_attempts THEN 'failed'
+                             ELSE 'ready' END,
+                review_reason = CASE WHEN attempt >= max_attempts AND NOT cancel_requested
+                                     THEN 'attempt_budget_spent' ELSE '' END,
+                ready_at = clock_timestamp() + %s, owner = '', lease_until = NULL
                 """,
-                (backoff, claim.id, claim.fence),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("claim is no longer current: retry refused")
+                (backoff,),
+                refusal="claim is no longer current: retry refused",
+            )
             barrier = _barrier_at(conn, claim.id, claim.fence)
             if barrier is not None:
                 outcome = "unreachable" if cause == "tool_unreachable" else (
@@ -571,18 +555,11 @@ class Store:
     def fail(self, claim: Workflow, reason: str) -> Workflow:
         """Record a definite refusal by the tool: the workflow failed, nothing happened."""
         with self._transaction("record a failure") as conn:
-            row = conn.execute(
-                """
-                UPDATE workflows
-                   SET state = 'failed', review_reason = %s, owner = '', lease_until = NULL,
-                       updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'running'
-                RETURNING *
-                """,
-                (reason, claim.id, claim.fence),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("claim is no longer current: failure refused")
+            row = _fenced(
+                conn, claim, "running",
+                "state = 'failed', review_reason = %s, owner = '', lease_until = NULL", (reason,),
+                refusal="claim is no longer current: failure refused",
+            )
             barrier = _barrier_at(conn, claim.id, claim.fence)
             if barrier is not None:
                 _complete_start(conn, Completion.failure(barrier, "rejected"))
@@ -598,20 +575,13 @@ class Store:
         sealed = self.keys.seal(receipt.to_json(), unknown.id)
         with self._transaction("record a reconciled effect") as conn:
             barrier = _barrier_at(conn, unknown.id, unknown.fence)
-            row = conn.execute(
-                """
-                UPDATE workflows
-                   SET state = 'succeeded', result = %s, review_reason = '',
-                       updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'unknown'
-                   AND fingerprint = %s AND effect_key = %s
-                RETURNING *
-                """,
-                (Jsonb(sealed), unknown.id, unknown.fence, unknown.fingerprint,
-                 unknown.effect_key),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("workflow changed during reconciliation")
+            row = _fenced(
+                conn, unknown, "unknown", "state = 'succeeded', result = %s, review_reason = ''",
+                (Jsonb(sealed),),
+                guard=" AND fingerprint = %s AND effect_key = %s",
+                guard_params=(unknown.fingerprint, unknown.effect_key),
+                refusal="workflow changed during reconciliation",
+            )
             if barrier is not None and not _has_completion(conn, barrier.start_id):
                 _complete_start(conn, Completion.success(barrier, receipt.receipt_id))
             _event(conn, unknown.id, "reconciled", unknown.fence, "lookup=found")
@@ -625,20 +595,14 @@ class Store:
         unknown for manual review and ``errors.ManualReview`` names the reason.
         """
         with self._transaction("requeue after an empty lookup") as conn:
-            row = conn.execute(
-                """
-                UPDATE workflows
-                   SET state = 'ready', ready_at = clock_timestamp(), review_reason = '',
-                       updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'unknown'
-                   AND NOT cancel_requested AND attempt < max_attempts
-                   AND plan -> 'idempotent' = 'true'::jsonb
-                RETURNING *
-                """,
-                (unknown.id, unknown.fence),
-            ).fetchone()
+            row = _fenced(
+                conn, unknown, "unknown",
+                "state = 'ready', ready_at = clock_timestamp(), review_reason = ''", (),
+                guard=" AND NOT cancel_requested AND attempt < max_attempts"
+                      " AND plan -> 'idempotent' = 'true'::jsonb",
+                refusal=None, event=("reconciled", "lookup=absent"),
+            )
             if row is not None:
-                _event(conn, unknown.id, "reconciled", unknown.fence, "lookup=absent")
                 return Workflow.from_row(row)
         current = self.get(unknown.id)
         if current.state != "unknown" or current.fence != unknown.fence:
@@ -663,22 +627,57 @@ class Store:
             if reason == "non_idempotent":
                 barrier = _barrier_at(conn, unknown.id, unknown.fence)
                 reason = (
-                    "not_dispatched_no_start_barrier"
+                    UNDISPATCHED_REVIEW
                     if barrier is None
                     else "non_idempotent_dispatched"
                 )
-            row = conn.execute(
-                """
-                UPDATE workflows SET review_reason = %s, updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state = 'unknown'
-                RETURNING *
-                """,
-                (reason, unknown.id, unknown.fence),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("workflow changed during reconciliation")
-            _event(conn, unknown.id, "manual_review", unknown.fence, f"reason={reason}")
+            _fenced(
+                conn, unknown, "unknown", "review_reason = %s", (reason,),
+                refusal="workflow changed during reconciliation",
+                event=("manual_review", f"reason={reason}"),
+            )
         raise errors.ManualReview(f"manual review required: {reason}", reason=reason)
+
+    def settle_undispatched(self, workflow_id: str) -> Workflow | None:
+        """Take proven-undispatched work out of manual review, as an operator's recoverer does.
+
+        Applies to an ``unknown`` workflow reviewed as ``not_dispatched_no_start_barrier``
+        when, re-checked under a row lock, no start barrier of any fence may have
+        dispatched: none under its current fence, and every earlier one ended in a
+        definite non-effect (a 429 or an unreachable tool). Then nothing ever reached
+        the tool, so: a requested cancellation cancels it, a spent attempt budget fails
+        it, and otherwise it is queued again (event ``requeued_undispatched``). Every
+        outcome carries ``proof=no_start_barrier`` in its audit event. Returns the new
+        snapshot, or None when the proof does not hold (it stays for a person).
+        """
+        with self._transaction("requeue proven-undispatched work") as conn:
+            row = _locked(conn, workflow_id)
+            if row["state"] != "unknown" or row["review_reason"] != UNDISPATCHED_REVIEW:
+                return None
+            if not _never_dispatched(conn, workflow_id, row["fence"]):
+                return None
+            current = Workflow.from_row(row)
+            if row["cancel_requested"]:
+                outcome = _fenced(
+                    conn, current, "unknown", "state = 'cancelled'", (),
+                    refusal="workflow changed during recovery",
+                    event=("cancelled", "at=review proof=no_start_barrier"),
+                )
+            elif row["attempt"] >= row["max_attempts"]:
+                outcome = _fenced(
+                    conn, current, "unknown",
+                    "state = 'failed', review_reason = 'attempt_budget_spent'", (),
+                    refusal="workflow changed during recovery",
+                    event=("failed", "cause=attempt_budget_spent proof=no_start_barrier"),
+                )
+            else:
+                outcome = _fenced(
+                    conn, current, "unknown",
+                    "state = 'ready', ready_at = clock_timestamp(), review_reason = ''", (),
+                    refusal="workflow changed during recovery",
+                    event=("requeued_undispatched", "proof=no_start_barrier"),
+                )
+        return Workflow.from_row(outcome)
 
     def quarantine(self, workflow: Workflow, reason: str = "integrity") -> Workflow:
         """Refuse to act on a workflow whose stored records failed verification.
@@ -687,20 +686,14 @@ class Store:
         it waits for a person with ``reason``. Fenced like every transition.
         """
         with self._transaction("quarantine a workflow") as conn:
-            row = conn.execute(
-                """
-                UPDATE workflows
-                   SET state = CASE WHEN state = 'running' THEN 'unknown' ELSE state END,
-                       owner = '', lease_until = NULL, review_reason = %s,
-                       updated_at = clock_timestamp()
-                 WHERE id = %s AND fence = %s AND state IN ('running', 'unknown')
-                RETURNING *
-                """,
-                (reason, workflow.id, workflow.fence),
-            ).fetchone()
-            if row is None:
-                raise errors.Stale("workflow changed before it could be quarantined")
-            _event(conn, workflow.id, "manual_review", workflow.fence, f"reason={reason}")
+            row = _fenced(
+                conn, workflow, ("running", "unknown"),
+                "state = CASE WHEN state = 'running' THEN 'unknown' ELSE state END, "
+                "owner = '', lease_until = NULL, review_reason = %s",
+                (reason,),
+                refusal="workflow changed before it could be quarantined",
+                event=("manual_review", f"reason={reason}"),
+            )
         return Workflow.from_row(row)
 
     def barrier_for(self, workflow_id: str, fence: int) -> StartBarrier | None:
@@ -832,6 +825,67 @@ class Store:
                    f"by={reviewer.subject}")
         return Workflow.from_row(updated)
 
+    # -- what an operator's recoverer reads ------------------------------------------------
+
+    def open_counts(self) -> dict[str, int]:
+        """How much work is still open: ready (due or delayed), running, unknown unreviewed."""
+        with self._transaction("count open work") as conn:
+            row = conn.execute(
+                """
+                SELECT count(*) FILTER (WHERE state = 'ready') AS ready,
+                       count(*) FILTER (WHERE state = 'running') AS running,
+                       count(*) FILTER (WHERE state = 'unknown' AND review_reason = '')
+                           AS unreviewed_unknown
+                  FROM workflows
+                """
+            ).fetchone()
+        assert row is not None
+        return {name: int(value) for name, value in row.items()}
+
+    def unreviewed_unknown(self) -> list[str]:
+        """Ids of unknown workflows nobody reconciled yet, oldest change first."""
+        with self._transaction("list unreconciled work") as conn:
+            rows = conn.execute(
+                "SELECT id FROM workflows WHERE state = 'unknown' AND review_reason = '' "
+                "ORDER BY updated_at, id"
+            ).fetchall()
+        return [str(row["id"]) for row in rows]
+
+    def undispatched_in_review(self) -> list[str]:
+        """Ids of workflows in review as proven never dispatched, oldest change first."""
+        with self._transaction("list undispatched reviews") as conn:
+            rows = conn.execute(
+                "SELECT id FROM workflows WHERE state = 'unknown' AND review_reason = %s "
+                "ORDER BY updated_at, id",
+                (UNDISPATCHED_REVIEW,),
+            ).fetchall()
+        return [str(row["id"]) for row in rows]
+
+    def server_settings(self) -> dict[str, str]:
+        """The server's durability settings, as it reports them (``SHOW``)."""
+        with self._transaction("read the server's settings") as conn:
+            rows = conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name = ANY(%s) ORDER BY name",
+                (list(DURABILITY_SETTINGS),),
+            ).fetchall()
+        return {str(row["name"]): str(row["setting"]) for row in rows}
+
+    def backends(self, application_prefix: str) -> list[tuple[int, str]]:
+        """(pid, application name) of every server backend whose name has this prefix."""
+        with self._transaction("list backends") as conn:
+            rows = conn.execute(
+                "SELECT pid, application_name FROM pg_stat_activity "
+                "WHERE left(application_name, %s) = %s ORDER BY pid",
+                (len(application_prefix), application_prefix),
+            ).fetchall()
+        return [(int(row["pid"]), str(row["application_name"])) for row in rows]
+
+    def terminate_backend(self, pid: int) -> bool:
+        """``pg_terminate_backend(pid)``: True when the server signalled it."""
+        with self._transaction("terminate a backend") as conn:
+            row = conn.execute("SELECT pg_terminate_backend(%s) AS done", (pid,)).fetchone()
+        return bool(row is not None and row["done"])
+
     def events(self, workflow_id: str | None = None) -> list[dict[str, Any]]:
         """Audit events in order, for one workflow or all."""
         with self._transaction("read events") as conn:
@@ -863,12 +917,149 @@ def drop_schema(dsn: str, schema: str) -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
+def dsn_address(dsn: str) -> tuple[str, int]:
+    """The (host, port) a loopback DSN connects to (port 5432 when it names none)."""
+    try:
+        params = conninfo.conninfo_to_dict(boundaries.check_dsn(dsn))
+    except psycopg.Error as exc:
+        raise errors.UsageError("the database DSN is malformed") from exc
+    host = str(params.get("hostaddr") or params.get("host") or "127.0.0.1")
+    return host, int(str(params.get("port") or 5432))
+
+
+def dsn_via(dsn: str, host: str, port: int) -> str:
+    """``dsn`` redirected to ``host:port`` (a proxy in front of the same server)."""
+    params = {k: v for k, v in conninfo.conninfo_to_dict(dsn).items() if k != "hostaddr"}
+    params.update(host=host, port=str(port))
+    return conninfo.make_conninfo("", **params)
+
+
+def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
+    """Everything the invariant checker reads, as plain rows, in one consistent snapshot.
+
+    ``workflows``, ``events``, ``effects`` (the tool's ledger) and ``barriers`` (start
+    barriers: id, workflow, fence) of one schema, read in a single REPEATABLE READ
+    transaction, so the four see one moment even while something still writes. Only
+    reads: the checker never goes through a transition.
+    """
+    check_schema_name(schema)
+    with (
+        _translated("read the history"),
+        psycopg.connect(
+            boundaries.check_dsn(dsn), row_factory=dict_row, application_name="lab-invariants",
+            connect_timeout=10,
+        ) as conn,
+    ):
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+            return {
+                "workflows": conn.execute(
+                    """
+                    SELECT id, state, coalesce(plan -> 'idempotent' = 'true'::jsonb, false)
+                               AS idempotent,
+                           effect_key, fingerprint, fence, attempt, max_attempts,
+                           review_reason, result
+                      FROM workflows ORDER BY created_at, id
+                    """
+                ).fetchall(),
+                "events": conn.execute(
+                    "SELECT seq, workflow_id, kind, fence, detail FROM events ORDER BY seq"
+                ).fetchall(),
+                "effects": conn.execute(
+                    "SELECT seq, effect_key, fingerprint, receipt, idempotent, start_id "
+                    "FROM tool_effects ORDER BY seq"
+                ).fetchall(),
+                "barriers": conn.execute(
+                    "SELECT start_id, workflow_id, fence FROM start_barriers ORDER BY start_id"
+                ).fetchall(),
+            }
+
+
+def _never_dispatched(
+    conn: psycopg.Connection[dict[str, Any]], workflow_id: str, fence: int
+) -> bool:
+    """The database's proof that no start of this workflow may have reached the tool.
+
+    No start barrier under ``fence``, and every earlier one completed as a definite
+    non-effect. A barrier is committed before every dispatch, so its absence proves
+    the tool was never called under that fence.
+    """
+    row = conn.execute(
+        """
+        SELECT count(*) AS open_starts
+          FROM start_barriers b LEFT JOIN completions c USING (start_id)
+         WHERE b.workflow_id = %s
+           AND (b.fence = %s OR c.outcome IS NULL OR c.outcome <> ALL(%s))
+        """,
+        (workflow_id, fence, list(NON_EFFECT_OUTCOMES)),
+    ).fetchone()
+    return row is not None and int(row["open_starts"]) == 0
+
+
 def _locked(conn: psycopg.Connection[dict[str, Any]], workflow_id: str) -> dict[str, Any]:
     row = conn.execute(
         "SELECT * FROM workflows WHERE id = %s FOR UPDATE", (workflow_id,)
     ).fetchone()
     if row is None:
         raise errors.NotFound(f"no workflow {workflow_id!r}")
+    return row
+
+
+@overload
+def _fenced(
+    conn: psycopg.Connection[dict[str, Any]], workflow: Workflow, states: str | tuple[str, ...],
+    assignments: LiteralString, params: tuple[Any, ...], *, guard: LiteralString = "",
+    guard_params: tuple[Any, ...] = (), refusal: str, event: tuple[str, str] | None = None,
+    touch: bool = True,
+) -> dict[str, Any]: ...
+
+
+@overload
+def _fenced(
+    conn: psycopg.Connection[dict[str, Any]], workflow: Workflow, states: str | tuple[str, ...],
+    assignments: LiteralString, params: tuple[Any, ...], *, guard: LiteralString = "",
+    guard_params: tuple[Any, ...] = (), refusal: None, event: tuple[str, str] | None = None,
+    touch: bool = True,
+) -> dict[str, Any] | None: ...
+
+
+def _fenced(
+    conn: psycopg.Connection[dict[str, Any]],
+    workflow: Workflow,
+    states: str | tuple[str, ...],
+    assignments: LiteralString,
+    params: tuple[Any, ...],
+    *,
+    guard: LiteralString = "",
+    guard_params: tuple[Any, ...] = (),
+    refusal: str | None,
+    event: tuple[str, str] | None = None,
+    touch: bool = True,
+) -> dict[str, Any] | None:
+    """The one shape of every fenced transition, inside the caller's transaction.
+
+    ``UPDATE workflows SET <assignments> WHERE id AND fence AND state IN <states>
+    <guard> RETURNING *``: the row as updated, with the audit event ``(kind,
+    detail)`` written under the workflow's fence when one is given. No row
+    means the caller's view is no longer current: ``errors.Stale(refusal)``, or
+    None when ``refusal`` is None (the caller decides what that means).
+    ``touch`` sets ``updated_at`` (a heartbeat does not: it changes no state).
+    """
+    wanted = [states] if isinstance(states, str) else list(states)
+    stamp: LiteralString = ", updated_at = clock_timestamp()" if touch else ""
+    # Every piece is a literal of this module (LiteralString): values travel as parameters.
+    row = conn.execute(
+        "UPDATE workflows SET " + assignments + stamp  # noqa: S608
+        + " WHERE id = %s AND fence = %s AND state = ANY(%s)" + guard + " RETURNING *",
+        (*params, workflow.id, workflow.fence, wanted, *guard_params),
+    ).fetchone()
+    if row is None:
+        if refusal is None:
+            return None
+        raise errors.Stale(refusal)
+    if event is not None:
+        _event(conn, workflow.id, event[0], workflow.fence, event[1])
     return row
 
 

@@ -51,6 +51,9 @@ from lab import boundaries, errors, store
 from lab.plan import Receipt
 
 MAX_BODY_BYTES = 4096
+# How long a request waits for a ledger connection (the database may be restarting):
+# shorter than the client's timeout, so a caller gets a 503, not a write that lands later.
+LEDGER_WAIT_S = 3.0
 EFFECTS_PATH = "/effects"
 START_HEADER = "Lab-Start-Id"
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-[0-9a-f]{16}-0[01]")
@@ -411,7 +414,7 @@ class ToolService:
         """Write the effect for ``body`` (once per key when idempotent), with its trace."""
         receipt_id = store.new_id("rcpt")
         body = {**body, "trace_id": trace_id, "start_id": start_id}
-        with self._pool.connection() as conn:
+        with self._pool.connection(timeout=LEDGER_WAIT_S) as conn:
             if self.idempotent:
                 row = conn.execute(
                     """
@@ -453,7 +456,7 @@ class ToolService:
 
     def find_effect(self, effect_key: str) -> Receipt | None:
         """The authoritative lookup: the effect recorded under ``effect_key``, if any."""
-        with self._pool.connection() as conn:
+        with self._pool.connection(timeout=LEDGER_WAIT_S) as conn:
             row = conn.execute(
                 "SELECT receipt, fingerprint FROM tool_effects WHERE effect_key = %s "
                 "ORDER BY seq LIMIT 1",
@@ -579,11 +582,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         trace = _TRACEPARENT.fullmatch(self.headers.get("traceparent", ""))
         start = self.headers.get(START_HEADER, "")
-        status, receipt = self.tool.record_effect(
-            body,
-            trace_id=trace.group(1) if trace else None,
-            start_id=start if _START_ID.fullmatch(start) else None,
-        )
+        try:
+            status, receipt = self.tool.record_effect(
+                body,
+                trace_id=trace.group(1) if trace else None,
+                start_id=start if _START_ID.fullmatch(start) else None,
+            )
+        except psycopg.Error:
+            # The ledger's database is away; its pool reconnects. The write may have
+            # committed before the connection died, so the caller must reconcile (5xx).
+            self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "ledger_unavailable"})
+            return
         if faults.hold is not None and faults.hold.commit == "after":
             faults.hold._block()
         if receipt is None:
@@ -613,7 +622,11 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.path[len(prefix):]
         if self.tool.on_lookup is not None:
             self.tool.on_lookup(key)
-        receipt = self.tool.find_effect(key)
+        try:
+            receipt = self.tool.find_effect(key)
+        except psycopg.Error:
+            self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "ledger_unavailable"})
+            return
         if receipt is None:
             self._reply(HTTPStatus.NOT_FOUND, {"error": "no_effect"})
             return
@@ -687,6 +700,9 @@ class ToolClient:
             raise errors.ToolUnavailable("tool lookup failed") from exc
         if response.status_code == HTTPStatus.NOT_FOUND:
             return None
+        if response.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+            # The ledger is away for now (a 501, no authoritative lookup, stays a refusal).
+            raise errors.ToolUnavailable("tool lookup answered HTTP 503: try again later")
         if response.status_code != HTTPStatus.OK:
             raise errors.ToolRefused(f"tool lookup answered HTTP {response.status_code}")
         return _receipt(response)

@@ -109,6 +109,10 @@ class Worker:
             while not stop.wait(every):
                 try:
                     self.db.heartbeat(claim, self.lease)
+                except errors.StoreError:
+                    # The database is away, not refusing: keep beating, the lease
+                    # may still be live when it is back (the fence decides).
+                    continue
                 except errors.LabError as exc:
                     # A refused heartbeat means the claim is gone; the fenced
                     # transitions will refuse this worker's writes as well.

@@ -326,9 +326,63 @@ def test_start_embedded_mode_uses_the_cache_by_default(bindir: Path, cache_dir: 
             "method": "cached-copy",
             "run_as": "nobody" if os.geteuid() == 0 else "current user",
             "storage": "ram" if data.is_relative_to(cluster.RAM_DIR) else "disk",
+            "durability": "fsync=off",
         }
     assert not _alive(pid)
     assert not data.parent.exists()
+
+
+def _postmaster_pid(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT setting FROM pg_settings WHERE name = 'data_directory'"
+                           ).fetchone()
+    assert row is not None
+    pidfile = Path(str(row[0])) / "postmaster.pid"
+    return int(pidfile.read_text().splitlines()[0])
+
+
+def test_a_durable_cluster_survives_a_sigkilled_postmaster(bindir: Path, cache_dir: Path) -> None:
+    """fsync and synchronous commits on; a crash restart keeps every committed row, on the
+    same port, with a new postmaster that recovered from its WAL."""
+    with cluster.start_embedded(bindir, cache_dir=cache_dir, durable=True) as running:
+        dsn = running.provisioned.dsn
+        assert running.provisioned.details["durability"] == "fsync=on synchronous_commit=on"
+        assert running.provisioned.details["storage"] == "disk"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            settings = {name: conn.execute(f"SHOW {name}").fetchone() for name in
+                        ("fsync", "synchronous_commit")}
+            conn.execute("CREATE TABLE kept (n int)")
+            conn.execute("INSERT INTO kept SELECT generate_series(1, 100)")
+        assert {k: v[0] if v else None for k, v in settings.items()} == {
+            "fsync": "on", "synchronous_commit": "on"}
+        before = _postmaster_pid(dsn)
+        assert running.can_crash_restart
+        down = running.crash_restart()
+        assert down > 0
+        assert not _alive(before)
+        after = _postmaster_pid(dsn)
+        assert after != before
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            kept = conn.execute("SELECT count(*) FROM kept").fetchone()
+        assert kept == (100,)
+        log = _server_log(dsn)
+        assert "not properly shut down" in log or "automatic recovery" in log
+
+
+def _server_log(dsn: str) -> str:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT setting FROM pg_settings WHERE name = 'data_directory'"
+                           ).fetchone()
+    assert row is not None
+    return (Path(str(row[0])).parent / "postgres.log").read_text(errors="replace")
+
+
+def test_a_given_dsn_cannot_be_crash_restarted(bindir: Path, cache_dir: Path) -> None:
+    with cluster.start_embedded(bindir, cache_dir=cache_dir) as running:
+        given = cluster.use_dsn(running.provisioned.dsn)
+        assert not given.can_crash_restart
+        with pytest.raises(errors.ProvisioningError, match="cannot be crash-restarted"):
+            given.crash_restart()
 
 
 def test_a_tampered_template_is_rebuilt(bindir: Path) -> None:

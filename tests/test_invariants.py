@@ -13,7 +13,15 @@ from dataclasses import replace
 import pytest
 
 from lab import invariants
-from lab.invariants import EffectFact, EventFact, History, Violation, WorkflowFact
+from lab.invariants import (
+    Acknowledged,
+    BarrierFact,
+    EffectFact,
+    EventFact,
+    History,
+    Violation,
+    WorkflowFact,
+)
 
 
 def _receipt(key: str, fp: str, receipt: str) -> dict[str, str]:
@@ -75,12 +83,19 @@ def clean_history() -> History:
     b.add("wf-cancel", ("created", 0), ("approved", 0), ("cancel_requested", 0),
           ("cancelled", 0))
     effects = [
-        EffectFact(1, "k-ok", "fp-ok", "r-ok", True),
-        EffectFact(2, "k-review", "fp-review", "r-review", False),
+        EffectFact(1, "k-ok", "fp-ok", "r-ok", True, start_id="st-ok"),
+        EffectFact(2, "k-review", "fp-review", "r-review", False, start_id="st-review"),
         EffectFact(3, "k-found", "fp-found", "r-found", True),
         EffectFact(4, "k-429", "fp-429", "r-429", False),
     ]
-    return History(workflows, b.events, effects)
+    barriers = [BarrierFact("st-ok", "wf-ok", 1), BarrierFact("st-review", "wf-review", 1)]
+    # What workers printed after their commits returned: all of it is still there.
+    acknowledged = [
+        Acknowledged("wf-ok", "succeeded", 1),
+        Acknowledged("wf-review", "unknown", 1),
+        Acknowledged("wf-spent", "ready", 2),
+    ]
+    return History(workflows, b.events, effects, barriers, acknowledged)
 
 
 def _workflow(history: History, workflow_id: str) -> WorkflowFact:
@@ -268,4 +283,33 @@ def test_every_kind_is_exercised_above() -> None:
         "lost_workflow",
         "budget_overrun",
         "succeeded_without_effect",
+        "lost_after_restart",
     }
+
+
+def test_acknowledged_success_missing_after_a_restart_is_named() -> None:
+    """A worker saw its completion commit; the database came back without it."""
+    history = clean_history()
+    rolled_back = replace(_workflow(history, "wf-ok"), state="running", result=None)
+    found = invariants.check(_with_workflow(history, rolled_back))
+    assert invariants.LOST_AFTER_RESTART in [v.kind for v in found]
+    assert _named(found, invariants.LOST_AFTER_RESTART, "wf-ok", "k-ok")
+
+
+def test_acknowledged_fence_newer_than_the_row_is_named() -> None:
+    history = clean_history()
+    history = replace(history, acknowledged=[*history.acknowledged,
+                                             Acknowledged("wf-cancel", "ready", 4)])
+    found = invariants.check(history)
+    assert [v.kind for v in found] == [invariants.LOST_AFTER_RESTART]
+    assert _named(found, invariants.LOST_AFTER_RESTART, "wf-cancel", "k-cancel")
+
+
+def test_effect_whose_start_barrier_was_lost_is_named() -> None:
+    """The barrier is committed before the dispatch; an effect naming a missing one means
+    the database lost a committed write."""
+    history = clean_history()
+    barriers = [b for b in history.barriers if b.start_id != "st-review"]
+    found = invariants.check(replace(history, barriers=barriers))
+    assert [v.kind for v in found] == [invariants.LOST_AFTER_RESTART]
+    assert _named(found, invariants.LOST_AFTER_RESTART, "wf-review", "k-review")

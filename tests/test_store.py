@@ -132,3 +132,72 @@ def test_worker_process_is_killed_at_teardown_even_when_paused(lab):
     lab.close()
     assert not child.alive()
     assert lab.state(job.id).state == "running"  # the lease, not cleanup, ends the claim
+
+
+def _reviewed_undispatched(lab: Any, job: store.Workflow) -> store.Workflow:
+    """Claim ``job``, let the claim die before any barrier, reconcile: in review with proof."""
+    claim = lab.store.claim("crashed", SECOND)
+    assert claim is not None and claim.id == job.id
+    lab.expire_lease(job.id)
+    assert lab.store.recover_expired() == 1
+    with pytest.raises(errors.ManualReview):
+        lab.store.require_review(lab.state(job.id), "non_idempotent")
+    held = lab.state(job.id)
+    assert held.review_reason == store.UNDISPATCHED_REVIEW
+    return held
+
+
+def test_undispatched_proof_counts_earlier_fences(lab):
+    """An earlier start that ended in a 429 proves nothing happened there either."""
+    after_429 = lab.approved(idempotent=False)
+    claim = lab.store.claim("w", SECOND)
+    assert claim is not None and lab.store.pre_dispatch(claim) is not None
+    lab.store.retry_later(claim, timedelta(0), "rate_limited")
+    _reviewed_undispatched(lab, after_429)
+    moved = lab.store.settle_undispatched(after_429.id)
+    assert moved is not None and moved.state == "ready" and moved.fence == 2
+
+
+def test_a_start_that_may_have_reached_the_tool_keeps_review(lab):
+    """An earlier start with no completion may have acted: the workflow stays for a person,
+    however its latest claim ended."""
+    maybe = lab.approved(idempotent=False)
+    claim = lab.store.claim("w", SECOND)
+    assert claim is not None and claim.id == maybe.id
+    assert lab.store.pre_dispatch(claim) is not None
+    lab.store.unknown(claim)  # the tool may have acted: a person forces a requeue
+    lab.store.requeue_reviewed(harness.REVIEWER, maybe.id, force=True, reason="checked")
+    _reviewed_undispatched(lab, maybe)
+    before = snapshot(lab)
+    assert lab.store.settle_undispatched(maybe.id) is None
+    assert snapshot(lab) == before
+
+
+def test_undispatched_work_asked_to_cancel_is_cancelled(lab):
+    job = lab.approved(idempotent=False)
+    _reviewed_undispatched(lab, job)
+    lab.store.cancel(harness.PROPOSER, job.id)
+    moved = lab.store.settle_undispatched(job.id)
+    assert moved is not None and moved.state == "cancelled"
+    assert lab.store.events(job.id)[-1]["detail"] == "at=review proof=no_start_barrier"
+    assert lab.store.settle_undispatched(job.id) is None  # no longer in review: nothing
+
+
+def test_history_rows_carry_barriers_and_start_ids(lab):
+    rig = lab.credit_tool()
+    job = lab.approved()
+    rig.worker.run_one()
+    rows = store.history_rows(lab.dsn, lab.schema)
+    (barrier,) = rows["barriers"]
+    (effect,) = rows["effects"]
+    assert barrier["workflow_id"] == job.id and effect["start_id"] == barrier["start_id"]
+    assert [w["state"] for w in rows["workflows"]] == ["succeeded"]
+    assert lab.store.open_counts() == {"ready": 0, "running": 0, "unreviewed_unknown": 0}
+
+
+def test_dsn_can_be_redirected_to_a_proxy_port(lab):
+    host, port = store.dsn_address(lab.dsn)
+    moved = store.dsn_via(lab.dsn, host, port + 1)
+    assert store.dsn_address(moved) == (host, port + 1)
+    with pytest.raises(errors.BoundaryViolation):
+        store.dsn_address("host=10.1.2.3 port=5432 dbname=x")

@@ -205,6 +205,59 @@ def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, obse
              "post_calls": rig.service.calls})
 
 
+def test_proved_undispatched_work_leaves_review_by_itself(lab, observe):
+    """The recoverer takes work out of review only with the database's proof that it was
+    never dispatched: a non-idempotent worker SIGKILLed before its start barrier is
+    requeued within its budget with an audit event naming the proof, and succeeds with
+    exactly one effect; with its budget spent it fails, nothing dispatched; a workflow
+    whose barrier shows it may have been dispatched stays for a person."""
+    rig = lab.credit_tool(idempotent=False)
+    undispatched = lab.approved(idempotent=False)
+    spent = lab.approved(idempotent=False)
+    for job in (undispatched, spent):
+        crashed = lab.spawn_worker(rig, "crashed", "--pause", "after_claim")
+        crashed.wait_for("BOOK_STAGE after_claim")
+        assert crashed.kill() == -signal.SIGKILL
+        assert lab.state(job.id).state == "running"  # the oldest due work is claimed first
+        lab.recover_by_elapsed_lease(job.id)
+        with pytest.raises(errors.ManualReview):
+            rig.worker.reconcile(job.id)
+        assert lab.state(job.id).review_reason == store.UNDISPATCHED_REVIEW
+    lab.store.execute("UPDATE workflows SET max_attempts = attempt WHERE id = %s", (spent.id,))
+    lab.mark("experiment", "attempt budget of the second workflow spent (SQL-injected)")
+    requeued = lab.store.settle_undispatched(undispatched.id)
+    failed = lab.store.settle_undispatched(spent.id)
+    assert requeued is not None and requeued.state == "ready"
+    assert requeued.review_reason == "" and requeued.attempt < requeued.max_attempts
+    assert failed is not None and failed.state == "failed"
+    assert failed.review_reason == "attempt_budget_spent"
+    audit = {e["kind"]: e["detail"] for e in lab.store.events(undispatched.id)}
+    assert audit["requeued_undispatched"] == "proof=no_start_barrier"
+    assert lab.store.events(spent.id)[-1]["detail"] == (
+        "cause=attempt_budget_spent proof=no_start_barrier")
+    by_a_person = lab.store.execute("SELECT count(*) AS n FROM reviews")[0]["n"]
+    assert by_a_person == 0
+    listed = lab.run_cli("review", "--schema", lab.schema, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert undispatched.id not in listed.stdout and spent.id not in listed.stdout
+    restarted = lab.spawn_worker(rig, "restarted")
+    restarted.finish()
+    assert lab.state(undispatched.id).state == "succeeded"
+    assert lab.effects() == 1 and rig.service.calls == 1
+    dispatched = lab.approved(idempotent=False)
+    rig.service.drop_responses = True
+    rig.worker.run_one()
+    with pytest.raises(errors.ManualReview):
+        rig.worker.reconcile(dispatched.id)
+    assert lab.store.settle_undispatched(dispatched.id) is None
+    held = lab.state(dispatched.id)
+    assert (held.state, held.review_reason) == ("unknown", "non_idempotent_dispatched")
+    observe({"undispatched": requeued.state, "proof": audit["requeued_undispatched"],
+             "budget_spent": failed.state, "dispatched": held.review_reason,
+             "reviews_by_a_person": by_a_person, "effects": lab.effects(),
+             "final": lab.state(undispatched.id).state})
+
+
 def test_requeue_of_a_dispatched_workflow_needs_force(lab, observe):
     """A non-idempotent workflow whose barrier proves it may have been dispatched cannot be
     requeued without --force and a reason, which the audit keeps."""

@@ -1,4 +1,4 @@
-"""Chapter 12: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
+"""Chapter 13: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
 
 Each experiment runs ``python -m lab.peer_langgraph`` processes on one ``thread_id``: a
 plan → approval ``interrupt()`` → credit graph whose credit node calls the lab's credit

@@ -1,0 +1,60 @@
+"""The chaos controller: bad settings are usage errors, and cleanup never hides a verdict."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lab import chaos, errors, store
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--restart-postgres-every", "10"], "at least 1000 ms"),
+        (["--partition-every", "-1"], "must not be negative"),
+        (["--partition-for", "0"], "partition-for"),
+        (["--latency", "5000"], "latency"),
+        (["--workers", "0"], "workers"),
+    ],
+)
+def test_bad_fault_settings_exit_2_with_one_line(args: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "chaos", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_restarts_need_a_server_the_run_can_restart(lab_dsn: str) -> None:
+    with pytest.raises(errors.ProvisioningError, match="embedded"):
+        chaos.Chaos(lab_dsn, chaos.Settings(workflows=4, workers=2, restart_every_ms=2000))
+
+
+def test_a_failed_cleanup_is_reported_after_the_verdict(
+    lab_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The schemas cannot be dropped: the run still checks and reports, and says so."""
+    dropped: list[str] = []
+
+    def refuse(dsn: str, schema: str) -> None:
+        dropped.append(schema)
+        raise errors.StoreError("PostgreSQL could not drop the schema (SQLSTATE 57P01)")
+
+    monkeypatch.setattr(chaos, "CLEANUP_PATIENCE_S", 0.3)
+    monkeypatch.setattr(chaos.store, "drop_schema", refuse)
+    settings = chaos.Settings(workflows=12, workers=2, duration=5.0, kill_every_ms=0,
+                              terminate_every_ms=0, drop_replies=0, reject_429=0, seed=3)
+    try:
+        report = chaos.run(lab_dsn, settings)
+    finally:
+        monkeypatch.undo()
+        for schema in set(dropped):
+            store.drop_schema(lab_dsn, schema)
+    assert report["violation_count"] == 0
+    assert sum(report["states"].values()) == 12
+    assert len(report["cleanup"]) == len(set(dropped)) == 2
+    assert all("was not dropped" in problem for problem in report["cleanup"])
