@@ -201,8 +201,9 @@ def _literal_timedelta(node: ast.expr) -> float:
 
 @contextlib.contextmanager
 def postgres(mode: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The server to measure, as ``lab.cluster`` provides it for ``mode``."""
-    with cluster.start(mode=mode) as running:
+    """The server to measure, as ``lab.cluster`` provides it for ``mode``: durable (fsync and
+    synchronous commits on) where the lab starts it, since a commit's cost is what is measured."""
+    with cluster.start(mode=mode, durable=True) as running:
         yield running.provisioned.dsn, dict(running.provisioned.describe())
 
 
