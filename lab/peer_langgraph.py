@@ -336,7 +336,8 @@ def main(args_in: Sequence[str] | None = None) -> int:
         else:
             given = None
         try:
-            graph.invoke(given, config(args.thread))
+            with pg.translated("checkpoint the graph"):
+                graph.invoke(given, config(args.thread))
         except errors.LabError as exc:
             print(f"BOOK_FAILED {type(exc).__name__}", flush=True)
     print("BOOK_DONE", flush=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lab import harness, peer_dbos, plan, store
+from lab import cluster, harness, peer_dbos, plan, store
 
 PINNED = "3.4.0"
 RECOVER_WAIT = "30"
@@ -235,3 +235,56 @@ def test_dbos_cancel_during_the_call_hides_the_effect(lab, dbos, observe):
         "outcome": f"DBOS status {status} with {effects} effect(s) in the ledger; "
                    f"{receipts} step output(s) recorded",
     })
+
+
+@pytest.fixture(scope="module")
+def system_server() -> Iterator[cluster.RunningPostgres]:
+    """A durable PostgreSQL of this chapter's own for DBOS's system tables, one it may kill
+    (the run's shared server and the credit tool's ledger stay up)."""
+    bindir = cluster.find_binaries()
+    if bindir is None:
+        pytest.fail("needs PostgreSQL server binaries to start a server it may kill",
+                    pytrace=False)
+    with cluster.start_embedded(bindir, durable=True) as running:
+        yield running
+
+
+def test_dbos_postgres_restart_between_effect_and_checkpoint(lab, system_server, observe):
+    """DBOS's system PostgreSQL (fsync on) SIGKILLed and restarted while a step holds a
+    non-idempotent credit it has not yet checkpointed: the same process retries its own
+    database writes once the server is back, records the step's output and ends the
+    workflow SUCCESS with one credit and one tool call."""
+    rig = lab.credit_tool(idempotent=False)
+    workflow_id, work = _work(False)
+    dbos = peer_dbos.Peer(system_server.provisioned.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
+    try:
+        child = dbos.spawn("run", "dbos-a", rig.service, workflow_id, "--pause", "after_tool",
+                           "--wait", RECOVER_WAIT, work=work)
+        child.wait_for("BOOK_STAGE after_tool", timeout=60)
+        assert lab.effects() == 1
+        assert dbos.steps(workflow_id) == [], "the step was checkpointed before the restart"
+        down = system_server.crash_restart()
+        lab.mark("postgresql", f"DBOS system server restarted after {down:.2f}s")
+        child.release()
+        ended = child.wait_for("BOOK_DONE", timeout=90).split()[-1]
+        child.finish(timeout=30)
+        seen = _seen(dbos, workflow_id)
+        status, effects, calls = _status(dbos, workflow_id), lab.effects(), rig.service.calls
+        recorded = [step["recorded"] for step in seen["dbos_steps"]]
+        assert ended == status == "SUCCESS"
+        assert recorded == ["output"]
+        assert effects == 1
+        assert calls == 1
+        observe({
+            "peer_window": "postgres_restart_during_recovery",
+            "system": "dbos",
+            "effects": effects,
+            "tool_calls": calls,
+            "server_down_seconds": round(down, 2),
+            **seen,
+            "outcome": f"system database restarted before the checkpoint: the process "
+                       f"recorded the step ({recorded}), DBOS status {status}, "
+                       f"{effects} effect(s)",
+        })
+    finally:
+        dbos.close()

@@ -18,7 +18,7 @@ from datetime import datetime
 
 import pytest
 
-from lab import harness, peer_langgraph, store
+from lab import cluster, harness, peer_langgraph, store
 
 PINNED = {"langgraph": "1.2.24", "langgraph-checkpoint-postgres": "3.2.0"}
 APPROVE = json.dumps({"approved": True})
@@ -294,3 +294,64 @@ def test_langgraph_node_delegating_to_the_lab_keeps_one_effect(lab, graph, obser
         "outcome": f"{calls} tool call(s), {effects} effect(s) after the SIGKILL; "
                    f"lab state {workflow['state']}",
     })
+
+
+@pytest.fixture(scope="module")
+def checkpoint_server() -> Iterator[cluster.RunningPostgres]:
+    """A durable PostgreSQL of this chapter's own for LangGraph's checkpoints, one it may kill
+    (the run's shared server and the credit tool's ledger stay up)."""
+    bindir = cluster.find_binaries()
+    if bindir is None:
+        pytest.fail("needs PostgreSQL server binaries to start a server it may kill",
+                    pytrace=False)
+    with cluster.start_embedded(bindir, durable=True) as running:
+        yield running
+
+
+def test_langgraph_postgres_restart_between_effect_and_checkpoint(
+    lab, checkpoint_server, observe
+):
+    """LangGraph's checkpoint PostgreSQL (fsync on) SIGKILLed and restarted while the credit
+    node holds a non-idempotent credit it has not checkpointed: the process's checkpoint
+    write fails, the thread still names the credit node as next, and resuming it in a new
+    process credits again: two credits for one approval."""
+    rig = lab.credit_tool(idempotent=False)
+    thread = store.new_id("thread")
+    graph = peer_langgraph.Peer(checkpoint_server.provisioned.dsn, f"{lab.schema}_lg",
+                                lab.schema, lab.store.keys, on_event=lab.mark)
+    try:
+        _interrupted(lab, graph, rig, thread)
+        resumed = graph.spawn("resume", "graph-resume", rig.service, thread, "--value", APPROVE,
+                              "--pause", "after_tool")
+        resumed.wait_for("BOOK_STAGE after_tool", timeout=60)
+        _checkpointed_before_credit(lab, graph, thread)
+        assert lab.effects() == 1
+        down = checkpoint_server.crash_restart()
+        lab.mark("postgresql", f"checkpoint server restarted after {down:.2f}s")
+        resumed.release()
+        ended = resumed.wait_for("BOOK_", timeout=60)
+        resumed.finish(timeout=30)
+        after_restart = graph.snapshot(thread)
+        again = graph.spawn("continue", "graph-continue", rig.service, thread)
+        again.wait_for("BOOK_DONE", timeout=60)
+        again.finish(timeout=30)
+        effects, calls = lab.effects(), rig.service.calls
+        assert ended.startswith("BOOK_FAILED"), f"the checkpoint write survived: {ended}"
+        assert after_restart["next"] == ["credit"]
+        assert calls == 2
+        assert effects == 2
+        observe({
+            "peer_window": "postgres_restart_during_recovery",
+            "system": "langgraph",
+            "effects": effects,
+            "tool_calls": calls,
+            "resume_process": ended,
+            "next_after_restart": after_restart["next"],
+            "server_down_seconds": round(down, 2),
+            **_seen(graph, thread),
+            "outcome": f"restart before the checkpoint: {ended.split()[-1]} in the node's "
+                       f"process, next={after_restart['next']}; resume credited again: "
+                       f"{effects} effect(s)",
+        })
+    finally:
+        graph.close()
