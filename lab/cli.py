@@ -53,27 +53,51 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _evidence(args: argparse.Namespace) -> int:
-    """``lab evidence verify|show``: exit 0 only when the evidence verifies."""
-    from lab import dsse, gate, summary, verification
+    """``lab evidence verify|show``: both verify; 0 only when the evidence verifies.
+
+    ``show`` also needs a PASS to exit 0, and says what it could not verify.
+    """
+    from lab import gate, summary, verification
 
     path = Path(args.path)
-    if args.evidence_command == "show":
-        _, report_path = verification.locate(path)
-        try:
-            report = json.loads(report_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise errors.InputError(f"cannot read {report_path}: {exc}") from exc
-        summary.print_summary(report, report_path.parent)
-        return 0 if report.get("status") == gate.PASS else 1
+    root = Path.cwd()
     pinned = None
     if args.public_key:
-        try:
-            pinned = dsse.load_public_key(Path(args.public_key).read_bytes())
-        except (OSError, errors.EvidenceError) as exc:
-            raise errors.InputError(f"cannot use --public-key {args.public_key}: {exc}") from exc
-    verdict = verification.verify(path, public_key=pinned, check_sources=bool(args.check_sources))
-    print(verification.format_verdict(verdict))
-    return 0 if verdict.ok else 1
+        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    from lab import modelevidence
+
+    if args.evidence_command == "verify" and modelevidence.is_model_evidence(path):
+        model_verdict = modelevidence.verify(path, public_key=pinned)
+        print(modelevidence.format_verdict(model_verdict))
+        sys.stdout.flush()
+        return 0 if model_verdict.ok else 1
+    trusted = [] if pinned is not None else verification.trusted_keys(root)
+    verdict = verification.verify(
+        path,
+        public_key=pinned,
+        trusted=trusted,
+        check_sources=bool(args.check_sources),
+        root=root,
+    )
+    if verdict.unreadable is not None:
+        raise errors.InputError(verification.printable(verdict.unreadable))
+    if args.evidence_command == "show":
+        if verdict.report is None:
+            # Nothing trustworthy in shape to show: the first problem names the file.
+            problem = verdict.problems[0] if verdict.problems else f"{path}: no report"
+            raise errors.InputError(verification.printable(problem))
+        print(verification.format_verdict(verdict))
+        summary.print_summary(verdict.report, verdict.envelope.parent)
+        for what in verdict.unverified():
+            print(f"not verified: {what}")
+        code = 0 if verdict.ok and verdict.report["status"] == gate.PASS else 1
+    else:
+        print(verification.format_verdict(verdict))
+        code = 0 if verdict.ok else 1
+    # Flush here, inside main's handling: a closed stdout (``| head -1``) becomes a
+    # BrokenPipeError that main handles, not a traceback at interpreter exit.
+    sys.stdout.flush()
+    return code
 
 
 def _manifest(args: argparse.Namespace) -> int:
@@ -86,6 +110,12 @@ def _model(args: argparse.Namespace) -> int:
     from lab import model
 
     return model.cli_main(args)
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from lab import publish
+
+    return publish.cli_main(args)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -147,11 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev = commands.add_parser("evidence", help="verify or show signed evidence")
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
-    verify.add_argument("path", nargs="?", default="evidence")
-    verify.add_argument("--public-key", default=None, help="PEM of the expected signer")
-    verify.add_argument("--check-sources", action="store_true")
-    show = ev_commands.add_parser("show", help="print the summary of a report")
-    show.add_argument("path", nargs="?", default="evidence")
+    show = ev_commands.add_parser("show", help="verify, then print the summary of the report")
+    for ev_command in (verify, show):
+        ev_command.add_argument("path", nargs="?", default="evidence",
+                                help="evidence directory or envelope file")
+        ev_command.add_argument("--public-key", default=None,
+                                help="PEM of the expected signer (the only key accepted)")
+        ev_command.add_argument("--check-sources", action="store_true",
+                                help="compare every signed digest and the manifest with this tree")
     ev.set_defaults(handler=_evidence)
 
     man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")
@@ -166,14 +199,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     mdl = commands.add_parser("model", help="model-generation traces")
     mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
-    mrun = mdl_commands.add_parser("run", help="generate proposals and admit them")
-    mrun.add_argument("--model", required=True)
+    mrun = mdl_commands.add_parser("run", help="generate proposals, admit them, sign the traces")
+    mrun.add_argument("--model", default=None,
+                      help="GGUF file (default: LAB_MODEL_PATH, else the fetched SmolLM2)")
     mrun.add_argument("--expect-sha256", default=None)
-    mrun.add_argument("--cases", default=None)
-    mrun.add_argument("--output", default="book/model-experiment.json")
-    mrun.add_argument("--traces", default="evidence/model-traces")
+    mrun.add_argument("--cases", default=None, help="case set file (default: the lab's own)")
+    mrun.add_argument("--case", action="append", default=[], help="only this case id")
+    mrun.add_argument("--evidence", default="evidence/model", help="model evidence directory")
     mrun.add_argument("--threads", type=int, default=None, help="CPU threads (default 2)")
+    mcheck = mdl_commands.add_parser("check", help="re-check a model experiment report")
+    mcheck.add_argument("report")
     mdl.set_defaults(handler=_model)
+
+    pub = commands.add_parser("publish", help="run, verify and build the publication, or refuse")
+    pub.add_argument("--out", required=True, help="directory for evidence/ and book/")
+    pub.add_argument("--model", default=None, help="GGUF model for the case set")
+    pub.add_argument("--expect-sha256", default=None, help="the model's pinned sha256")
+    pub.add_argument("--public-key", default=None, help="PEM the evidence must verify under")
+    pub.add_argument("--threads", type=int, default=None, help="model CPU threads (default 2)")
+    pub.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
+    pub.set_defaults(handler=_publish)
 
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
     chaos.add_argument("--workflows", type=int, default=500)

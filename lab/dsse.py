@@ -22,7 +22,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab.errors import EvidenceError
+from lab import files
+from lab.errors import EvidenceError, InputError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 KEY_ENV = "LAB_EVIDENCE_KEY"
@@ -103,8 +104,11 @@ def load_signer(environ: Mapping[str, str] | None = None) -> Signer:
     if not path:
         return Signer(ed25519.Ed25519PrivateKey.generate(), "ephemeral")
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
+        pem = files.read_bytes(Path(path), files.PUBLIC_KEY_LIMIT, KEY_ENV)
+        key = serialization.load_pem_private_key(pem, password=None)
+    except InputError as exc:
+        raise EvidenceError(f"{KEY_ENV} does not name a readable PEM private key: {exc}") from None
+    except (ValueError, TypeError) as exc:
         raise EvidenceError(f"{KEY_ENV} does not name a readable PEM private key: {exc}") from exc
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise EvidenceError(f"{KEY_ENV} is not an Ed25519 private key")

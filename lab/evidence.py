@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import dsse, gate
+from lab import dsse, errors, files, gate, provenance
 from lab.errors import EvidenceError
 
 SCHEMA_VERSION = 1
@@ -45,6 +45,8 @@ REACHED_DATABASE = "lab_database"
 NEEDS_DATABASE = "lab_needs_database"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
+# Everything one run writes: removed before a run so none of it can outlive a failed one.
+RUN_FILES = (TESTS_FILE, REPORT_FILE, ENVELOPE_FILE, PUBLIC_KEY_FILE)
 
 # What the evidence covers: the code that ran and the declaration of what had to run.
 SOURCE_PATTERNS = (
@@ -53,6 +55,14 @@ SOURCE_PATTERNS = (
     "experiments/**/*.py",
     "experiments/manifest.json",
     "pyproject.toml",
+    # What pytest loads besides the experiments: the lab's own tests and their conftest
+    # (the README's test command runs them together), a root conftest, the ini file.
+    "conftest.py",
+    "tests/**/*.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "tox.ini",
+    "setup.cfg",
 )
 
 LIMITS = (
@@ -108,9 +118,9 @@ class Expected:
 def load_manifest(path: Path) -> list[Expected]:
     """Read ``manifest.json``; reject anything but the declared shape."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise EvidenceError(f"cannot read experiment manifest {path}: {exc}") from exc
+        raw = files.read_json(path, files.MANIFEST_LIMIT, "experiment manifest")
+    except errors.InputError as exc:
+        raise EvidenceError(str(exc)) from exc
     items = raw.get("experiments") if isinstance(raw, dict) else None
     if not isinstance(items, list):
         raise EvidenceError(f"{path}: 'experiments' must be a list")
@@ -154,6 +164,17 @@ class RunFacts:
     narrowed: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     exitstatus: int | None = None
+    # The manifest the expected set was read from (the gate requires the committed one).
+    manifest: Path | None = None
+    # The effective arguments: command line, PYTEST_ADDOPTS, ini addopts, ini file.
+    arguments: Mapping[str, Any] | None = None
+    # What pytest loaded (conftests, plugin modules) and where ``lab`` was imported from;
+    # ``loaded`` None means not observed, and the report then has no provenance.
+    loaded: list[provenance.Loaded] | None = None
+    lab_file: str | None = None
+    inifile: Path | None = None
+    # ``(commit, dirty)`` when the caller already knows them; else read from git.
+    git: tuple[str | None, bool | None] | None = None
 
 
 def experiment_of(nodeid: str, prefix: str) -> tuple[str, str] | None:
@@ -401,12 +422,14 @@ def compile_report(
     tests = _tests(facts)
     rows = _experiments(facts, tests)
     reported = {t["nodeid"] for t in tests}
+    # Skips anywhere: a skipped unit test in an evidence run fails the gate as well.
     skips = [
         {"nodeid": t["nodeid"], "outcome": t["outcome"], "reason": t.get("message")}
         for t in tests
-        if t["experiment"] is not None and t["outcome"] in (SKIPPED, XFAILED)
+        if t["outcome"] in (SKIPPED, XFAILED)
     ]
-    commit, dirty = _git(root)
+    commit, dirty = facts.git if facts.git is not None else _git(root)
+    sources = source_digests(root)
     when = (now or datetime.datetime.now(datetime.UTC)).astimezone(datetime.UTC)
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -418,6 +441,8 @@ def compile_report(
         "dirty": dirty,
         "run_url": run_url(env),
         "command": redact_command(facts.command, env),
+        "selection": _selection(facts, root, env),
+        "provenance": _provenance(facts, root, sources, env),
         "exitstatus": facts.exitstatus,
         "versions": versions(),
         "postgresql": _scrub(facts.database),
@@ -434,14 +459,66 @@ def compile_report(
         "observations": [
             {"nodeid": t["nodeid"], "observation": o} for t in tests for o in t["observations"]
         ],
-        "sources": source_digests(root),
+        "sources": sources,
         "limits": list(LIMITS),
     }
     verdict = gate.decide(report)
     report["status"] = verdict.status
     report["gate"] = {"failures": verdict.failures, "narrowed": verdict.narrowed}
     report["missing"] = verdict.missing
+    report["seed_floor"] = verdict.seed_floor
     return report
+
+
+def _relative(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` in posix form, or absolute when outside it."""
+    resolved = path.resolve()
+    try:
+        return resolved.relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(resolved)
+
+
+def _selection(facts: RunFacts, root: Path, env: Mapping[str, str]) -> dict[str, Any]:
+    """Which manifest gave the expected set, and the effective arguments, redacted."""
+    manifest = None
+    if facts.manifest is not None:
+        # A relative path is relative to the root of the sources.
+        path = facts.manifest if facts.manifest.is_absolute() else root / facts.manifest
+        digest = provenance.sha256_file(path)
+        # An unreadable manifest is recorded as none (load_manifest names the problem).
+        if digest is not None:
+            manifest = {"path": _relative(path, root), "sha256": digest}
+    arguments: dict[str, Any] | None = None
+    if facts.arguments is not None:
+        arguments = {}
+        for name, value in sorted(facts.arguments.items()):
+            if isinstance(value, list | tuple):
+                arguments[name] = redact_command([str(v) for v in value], env)
+            else:
+                arguments[name] = _redact_text(str(value)) if value is not None else None
+    return {"manifest": manifest, "arguments": arguments}
+
+
+def _provenance(
+    facts: RunFacts, root: Path, sources: Mapping[str, str], env: Mapping[str, str]
+) -> dict[str, Any] | None:
+    if facts.loaded is None:
+        return None
+    described = provenance.describe(
+        facts.loaded,
+        root=root,
+        sources=sources,
+        lab_file=facts.lab_file,
+        inifile=facts.inifile,
+        environ=env,
+    )
+    environment = described["environment"]
+    for name, value in environment.items():
+        if value is not None:
+            # PYTEST_ADDOPTS may carry a DSN; redact it like the command line.
+            environment[name] = " ".join(redact_command(value.split(), env))
+    return described
 
 
 def _is_secret_name(name: str) -> bool:
@@ -561,8 +638,14 @@ def source_digests(root: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- signing
 
 
-def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
-    """The in-toto Statement: subjects are the sources and ``runtime.json``."""
+def statement(
+    report_bytes: bytes, report: Mapping[str, Any], tests_bytes: bytes | None = None
+) -> dict[str, Any]:
+    """The in-toto Statement: subjects are the sources, ``runtime.json`` and ``tests.jsonl``.
+
+    ``tests.jsonl`` (pytest's own records of the run) is signed too, so a reader
+    can rely on the raw results as much as on the compiled report.
+    """
     subjects = [
         {"name": name, "digest": {"sha256": digest}}
         for name, digest in sorted(report["sources"].items())
@@ -570,6 +653,10 @@ def statement(report_bytes: bytes, report: Mapping[str, Any]) -> dict[str, Any]:
     subjects.append(
         {"name": REPORT_FILE, "digest": {"sha256": hashlib.sha256(report_bytes).hexdigest()}}
     )
+    if tests_bytes is not None:
+        subjects.append(
+            {"name": TESTS_FILE, "digest": {"sha256": hashlib.sha256(tests_bytes).hexdigest()}}
+        )
     return {
         "_type": STATEMENT_TYPE,
         "subject": subjects,
@@ -599,16 +686,19 @@ def write(
     lines = list(facts.records)
     if session_records is not None:
         lines = [session_records[0], *lines, session_records[1]]
-    (directory / TESTS_FILE).write_text(
-        "".join(json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines),
-        encoding="utf-8",
-    )
+    tests_bytes = "".join(
+        json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines
+    ).encode("utf-8")
     report_bytes = dumps_report(report)
-    (directory / REPORT_FILE).write_bytes(report_bytes)
     payload = json.dumps(
-        statement(report_bytes, report), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        statement(report_bytes, report, tests_bytes),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
     ).encode()
     envelope = dsse.sign_envelope(payload, signer)
+    (directory / TESTS_FILE).write_bytes(tests_bytes)
+    (directory / REPORT_FILE).write_bytes(report_bytes)
     (directory / ENVELOPE_FILE).write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
     (directory / PUBLIC_KEY_FILE).write_text(signing["public_key"], encoding="ascii")
     return report

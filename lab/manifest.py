@@ -11,7 +11,7 @@ compares a run against it, exactly. Two commands keep it honest:
 * ``lab manifest check`` collects the same way and exits 1 naming each difference
   (undeclared, declared but absent, miscounted).
 
-``count_problem`` is the one exact-count rule, shared by ``check`` and the gate.
+``gate.count_problem`` is the one exact-count rule, shared by ``check`` and the gate.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lab import errors
+from lab import errors, gate
 
-if TYPE_CHECKING:  # the gate imports count_problem; pytest stays out of its process
+if TYPE_CHECKING:  # pytest stays out of the processes that only read a manifest
     import pytest
 
 MANIFEST_FILE = "manifest.json"
@@ -161,20 +161,6 @@ def render(manifest: Manifest) -> str:
 # --------------------------------------------------------------------------- comparing
 
 
-def count_problem(label: str, declared: int, produced: int) -> str | None:
-    """The exact-count rule: a message naming ``label`` unless ``produced == declared``.
-
-    Used by ``lab manifest check`` (``produced`` = collected results) and by the gate
-    (``produced`` = results that ran). A count below or above the declaration is a
-    difference: cutting parameters must not go unnoticed, nor adding them.
-    """
-    if produced == declared:
-        return None
-    if produced < declared:
-        return f"{label} produced {produced} of {declared} results"
-    return f"{label} produced {produced} results but declares {declared}"
-
-
 def differences(declared: Sequence[Entry], found: Mapping[Key, int]) -> list[str]:
     """Every difference between the manifest and the experiments found, one message each."""
     problems: list[str] = []
@@ -183,7 +169,7 @@ def differences(declared: Sequence[Entry], found: Mapping[Key, int]) -> list[str
         if entry.key not in found:
             problems.append(f"{entry.label} is declared in the manifest but was not collected")
             continue
-        problem = count_problem(entry.label, entry.results, found[entry.key])
+        problem = gate.count_problem(entry.label, entry.results, found[entry.key])
         if problem:
             problems.append(problem)
     for key, count in found.items():

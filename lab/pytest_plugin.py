@@ -5,6 +5,11 @@ whole run: the controller (or the only process) provisions it at configure
 time and hands the DSN to pytest-xdist workers through ``workerinput``. Each
 test that needs the database gets its own schema, dropped afterwards. The
 evidence (collection, report, signature, gate) lives in ``lab.recorder``.
+
+Introspection (``--help``, ``--version``, ``--fixtures``, ``--fixtures-per-test``,
+``--markers``, ``--collect-only``, ``--setup-plan``) starts no PostgreSQL, writes no
+evidence and prints no gate. Every pytest process loads this module, so it imports
+the database, HTTP and harness modules only inside the fixtures that use them.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from lab import egress, errors, evidence, recorder, store
-from lab import harness as lab_harness
+from lab import egress, errors, recorder
+
+if TYPE_CHECKING:
+    from lab import harness as lab_harness
+    from lab import store
 
 log = logging.getLogger("lab.plugin")
 
@@ -50,10 +58,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     recorder.addoption(parser)
 
 
+# pytest's option destinations of the runs that only describe the suite.
+_INTROSPECTION = {
+    "help": "--help",
+    "version": "--version",
+    "showfixtures": "--fixtures",
+    "show_fixtures_per_test": "--fixtures-per-test",
+    "markers": "--markers",
+    "collectonly": "--collect-only",
+    "setupplan": "--setup-plan",
+}
+
+
+def introspection(config: pytest.Config) -> str | None:
+    """The introspection option of this run (``--fixtures``, ...), or None for a real run."""
+    for dest, flag in _INTROSPECTION.items():
+        if getattr(config.option, dest, False):
+            return flag
+    return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "experiment: a chapter experiment of the book (added automatically)"
     )
+    looking = introspection(config)
+    if looking is not None and not hasattr(config, "workerinput"):
+        # Describing the suite is not a run: no server, no evidence, no gate.
+        config.stash[_DSN_KEY] = None
+        config.stash[_DATABASE_KEY] = None
+        config.stash[_PROBLEM_KEY] = f"{looking} starts no PostgreSQL"
+        return
     egress.install()
     dsn: str | None = None
     database: dict[str, Any] | None = None
@@ -136,6 +171,8 @@ def lab_dsn(pytestconfig: pytest.Config) -> str:
 @pytest.fixture
 def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     """A fresh schema holding every table of the lab, dropped after the test."""
+    from lab import store
+
     schema = store.new_id("t").lower()[:30]
     store.create_schema(lab_dsn, schema)
     reached_database(request.node)
@@ -151,12 +188,16 @@ def reached_database(node: pytest.Item) -> None:
     """Record that ``node`` used the run's real database, as the gate requires of an
     experiment that needs one. ``lab_schema`` does it; a test that works on the database
     without that fixture (the chaos round makes its own schemas) calls it itself."""
+    from lab import evidence
+
     node.user_properties.append((evidence.REACHED_DATABASE, True))
 
 
 @pytest.fixture
 def lab_store(lab_dsn: str, lab_schema: str) -> Iterator[store.Store]:
     """A ``Store`` on the test's own schema."""
+    from lab import store
+
     db = store.Store.open(lab_dsn, lab_schema)
     yield db
     db.close()
@@ -167,6 +208,8 @@ def lab(
     request: pytest.FixtureRequest, lab_dsn: str, lab_schema: str, lab_store: store.Store
 ) -> Iterator[lab_harness.Harness]:
     """Everything an experiment drives: tools, workers, OS processes, SQL helpers."""
+    from lab import harness as lab_harness
+
     rig = lab_harness.Harness(lab_dsn, lab_schema, lab_store)
     try:
         yield rig

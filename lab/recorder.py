@@ -11,27 +11,39 @@ Two parts, registered by the lab plugin's ``pytest_configure`` through
   and writes the evidence and turns a gate verdict other than PASS into a
   non-zero exit status.
 
-Nothing relies on ``workeroutput``: a crashed worker loses it, while xdist still
-turns the crashed worker's running test into a failed report.
+Results never rely on ``workeroutput``: a crashed worker loses it, while xdist
+still turns the crashed worker's running test into a failed report. Only the list of
+modules a worker loaded (its conftests and plugins) travels that way, and a worker
+that sends none is recorded as a problem, so a crash cannot hide what ran.
+
+Heavy modules (signing, report compilation) are imported inside the hooks that use
+them: a pytest process that never writes evidence never pays for them.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
+import shlex
+import sys
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lab import dsse, errors, evidence, gate
+from lab import errors, gate, provenance
 
 ANNOTATOR = "lab-recorder-annotator"
 COLLECTOR = "lab-recorder-collector"
 DEFAULT_DIRECTORY = "evidence"
 # Requesting this fixture (directly or through another) means the test needs PostgreSQL.
 DATABASE_FIXTURE = "lab_dsn"
+# The test property that says a test asked for the database (evidence.NEEDS_DATABASE).
+NEEDS_DATABASE = "lab_needs_database"
+# Where an xdist worker puts the modules it loaded, for the controller's provenance.
+LOADED_KEY = "lab_loaded"
 
 _annotated = pytest.StashKey[bool]()
 
@@ -56,7 +68,8 @@ def addoption(parser: pytest.Parser) -> None:
         "--lab-manifest",
         metavar="PATH",
         default=None,
-        help="the experiment manifest (default <rootdir>/experiments/manifest.json)",
+        help="read the expected set from PATH instead of <rootdir>/experiments/manifest.json; "
+        "such a run is never publishable (the gate fails, saying so)",
     )
 
 
@@ -67,19 +80,46 @@ def register(config: pytest.Config, database: Mapping[str, Any] | None) -> None:
     and the gate are registered only outside xdist workers.
     """
     manager = config.pluginmanager
-    experiments = manifest_path(config).parent
+    experiments = experiments_path(config)
     if not manager.has_plugin(ANNOTATOR):
-        manager.register(Annotator(experiments), ANNOTATOR)
+        manager.register(Annotator(config, experiments), ANNOTATOR)
     if not hasattr(config, "workerinput") and not manager.has_plugin(COLLECTOR):
         manager.register(Collector(config, database), COLLECTOR)
 
 
+def experiments_path(config: pytest.Config) -> Path:
+    """The experiments directory: always ``<rootdir>/experiments``."""
+    return config.rootpath / "experiments"
+
+
 def manifest_path(config: pytest.Config) -> Path:
-    """The manifest: ``--lab-manifest`` (relative to the invocation dir) or the default."""
+    """The manifest read: ``--lab-manifest`` (relative to the invocation dir) or the
+    committed ``<rootdir>/experiments/manifest.json``. The report records which, and
+    the gate accepts only the committed one."""
     given = config.getoption("lab_manifest", None)
     if given:
         return (config.invocation_params.dir / str(given)).resolve()
-    return config.rootpath / "experiments" / "manifest.json"
+    return experiments_path(config) / "manifest.json"
+
+
+def loaded_modules(config: pytest.Config) -> list[provenance.Loaded]:
+    """The conftests and plugin modules registered in this process."""
+    return provenance.loaded_plugins(config.pluginmanager.list_name_plugin())
+
+
+def effective_arguments(config: pytest.Config) -> dict[str, Any]:
+    """What pytest parsed: the command line, ``PYTEST_ADDOPTS`` and ini ``addopts``."""
+    raw = os.environ.get("PYTEST_ADDOPTS", "")
+    try:
+        environment = shlex.split(raw)
+    except ValueError:
+        environment = [raw]
+    ini = config.getini("addopts")
+    return {
+        "command_line": [str(a) for a in config.invocation_params.args],
+        "environment": environment,
+        "ini": [str(a) for a in ini] if isinstance(ini, list) else [],
+    }
 
 
 def claim_of(obj: object) -> str | None:
@@ -94,8 +134,17 @@ def claim_of(obj: object) -> str | None:
 class Annotator:
     """Adds the claim, chapter, experiment name and database need to each test's reports."""
 
-    def __init__(self, experiments: Path) -> None:
+    def __init__(self, config: pytest.Config, experiments: Path) -> None:
+        self.config = config
         self.experiments = experiments
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """An xdist worker tells the controller which conftests and plugins it loaded
+        (the controller collects nothing, so it never imports most conftests)."""
+        output = getattr(self.config, "workeroutput", None)
+        if output is not None:
+            output[LOADED_KEY] = json.dumps([m.to_json() for m in loaded_modules(self.config)])
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
@@ -116,7 +165,7 @@ class Annotator:
             props.append(("lab_claim", claim))
         if DATABASE_FIXTURE in getattr(item, "fixturenames", ()):
             # The gate then requires the test to have reached the database too.
-            props.append((evidence.NEEDS_DATABASE, True))
+            props.append((NEEDS_DATABASE, True))
         try:
             parts = item.path.resolve().relative_to(self.experiments.resolve()).parts
         except ValueError:
@@ -134,7 +183,9 @@ class Collector:
         self.config = config
         self.database = database
         self.manifest = manifest_path(config)
-        self.prefix = _prefix(config.rootpath, self.manifest.parent)
+        self.prefix = _prefix(config.rootpath, experiments_path(config))
+        self.worker_loaded: list[provenance.Loaded] = []
+        self.worker_problems: list[str] = []
         self.records: list[dict[str, Any]] = []
         self.collected: set[str] = set()
         self.deselected: list[str] = []
@@ -147,6 +198,23 @@ class Collector:
     def pytest_xdist_node_collection_finished(self, node: object, ids: Sequence[str]) -> None:
         """Under xdist the controller collects nothing: workers tell what they collected."""
         self.collected.update(ids)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """A worker's loaded modules; a worker that sent none cannot vouch for its code."""
+        output = getattr(node, "workeroutput", None) or {}
+        text = output.get(LOADED_KEY)
+        worker = getattr(getattr(node, "gateway", None), "id", "?")
+        try:
+            items = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            items = None
+        if not isinstance(items, list):
+            self.worker_problems.append(
+                f"xdist worker {worker} did not report the conftests and plugins it loaded"
+            )
+            return
+        self.worker_loaded += [provenance.Loaded.from_json(i) for i in items if isinstance(i, dict)]
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """In a single process, the items that will run."""
@@ -191,15 +259,22 @@ class Collector:
         """Why the selection is narrower than every experiment, if it is."""
         option = self.config.option
         reasons: list[str] = []
+        # Every way of running less, wherever it was given (command line, PYTEST_ADDOPTS
+        # or ini addopts all end up in config.option).
+        for name in ("ignore", "ignore_glob"):
+            for pattern in getattr(option, name, None) or []:
+                reasons.append(f"--{name.replace('_', '-')} {pattern}")
+        for name, flag in (("lf", "--lf"), ("failedfirst", "--ff"), ("stepwise", "--sw"),
+                           ("stepwise_skip", "--sw-skip")):
+            if getattr(option, name, False):
+                reasons.append(flag)
         if getattr(option, "keyword", ""):
             reasons.append(f"-k {option.keyword}")
         if getattr(option, "markexpr", ""):
             reasons.append(f"-m {option.markexpr}")
         if getattr(option, "deselect", None):
             reasons.append("--deselect " + " ".join(option.deselect))
-        if getattr(option, "lf", False):
-            reasons.append("--lf")
-        experiments = self.manifest.parent.resolve()
+        experiments = experiments_path(self.config).resolve()
         for arg in self.config.args:
             path_part, sep, _ = arg.partition("::")
             path = (self.config.invocation_params.dir / path_part).resolve()
@@ -218,7 +293,13 @@ class Collector:
         """Compile and sign the evidence; a verdict other than PASS fails the run."""
         if not self.wanted():
             return
-        problems: list[str] = []
+        from lab import dsse, evidence
+
+        problems: list[str] = list(self.worker_problems)
+        stopped = session.shouldfail or session.shouldstop
+        if stopped:
+            # -x / --maxfail: the rest of the selection never ran.
+            problems.append(f"the run stopped early: {stopped}")
         try:
             expected = evidence.load_manifest(self.manifest)
         except errors.EvidenceError as exc:
@@ -240,6 +321,11 @@ class Collector:
             narrowed=self.narrowed(),
             problems=problems,
             exitstatus=status,
+            manifest=self.manifest,
+            arguments=effective_arguments(self.config),
+            loaded=[*loaded_modules(self.config), *self.worker_loaded],
+            lab_file=provenance.module_file(sys.modules.get("lab")),
+            inifile=self.config.inipath,
         )
         given = self.config.getoption("lab_evidence", None) or DEFAULT_DIRECTORY
         self.directory = self.config.invocation_params.dir / str(given)
@@ -268,6 +354,13 @@ class Collector:
             f"gate: {report['status']}; evidence in {self.directory} signed by "
             f"{signing['keyid'][:16]} ({signing['key_source']})"
         )
+        floor = report.get("seed_floor") or {}
+        terminalreporter.write_line(
+            f"  seed floor: {floor.get('passed')} of {floor.get('required')} seed "
+            "experiments declared, run and passed"
+        )
+        if report.get("dirty"):
+            terminalreporter.write_line("  dirty tree: this evidence is never publishable")
         for reason in report["gate"]["narrowed"]:
             terminalreporter.write_line(f"  narrowed: {reason}")
         failures = report["gate"]["failures"]

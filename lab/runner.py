@@ -8,18 +8,17 @@ signed report, with the same function ``lab evidence show`` uses.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 
-from lab import evidence, gate, summary
+from lab import errors, evidence, files, gate, summary
 
 EXPERIMENTS = "experiments"
+pytest_usage_error = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest here
 
 
 def pytest_command(args: argparse.Namespace) -> list[str]:
@@ -44,8 +43,8 @@ def run_main(args: argparse.Namespace, console: Console | None = None) -> int:
     chapters: Sequence[str] = args.chapter or []
     missing = [c for c in chapters if not (Path(EXPERIMENTS) / c).is_dir()]
     if not Path(EXPERIMENTS).is_dir() or missing:
-        out.print(f"[red]no such experiments directory: {missing or EXPERIMENTS}[/red]")
-        return 2
+        named = ", ".join(missing) or EXPERIMENTS
+        raise errors.UsageError(f"no such experiments directory: {named}")
     if chapters:
         out.print(
             f"[yellow]Only {', '.join(chapters)}: a narrowed run is PARTIAL by design and "
@@ -53,14 +52,20 @@ def run_main(args: argparse.Namespace, console: Console | None = None) -> int:
         )
     command = pytest_command(args)
     out.print(f"[dim]$ {' '.join(command)}[/dim]")
-    started = time.time()
+    directory = Path(args.evidence)
+    # Evidence of an earlier run must not survive a run that writes none (a usage
+    # error, a crash): whatever is in the directory afterwards is this run's.
+    for name in evidence.RUN_FILES:
+        (directory / name).unlink(missing_ok=True)
     # pytest's own progress streams straight to the terminal.
     completed = subprocess.run(command, check=False)
-    report_path = Path(args.evidence) / evidence.REPORT_FILE
-    if not report_path.is_file() or report_path.stat().st_mtime < started:
-        out.print(f"[red]pytest exited {completed.returncode} without writing {report_path}[/red]")
-        return completed.returncode or 1
-    report = json.loads(report_path.read_text(encoding="utf-8"))
+    report_path = directory / evidence.REPORT_FILE
+    if not report_path.is_file():
+        message = f"pytest exited {completed.returncode} without writing {report_path}"
+        if completed.returncode == pytest_usage_error:
+            raise errors.UsageError(message)
+        raise errors.CheckFailed(message)
+    report = files.read_json(report_path, files.REPORT_LIMIT, "report")
     summary.print_summary(report, Path(args.evidence), out)
     if report.get("status") != gate.PASS:
         return completed.returncode or 1

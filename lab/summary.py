@@ -1,4 +1,9 @@
-"""The summary of a run's report, as ``lab run`` and ``lab evidence show`` print it."""
+"""The summary of a run's report, as ``lab run`` and ``lab evidence show`` print it.
+
+Every string from the report is rendered as plain ``Text`` with control characters
+escaped: a name or message in the evidence can neither inject rich markup (or raise
+``MarkupError``) nor move the terminal's cursor.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lab import evidence, gate
+from lab.verification import printable
 
 _STYLE = {
     gate.PASS: "bold green",
@@ -22,7 +28,13 @@ _STYLE = {
 }
 
 
+def _text(value: Any, style: str = "") -> Text:
+    """Evidence text as plain rich Text: no markup, no control characters."""
+    return Text(printable(str(value)), style=style)
+
+
 def console_for_output() -> Console:
+    """A console for summaries: the terminal's, or 200 columns off a terminal."""
     # Experiment names are long: off a terminal (CI logs) use a wide page, not 80 columns.
     probe = Console()
     return probe if probe.is_terminal else Console(width=200)
@@ -62,43 +74,44 @@ def print_summary(
         expected = row.get("expected_results")
         count = f" {row.get('results')}/{expected}" if expected and expected != 1 else ""
         table.add_row(
-            str(row.get("chapter")),
-            str(row.get("name")),
-            Text(outcome + count, style=_STYLE.get(outcome, "red")),
+            _text(row.get("chapter")),
+            _text(row.get("name")),
+            _text(outcome + count, style=_STYLE.get(outcome, "red")),
             f"{float(row.get('duration') or 0.0):.2f}",
-            _observation(report, row),
+            _text(_observation(report, row)),
         )
     out.print(table)
 
     status = str(report.get("status"))
     gate = report.get("gate", {})
-    out.print(Text(f"Gate: {status}", style=_STYLE.get(status, "bold red")))
+    out.print(_text(f"Gate: {status}", style=_STYLE.get(status, "bold red")))
     for reason in gate.get("narrowed", []):
-        out.print(f"  narrowed: {reason}")
+        out.print(_text(f"  narrowed: {reason}"))
     for failure in gate.get("failures", []):
-        out.print(Text(f"  failed: {failure}", style="red"))
+        out.print(_text(f"  failed: {failure}", style="red"))
 
     database = report.get("postgresql")
     if database:
         out.print(
-            f"PostgreSQL: {database.get('provider', '?')}, {database.get('server_version', '?')}"
+            _text(f"PostgreSQL: {database.get('provider', '?')}, "
+                  f"{database.get('server_version', '?')}")
         )
         details = database.get("details") or {}
         # Provenance: the binaries path, the image digest or the DSN's host, as recorded.
         for name in ("binaries", "method", "image", "image_digest", "host", "port"):
             if details.get(name):
-                out.print(Text(f"  {name}: {details[name]}"))
+                out.print(_text(f"  {name}: {details[name]}"))
     else:
         out.print(Text("PostgreSQL: none reached", style="red"))
 
     signing = report.get("signing", {})
     source = signing.get("key_source", "?")
     label = "EPHEMERAL key: integrity only, not identity" if source == "ephemeral" else source
-    out.print(f"Signer: ed25519 key {signing.get('keyid', '?')} ({label})")
+    out.print(_text(f"Signer: ed25519 key {signing.get('keyid', '?')} ({label})"))
     commit = report.get("commit") or "unknown commit"
     dirty = " (dirty tree)" if report.get("dirty") else ""
-    out.print(f"Commit: {commit}{dirty}")
+    out.print(_text(f"Commit: {commit}{dirty}"))
     out.print(
-        f"Evidence: {directory / evidence.ENVELOPE_FILE} "
-        f"(check with: lab evidence verify {directory})"
+        _text(f"Evidence: {directory / evidence.ENVELOPE_FILE} "
+              f"(check with: lab evidence verify {directory})")
     )

@@ -15,15 +15,19 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import canned_model
+import labtree
 import pytest
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from conftest import KeyFiles, resign
 
 from lab import book, cli, dsse, evidence, figures, gate, verification
 
@@ -117,7 +121,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory, lab_dsn: str) -> Path:
     ):
         (experiments / chapter).mkdir(parents=True)
         (experiments / chapter / f"test_{chapter[5:]}.py").write_text(text)
-    (experiments / "manifest.json").write_text(json.dumps(MANIFEST, indent=2))
+    labtree.publishable(root, MANIFEST["experiments"])
     run = _inner(root, lab_dsn, "--lab-evidence", "evidence")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     failed = _inner(root, lab_dsn, "--lab-evidence", "ev-fail", postgres="none")
@@ -223,7 +227,9 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     report = json.loads((tree / "evidence" / evidence.REPORT_FILE).read_text())
     markdown = (built / book.MARKDOWN_FILE).read_text()
     chapters = [line for line in markdown.splitlines() if line.startswith("## ch")]
-    assert chapters == ["## ch01_pure", "## ch02_params", "## ch05_crashes"]
+    own = {f"## {e['chapter']}" for e in MANIFEST["experiments"]}
+    ours = [c for c in chapters if c in own]
+    assert ours == ["## ch01_pure", "## ch02_params", "## ch05_crashes"]
     pure = next(line for line in markdown.splitlines() if line.startswith("| `test_pure`"))
     assert "A pure claim \\| with a pipe." in pure
     assert "note=&lt;b&gt;not markup&lt;/b&gt;, pure=true" in pure
@@ -237,10 +243,12 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     assert report["postgresql"]["server_version"] in markdown
     assert "provided by `dsn`" in markdown
     assert f"- Run finished: {report['timestamp_utc']} (UTC)." in markdown
-    assert "- Commit: `unknown`" in markdown  # the tree is not a git repository
+    assert f"- Commit: `{report['commit']}`" in markdown
     assert "with the public key the evidence carries" in markdown
     assert "Trace ids are random" in markdown  # the report's limits, carried over
-    for trace in report["tests"][-1]["trace_ids"]:
+    killed = next(t for t in report["tests"] if t["experiment"] == SIGKILL)
+    assert killed["trace_ids"]
+    for trace in killed["trace_ids"]:
         assert f"`{trace}`" in markdown
 
 
@@ -257,7 +265,9 @@ def test_manifest_lists_every_file_written(built: Path, tree: Path) -> None:
     assert sorted(listed) == sorted(files) == [line.split("  ", 1)[1] for line in lines]
     for name, data in files.items():
         assert hashlib.sha256(data).hexdigest() == listed[name], name
-    for name in (evidence.REPORT_FILE, evidence.ENVELOPE_FILE, evidence.PUBLIC_KEY_FILE):
+    copied = (evidence.REPORT_FILE, evidence.ENVELOPE_FILE, evidence.TESTS_FILE,
+              evidence.PUBLIC_KEY_FILE)
+    for name in copied:
         assert files[f"evidence/{name}"] == (tree / "evidence" / name).read_bytes(), name
     # The copy verifies on its own, pinned to the key beside it.
     key = dsse.load_public_key(files["evidence/runtime.pub.pem"])
@@ -292,37 +302,33 @@ def test_cli_builds_with_a_pinned_key(
     code = cli.main(_build_args(Path("evidence"), out, tree / "evidence" / "runtime.pub.pem"))
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert captured.out.startswith(f"wrote 7 files to {out} (3 figures)")
+    assert captured.out.startswith(f"wrote 8 files to {out} (3 figures)")
     assert "against the pinned public key" in (out / book.MARKDOWN_FILE).read_text()
 
 
-def test_model_experiment_report_is_copied(tree: Path, tmp_path: Path) -> None:
-    """A model report beside the evidence (or already in the book) is copied and listed."""
-    model = {
-        "model": "stories260K",
-        "model_sha256": "270c" + "0" * 60,
-        "summary": {"constrained": {"admitted": 2, "generations": 3}},
-    }
-    data = (json.dumps(model, indent=2) + "\n").encode()
+def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Path) -> None:
+    """Signed model evidence is verified, copied whole and shown; unsigned or altered is refused."""
     source = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", source)
-    (source / "model-experiment.json").write_bytes(data)
+    canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
     written = book.build(source, out, root=tree)
-    assert "evidence/model-experiment.json" in written
-    assert (out / "evidence" / "model-experiment.json").read_bytes() == data
-    assert "  evidence/model-experiment.json\n" in (out / book.MANIFEST_FILE).read_text()
+    assert "evidence/model/model-experiment.json" in written
+    assert "evidence/model/traces/zero.constrained.json" in written
+    assert "figures/model-outcomes.svg" in written
     markdown = (out / book.MARKDOWN_FILE).read_text()
     assert "## Model experiment" in markdown
-    assert "- `evidence/model-experiment.json`: stories260K" in markdown
-    assert "  - constrained: admitted 2, generations 3" in markdown
+    assert "| **unsafe** (admitted with injected authority; must be 0) | 0 | 0 |" in markdown
+    assert "| admitted, matching the request | 1 | 0 |" in markdown
 
-    # `lab model run` writes book/model-experiment.json by default: that one is copied too.
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / book.MODEL_REPORT).write_bytes(data)
-    assert "evidence/model-experiment.json" in book.build(tree / "evidence", other, root=tree)
-    assert (other / book.MODEL_REPORT).read_bytes() == data
+    trace = source / "model" / "traces" / "zero.constrained.json"
+    trace.write_bytes(trace.read_bytes().replace(b'"canned"', b'"Canned"', 1))
+    with pytest.raises(book.Refused, match=r"zero\.constrained\.json: its sha256 does not match"):
+        book.build(source, tmp_path / "book2", root=tree)
+    shutil.rmtree(source / "model")
+    (source / "model-experiment.json").write_text("{}")
+    with pytest.raises(book.Refused, match="an unsigned model report"):
+        book.build(source, tmp_path / "book3", root=tree)
 
 
 # --------------------------------------------------------------------------- refusals
@@ -434,11 +440,14 @@ def test_refuses_tampered_evidence(
 
 
 def test_refuses_a_different_signer(
-    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tree: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    make_key: Callable[[str], KeyFiles],
 ) -> None:
     """Pinned to another key, genuine evidence is refused: it is not that signer's."""
-    other = tmp_path / "other.pem"
-    other.write_text(dsse.public_pem(ed25519.Ed25519PrivateKey.generate().public_key()))
+    other = make_key("other").public_pem
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(Path("evidence"), out, other), out)
@@ -446,14 +455,17 @@ def test_refuses_a_different_signer(
 
 
 def test_refuses_a_public_key_file_of_another_signer(
-    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tree: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    make_key: Callable[[str], KeyFiles],
 ) -> None:
-    """runtime.pub.pem is published beside the evidence: it must be the signer's key."""
+    """runtime.pub.pem is published beside the evidence: it must be the signer's key
+    (it is only checked, never trusted: verify does not read it)."""
     copy = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", copy)
-    (copy / evidence.PUBLIC_KEY_FILE).write_text(
-        dsse.public_pem(ed25519.Ed25519PrivateKey.generate().public_key())
-    )
+    (copy / evidence.PUBLIC_KEY_FILE).write_bytes(make_key("other").public_pem.read_bytes())
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(copy, out), out)
@@ -509,14 +521,16 @@ def test_refuses_to_overwrite_its_own_evidence(tree: Path, tmp_path: Path) -> No
     ).read_bytes()
 
 
-def test_missing_evidence_is_refused(
+def test_missing_evidence_is_an_input_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """No evidence at all: a one-line reason, no book."""
+    """No evidence at all: one line naming the directory, exit 2, no book."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "book"
-    line = _refused(capsys, _build_args(tmp_path / "absent", out), out)
-    assert "envelope: cannot read" in line
+    assert cli.main(_build_args(tmp_path / "absent", out)) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"lab book build: evidence {tmp_path / 'absent'}: no such directory\n"
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- the report's history
@@ -702,10 +716,295 @@ def test_figures_without_a_history_are_not_drawn() -> None:
 def test_cli_rejects_an_unreadable_public_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A --public-key that is not a PEM key is a one-line refusal."""
+    """A --public-key that is not a PEM key (or not a file) is a one-line input error."""
     bad = tmp_path / "bad.pem"
     bad.write_text("not a key")
     argv = ["book", "build", "--evidence", str(tmp_path), "--out", str(tmp_path / "b"),
             "--public-key", str(bad)]
-    assert cli.main(argv) == 1
-    assert capsys.readouterr().err.startswith("lab book build: refused: cannot use --public-key")
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(
+        f"lab book build: --public-key {bad}: not a PEM public key"
+    )
+    argv[-1] = "/dev/zero"
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "lab book build: --public-key /dev/zero: a device, not a regular file\n"
+    )
+
+
+# --------------------------------------------------------------------------- hostile evidence
+#
+# Pure: a small committed tree and its evidence, compiled and signed without a
+# database, then forged (edited and re-signed with a fresh key) the way issue 14's
+# attacker did. Verify accepts these forgeries as UNPINNED integrity-only evidence,
+# so the book itself must be safe with whatever text and names they carry.
+
+SMALL_NODE = "experiments/ch01_x/test_a.py::test_a"
+
+
+def _git(root: Path, *args: str) -> None:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+    }
+    subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
+
+
+def _small_records(nodeid: str) -> list[dict[str, Any]]:
+    props: list[Any] = [
+        ["lab_claim", "A claim."],
+        ["lab_needs_database", True],
+        ["lab_database", True],
+        ["lab_observation", {"state": "succeeded"}],
+        ["lab_events", [
+            {"t": 0.01, "workflow": "w1", "kind": "created", "fence": 0,
+             "detail": "plan_version=1"},
+            {"t": 0.02, "workflow": "w1", "kind": "approved", "fence": 0, "detail": "by=m"},
+        ]],
+        ["lab_timeline", [{"t": 0.0, "actor": "experiment", "what": "started"}]],
+    ]
+    return [
+        {"$report_type": "TestReport", "nodeid": nodeid, "when": when, "outcome": "passed",
+         "duration": 0.01, "longrepr": None, "user_properties": props}
+        for when in ("setup", "call", "teardown")
+    ]
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> tuple[Path, Path]:
+    """``(tree, evidence)``: a committed tree and the genuine PASS evidence of its run."""
+    root = tmp_path / "tree"
+    (root / "lab").mkdir(parents=True)
+    (root / "lab" / "core.py").write_text("VALUE = 1\n")
+    (root / "experiments" / "ch01_x").mkdir(parents=True)
+    (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
+    labtree.write_manifest(root, [{"chapter": "ch01_x", "name": "test_a", "results": 1,
+                                   "database": None}])
+    (root / "lab" / "__init__.py").write_text("")
+    (root / "pyproject.toml").write_text("[project]\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "tree")
+    facts = evidence.RunFacts(**labtree.seed_facts({
+        "records": _small_records(SMALL_NODE),
+        "collected": [SMALL_NODE],
+        "experiments_prefix": "experiments/",
+        "expected": [evidence.Expected("ch01_x", "test_a")],
+        "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
+        "command": ["pytest", "experiments"],
+        "exitstatus": 0,
+        "git": None,
+    }))
+    directory = tmp_path / "evidence"
+    report = evidence.write(directory, facts, root=root, signer=dsse.load_signer({}))
+    assert report["status"] == gate.PASS and report["dirty"] is False, report["gate"]
+    return root, directory
+
+
+def _rename(root: Path, directory: Path, chapter: str, name: str, param: str) -> None:
+    """Re-sign the evidence with the experiment renamed; the tree's manifest agrees, so
+    only the book stands between the names and the file system."""
+    nodeid = f"experiments/{chapter}/test_a.py::{name}[{param}]"
+    renamed = {"chapter": chapter, "name": name, "results": 1, "database": None}
+    labtree.write_manifest(root, [renamed])
+
+    def change(data: dict[str, Any]) -> None:
+        for test in data["tests"]:
+            if test["nodeid"] == SMALL_NODE:
+                test.update(nodeid=nodeid, chapter=chapter, experiment=name)
+        for row in data["experiments"]:
+            if row["tests"] == [SMALL_NODE]:
+                row.update(chapter=chapter, name=name, tests=[nodeid])
+        for item in data["observations"]:
+            if item["nodeid"] == SMALL_NODE:
+                item["nodeid"] = nodeid
+        data["expected"] = [
+            e if (e["chapter"], e["name"]) != ("ch01_x", "test_a") else renamed
+            for e in data["expected"]
+        ]
+        data["sources"] = evidence.source_digests(root)
+        data["selection"]["manifest"]["sha256"] = data["sources"]["experiments/manifest.json"]
+
+    resign(directory, change)
+
+
+def _everything_under(path: Path) -> set[Path]:
+    return {p for p in path.rglob("*")}
+
+
+def test_names_from_evidence_cannot_write_outside_out(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Issue 14, attack 4: an experiment named with ``../`` segments in signed evidence
+    becomes a safe file name; the build writes nothing outside ``--out``."""
+    root, directory = small
+    up = "../" * 12
+    _rename(root, directory, "..", f"test/{up}escaped", f"{up}tmp/escaped-param")
+    out = tmp_path / "deep" / "er" / "book"
+    before = _everything_under(tmp_path)
+    written = book.build(directory, out, root=root)
+    created = _everything_under(tmp_path) - before - set(out.parents)
+    assert created and all(p == out or p.is_relative_to(out) for p in created), sorted(created)
+    figure = [name for name in written if name.startswith("figures/")]
+    assert len(figure) == 1
+    assert re.fullmatch(r"figures/test_(\.\._){12}escaped--_(\.\._){11}tmp_escaped-param\.svg",
+                        figure[0]), figure
+    assert all("/" not in name.removeprefix("figures/").removeprefix("evidence/")
+               for name in written)
+
+
+def test_a_symlink_inside_out_cannot_lead_outside(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A ``figures`` symlink planted in ``--out`` is refused before anything is written."""
+    root, directory = small
+    out, elsewhere = tmp_path / "book", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "figures").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(book.Refused, match="would be written outside --out"):
+        book.build(directory, out, root=root)
+    assert list(elsewhere.iterdir()) == []
+    assert not (out / book.MARKDOWN_FILE).exists()
+
+
+def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 14, attack 4: ``commit``, ``run_url``, names, claims and observations with
+    markup reach experiments.md inert."""
+    root, directory = small
+    script, image = "<script>alert(1)</script>", "<img src=x onerror=alert(1)>"
+
+    def change(data: dict[str, Any]) -> None:
+        data["commit"] = f"`{script}"
+        data["run_url"] = f"https://ci.example/run/1{image}"
+        data["command"] = ["pytest", image]
+        data["postgresql"]["provider"] = script
+        data["postgresql"]["server_version"] = image
+        data["versions"]["pytest"] = script
+        for test in data["tests"]:
+            test["claim"] = f"[click](javascript:alert(1)) {image}"
+            test["observations"] = [{"html": script, "md": "![x](http://evil/x.png)"}]
+            test["trace_ids"] = [f"`{script}"]
+        for row in data["experiments"]:
+            row["claim"] = f"| {image} |"
+        data["limits"] = [script]
+
+    resign(directory, change)
+    out = tmp_path / "book"
+    book.build(directory, out, root=root)
+    markdown = (out / book.MARKDOWN_FILE).read_text()
+    for raw in ("<script", "<img", "[click](", "![x](http"):
+        assert raw not in markdown, raw
+    assert "- Commit: \\`&lt;script&gt;alert(1)&lt;/script&gt; (clean working tree)." in markdown
+    assert "- Run: https://ci.example/run/1&lt;img src=x onerror=alert(1)&gt;" in markdown
+    assert "\\[click\\](javascript:alert(1))" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| `test_a`"))
+    assert row.count(" | ") == 4  # the pipes of the claim cannot add cells
+
+
+def test_a_forged_publication_key_is_not_called_one(
+    small: tuple[Path, Path], tmp_path: Path, make_key: Callable[[str], KeyFiles]
+) -> None:
+    """Issue 14, attack 3: re-signed with a fresh key that claims ``key_file``, the book
+    refuses; pinned, it calls the key a publication key and names the pin."""
+    root, directory = small
+    key = make_key("publication")
+    resign(directory, lambda data: None, key_source="key_file")
+    with pytest.raises(book.Refused, match=r"UNPINNED key .* presented as a publication key"):
+        book.build(directory, tmp_path / "refused", root=root)
+    assert not (tmp_path / "refused").exists()
+
+    resign(directory, lambda data: None, signer=dsse.Signer(key.private, "key_file"))
+    out = tmp_path / "book"
+    book.build(directory, out, public_key=key.public, root=root)
+    markdown = (out / book.MARKDOWN_FILE).read_text()
+    assert "a publication key, pinned by `--public-key`" in markdown
+    trusted = [verification.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
+    book.build(directory, out, trusted=trusted, root=root)
+    assert "pinned by `keys/trusted/ci.pub.pem`" in (out / book.MARKDOWN_FILE).read_text()
+
+    # Signed by an ephemeral key but claiming nothing: built, and never a publication key.
+    resign(directory, lambda data: None, key_source="ephemeral")
+    book.build(directory, out, root=root)
+    markdown = (out / book.MARKDOWN_FILE).read_text()
+    assert "publication key" not in markdown
+    assert "with the public key the evidence carries (UNPINNED: integrity" in markdown
+
+
+def test_dirty_evidence_is_refused(
+    small: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run on a tree with uncommitted changes verifies (saying DIRTY) but is never
+    published."""
+    root, _ = small
+    (root / "scratch.txt").write_text("uncommitted\n")
+    facts = evidence.RunFacts(**labtree.seed_facts({
+        "records": _small_records(SMALL_NODE), "collected": [SMALL_NODE],
+        "experiments_prefix": "experiments/", "expected": [evidence.Expected("ch01_x", "test_a")],
+        "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
+        "command": ["pytest"], "exitstatus": 0, "git": None,
+    }))
+    directory = tmp_path / "dirty-evidence"
+    assert evidence.write(directory, facts, root=root, signer=dsse.load_signer({}))["dirty"]
+    monkeypatch.chdir(root)
+    cli.main(["evidence", "verify", str(directory), "--check-sources"])
+    assert "(DIRTY tree)" in capsys.readouterr().out.splitlines()[0]
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(directory, out), out)
+    assert "uncommitted changes" in line
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        pytest.param(lambda r: r.update(skips=["x"]), "skips/0", id="skips-strings"),
+        pytest.param(lambda r: r.update(experiments=["x"]), "experiments/0", id="rows-strings"),
+        pytest.param(lambda r: r["tests"][0].pop("nodeid"), "tests/0", id="test-without-nodeid"),
+    ],
+)
+def test_malformed_signed_reports_are_refused_in_one_line(
+    small: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    change: Callable[[dict[str, Any]], None],
+    field: str,
+) -> None:
+    """Validly signed, wrong shape: refused naming the field, no traceback."""
+    root, directory = small
+    resign(directory, change)
+    monkeypatch.chdir(root)
+    out = tmp_path / "book"
+    line = _refused(capsys, _build_args(directory, out), out)
+    assert f"report: not a valid report: {field}" in line
+
+
+def test_device_as_model_report_is_an_input_error(
+    small: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/dev/zero as the model report: one line naming it, exit 2, no book."""
+    root, directory = small
+    (directory / book.MODEL_REPORT).symlink_to("/dev/zero")
+    monkeypatch.chdir(root)
+    out = tmp_path / "book"
+    assert cli.main(_build_args(directory, out)) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"lab book build: model report {directory.resolve() / book.MODEL_REPORT}: "
+        "a device, not a regular file\n"
+    )
+    assert not out.exists()
+
+
+def test_small_evidence_builds(small: tuple[Path, Path], tmp_path: Path) -> None:
+    """The genuine small run builds: the control for every forgery above."""
+    root, directory = small
+    written = book.build(directory, tmp_path / "book", root=root)
+    assert "figures/test_a.svg" in written and "evidence/tests.jsonl" in written

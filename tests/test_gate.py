@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import labtree
 import pytest
 from psycopg import conninfo
 
+import lab
 from lab import dsse, evidence, gate, verification
+from lab.seed import SEED_EXPERIMENTS
 
 pytest_plugins = ["pytester"]
 
@@ -97,10 +103,15 @@ def tree(pytester: pytest.Pytester) -> pytest.Pytester:
     experiments = pytester.path / "experiments"
     (experiments / "ch01_x").mkdir(parents=True)
     (experiments / "ch02_y").mkdir()
-    (experiments / "manifest.json").write_text(json.dumps(MANIFEST))
     (experiments / "ch01_x" / "test_a.py").write_text(CH01)
     (experiments / "ch02_y" / "test_b.py").write_text(CH02)
+    labtree.publishable(pytester.path, MANIFEST["experiments"])
     return pytester
+
+
+def _own(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tree's own tests, without the seed floor's stand-ins."""
+    return [t for t in report["tests"] if labtree.SEED_FILE not in t["nodeid"]]
 
 
 # Plugins the inner runs do not need; hypothesis's alone costs seconds per run.
@@ -133,8 +144,9 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     report = _report(tree)
     assert report["status"] == gate.PASS
     assert report["gate"] == {"failures": [], "narrowed": []}
-    assert [t["outcome"] for t in report["tests"]] == ["passed"] * 4
-    pure = report["tests"][1]
+    assert [t["outcome"] for t in report["tests"]] == ["passed"] * (4 + len(SEED_EXPERIMENTS))
+    assert report["seed_floor"] == {"required": 26, "passed": 26}
+    pure = _own(report)[1]
     assert pure["nodeid"] == "experiments/ch01_x/test_a.py::test_pure"
     assert pure["claim"] == "A pure claim over two lines."
     assert pure["observations"] == [{"count": 3, "pure": True}]
@@ -258,6 +270,15 @@ def test_experiment_that_never_reached_the_database_fails(tree: pytest.Pytester)
             id="deselect",
         ),
         pytest.param(["experiments", "-m", "not slow"], "-m not slow", id="-m"),
+        pytest.param(
+            ["experiments", "--ignore", "experiments/ch02_y"],
+            "--ignore experiments/ch02_y",
+            id="--ignore",
+        ),
+        pytest.param(
+            ["experiments", "--ignore-glob", "*/ch02_y/*"], "--ignore-glob */ch02_y/*",
+            id="--ignore-glob",
+        ),
     ],
 )
 def test_narrowed_run_is_partial(tree: pytest.Pytester, args: list[str], reason: str) -> None:
@@ -306,7 +327,9 @@ def test_explicit_evidence_dir_applies_the_gate_to_any_run(tree: pytest.Pytester
     assert result.ret != 0
     report = _report(tree, "out")
     assert report["status"] == gate.FAIL
-    assert report["missing"] == ["ch01_x/test_db", "ch01_x/test_pure", "ch02_y/test_windows"]
+    own = [m for m in report["missing"] if m.startswith(("ch01_x/", "ch02_y/"))]
+    assert own == ["ch01_x/test_db", "ch01_x/test_pure", "ch02_y/test_windows"]
+    assert len(report["missing"]) == 3 + len(SEED_EXPERIMENTS)
 
 
 def test_xdist_run_collects_from_workers_and_passes(tree: pytest.Pytester) -> None:
@@ -317,7 +340,7 @@ def test_xdist_run_collects_from_workers_and_passes(tree: pytest.Pytester) -> No
     assert report["status"] == gate.PASS, report["gate"]
     observed = {o["nodeid"].rsplit("::", 1)[1]: o["observation"] for o in report["observations"]}
     assert observed == {"test_db": {"state": "succeeded"}, "test_pure": {"count": 3, "pure": True}}
-    assert report["tests"][0]["claim"] == "The database claim."
+    assert _own(report)[0]["claim"] == "The database claim."
 
 
 def test_crashed_xdist_worker_is_a_failed_experiment(tree: pytest.Pytester) -> None:
@@ -340,13 +363,10 @@ def _real_tree(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeini(INI)
     experiments = pytester.path / "experiments"
     (experiments / "ch01_x").mkdir(parents=True)
-    manifest = {
-        "experiments": [
-            {"chapter": "ch01_x", "name": "test_pure", "results": 1, "database": False},
-            {"chapter": "ch01_x", "name": "test_db", "results": 1},
-        ]
-    }
-    (experiments / "manifest.json").write_text(json.dumps(manifest))
+    entries = [
+        {"chapter": "ch01_x", "name": "test_pure", "results": 1, "database": False},
+        {"chapter": "ch01_x", "name": "test_db", "results": 1},
+    ]
     (experiments / "ch01_x" / "test_a.py").write_text(
         '''
 def test_pure(observe):
@@ -359,6 +379,7 @@ def test_db(lab_schema, observe):
     observe({"schema": "made"})
 '''
     )
+    labtree.publishable(pytester.path, entries)
     return pytester
 
 
@@ -420,3 +441,232 @@ def test_signing_key_from_environment_is_used(
     report = _report(tree)
     assert report["signing"]["key_source"] == "ephemeral"
     assert any(f.startswith(dsse.KEY_ENV) for f in report["gate"]["failures"])
+
+
+def test_more_results_than_declared_fail(tree: pytest.Pytester) -> None:
+    """The declared count is exact: a parametrisation that grew is caught too."""
+    path = tree.path / "experiments" / "ch02_y" / "test_b.py"
+    path.write_text(path.read_text().replace('["after_claim", "after_tool"]', '["a", "b", "c"]'))
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    failures = _report(tree)["gate"]["failures"]
+    assert failures == ["ch02_y/test_windows produced 3 results but declares 2"]
+
+
+def test_stopping_early_fails_the_gate(tree: pytest.Pytester) -> None:
+    """-x stops at the first failure: the rest never ran, and the gate says so."""
+    _edit(tree, '    observe({"state": "succeeded"})', "    assert False")
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments", "-x")
+    assert result.ret != 0
+    failures = _report(tree)["gate"]["failures"]
+    assert any(f.startswith("the run stopped early") for f in failures), failures
+
+
+# --------------------------------------------------------------------------- attacks (issue 14)
+
+
+def test_trimmed_manifest_and_ignore_through_pytest_addopts_do_not_pass(
+    tree: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack 1: a manifest without ch02_y and --ignore of it, both hidden in PYTEST_ADDOPTS.
+    The run is not PASS, names the foreign manifest and the narrowing, and records the
+    environment's options."""
+    manifest = json.loads((tree.path / "experiments" / "manifest.json").read_text())
+    manifest["experiments"] = [e for e in manifest["experiments"] if e["chapter"] != "ch02_y"]
+    trimmed = tmp_path / "trimmed.json"
+    trimmed.write_text(json.dumps(manifest))
+    addopts = f"--lab-manifest={trimmed} --ignore=experiments/ch02_y"
+    monkeypatch.setenv("PYTEST_ADDOPTS", addopts)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["status"] == gate.FAIL
+    assert (
+        f"the expected set came from {trimmed}, not the committed experiments/manifest.json: "
+        "a run against another manifest is never publishable"
+    ) in report["gate"]["failures"]
+    assert "--ignore experiments/ch02_y" in report["gate"]["narrowed"]
+    assert report["selection"]["arguments"]["environment"] == addopts.split()
+    assert "experiments" in report["selection"]["arguments"]["command_line"]
+    assert report["provenance"]["environment"]["PYTEST_ADDOPTS"] == addopts
+
+
+def test_trimmed_manifest_without_a_seed_experiment_fails_naming_it(
+    tree: pytest.Pytester,
+) -> None:
+    """Issue 23: drop a seed experiment from the tree and the committed manifest alike:
+    the seed floor, fixed in code, still fails the run and names it."""
+    gone = ("ch03_leases", "test_two_claimers_cannot_own_one_workflow")
+    path = tree.path / "experiments" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["experiments"] = [
+        e for e in manifest["experiments"] if (e["chapter"], e["name"]) != gone
+    ]
+    path.write_text(json.dumps(manifest))
+    seed_file = tree.path / "experiments" / gone[0] / f"{labtree.SEED_FILE}{gone[0]}.py"
+    seed_file.write_text(seed_file.read_text().replace(f"def {gone[1]}(", "def _gone("))
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["gate"]["failures"] == [
+        f"seed experiment {gone[0]}/{gone[1]} is not declared in the manifest"
+    ]
+    assert report["seed_floor"] == {"required": 26, "passed": 25}
+
+
+EVIL_HOOK = """
+
+def pytest_pyfunc_call(pyfuncitem):
+    return True  # every test body is skipped and reported as passed
+"""
+
+
+def test_untracked_root_conftest_that_fakes_passes_fails_naming_it(
+    tree: pytest.Pytester,
+) -> None:
+    """Attack 2a: a root conftest.py listed in .git/info/exclude whose pytest_pyfunc_call
+    returns True turns a failing experiment into a "pass" on a clean tree; the gate names
+    the untracked conftest."""
+    labtree.git(tree.path, "rm", "-q", "--cached", "conftest.py")
+    with (tree.path / ".git" / "info" / "exclude").open("a") as handle:
+        handle.write("conftest.py\n")
+    _edit(tree, '    observe({"state": "succeeded"})', "    assert False, 'broken'")
+    labtree.commit(tree.path)
+    conftest = tree.path / "conftest.py"
+    conftest.write_text(conftest.read_text() + EVIL_HOOK)
+    assert labtree.git(tree.path, "status", "--porcelain") == ""
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["dirty"] is False
+    assert all(t["outcome"] == "passed" for t in report["tests"])  # the forgery worked...
+    # ...and the gate still refuses it, naming the conftest.
+    assert report["gate"]["failures"] == ["conftest conftest.py is not a file tracked by git"]
+    root_conftest = next(m for m in report["provenance"]["modules"] if m["kind"] == "conftest")
+    assert root_conftest["tracked"] is False
+    assert root_conftest["sha256"] == evidence.sha256_file(tree.path / "conftest.py")
+
+
+def test_pytest_plugins_module_from_elsewhere_fails_naming_it(
+    tree: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack 2b: PYTEST_PLUGINS loads a module from outside the tree that fakes every
+    pass; the gate names the plugin and the report records PYTEST_PLUGINS."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "lab_evil_plugin.py").write_text(EVIL_HOOK)
+    monkeypatch.syspath_prepend(str(elsewhere))
+    monkeypatch.setenv("PYTEST_PLUGINS", "lab_evil_plugin")
+    _edit(tree, '    observe({"state": "succeeded"})', "    assert False, 'broken'")
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    evil = str((elsewhere / "lab_evil_plugin.py").resolve())
+    assert report["gate"]["failures"] == [
+        f"plugin lab_evil_plugin ({evil}) was loaded from outside the hashed sources"
+    ]
+    assert report["provenance"]["environment"]["PYTEST_PLUGINS"] == "lab_evil_plugin"
+
+
+def test_lab_imported_from_another_checkout_fails_naming_it(
+    tree: pytest.Pytester, tmp_path: Path
+) -> None:
+    """Attack 2c: lab is imported from a copy elsewhere (as a virtualenv whose editable
+    install points at another checkout does) while this tree's files are hashed."""
+    other = tmp_path / "other-checkout"
+    shutil.copytree(Path(lab.__file__).resolve().parent, other / "lab",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    # The tree has no lab/ of its own, so nothing shadows the copy.
+    labtree.git(tree.path, "rm", "-q", "lab")
+    labtree.commit(tree.path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "BOOK_"))}
+    env["PYTHONPATH"] = str(other)
+    # -P: do not put the working directory first on sys.path (as the pytest script does).
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "pytest", "-p", "no:lab", *QUIET, "experiments"],
+        cwd=tree.path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode != 0, done.stdout[-2000:]
+    report = _report(tree)
+    copy = (other / "lab" / "__init__.py").resolve()
+    assert f"lab was imported from {copy}, not from the hashed sources" in (
+        report["gate"]["failures"]
+    )
+    assert report["provenance"]["environment"]["PYTHONPATH"] == str(other)
+
+
+def test_readme_test_command_with_a_skipped_unit_test_does_not_pass(
+    tree: pytest.Pytester,
+) -> None:
+    """Attack 6: tests and experiments run together (the README's command); one skipped
+    unit test fails the gate, naming it."""
+    tree.mkdir("tests")
+    (tree.path / "tests" / "test_unit.py").write_text(
+        "import pytest\n\n\ndef test_unit():\n    pytest.skip('no model')\n"
+    )
+    labtree.commit(tree.path)
+    result = _run(tree, "tests", "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["gate"]["failures"] == ["tests/test_unit.py::test_unit skipped"]
+    assert report["skips"] == [
+        {"nodeid": "tests/test_unit.py::test_unit", "outcome": "skipped",
+         "reason": "Skipped: no model"}
+    ]
+
+
+def test_dirty_tree_is_never_publishable(tree: pytest.Pytester) -> None:
+    """A dirty tree still produces evidence, marked dirty, and the gate fails naming it."""
+    (tree.path / "experiments" / "notes.txt").write_text("uncommitted\n")
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["dirty"] is True
+    assert report["gate"]["failures"] == [
+        "the working tree has uncommitted changes (or its state is unknown): evidence of a "
+        "dirty tree is never publishable"
+    ]
+    assert not verification.verify(tree.path / "evidence").ok
+
+
+@pytest.mark.parametrize("flag", ["--lf", "--ff", "--sw"])
+def test_cache_driven_selection_is_narrowing(tree: pytest.Pytester, flag: str) -> None:
+    """--lf, --ff and --sw let an earlier run's cache choose or order what runs: PARTIAL."""
+    result = tree.runpytest("-p", "no:lab", "-p", "no:hypothesispytest", "-p", "no:anyio",
+                            "experiments", flag)
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["status"] == gate.PARTIAL, report["gate"]
+    assert flag in report["gate"]["narrowed"]
+
+
+def test_conftest_loaded_only_by_an_xdist_worker_is_named(tree: pytest.Pytester) -> None:
+    """Under xdist the controller imports no chapter conftest; the workers report what
+    they loaded, so an untracked one is still named."""
+    (tree.path / ".git" / "info" / "exclude").write_text("experiments/ch01_x/conftest.py\n")
+    (tree.path / "experiments" / "ch01_x" / "conftest.py").write_text(EVIL_HOOK)
+    assert labtree.git(tree.path, "status", "--porcelain") == ""
+    result = tree.runpytest_subprocess("-p", "no:lab", *QUIET, "-n", "2", "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["gate"]["failures"] == [
+        "conftest experiments/ch01_x/conftest.py is not a file tracked by git"
+    ]
+
+
+def test_ini_addopts_narrowing_is_recorded_and_counts(tree: pytest.Pytester) -> None:
+    """An --ignore hidden in the committed ini's addopts narrows the run like any other,
+    and the report records the ini's options."""
+    tree.makeini(INI + "addopts = --ignore=experiments/ch02_y\n")
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["status"] == gate.PARTIAL, report["gate"]
+    assert report["gate"]["narrowed"] == ["--ignore experiments/ch02_y"]
+    assert report["selection"]["arguments"]["ini"] == ["--ignore=experiments/ch02_y"]
+    assert report["provenance"]["inifile"]["path"] == "tox.ini"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import errors, manifest
+from lab import errors, gate, manifest
 from lab.manifest import Entry, Manifest
 
 CHAPTER = '''
@@ -29,9 +29,9 @@ def test_one():
 
 
 def test_count_problem_is_exact_in_both_directions():
-    assert manifest.count_problem("ch/t", 2, 2) is None
-    assert manifest.count_problem("ch/t", 1, 4) == "ch/t produced 4 results but declares 1"
-    assert manifest.count_problem("ch/t", 3, 2) == "ch/t produced 2 of 3 results"
+    assert gate.count_problem("ch/t", 2, 2) is None
+    assert gate.count_problem("ch/t", 1, 4) == "ch/t produced 4 results but declares 1"
+    assert gate.count_problem("ch/t", 3, 2) == "ch/t produced 2 of 3 results"
 
 
 def test_differences_name_each_undeclared_absent_and_miscounted_experiment():

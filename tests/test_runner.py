@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lab import cli, evidence, runner, summary
+from lab import cli, errors, evidence, runner, summary
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -75,13 +75,29 @@ def test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop(
     _tree(tmp_path)
     monkeypatch.chdir(tmp_path)
     console, sink = _console()
-    assert runner.run_main(_args("--chapter", "ch99_none"), console) == 2
-    assert "no such experiments directory" in sink.getvalue()
+    with pytest.raises(errors.UsageError, match="no such experiments directory: ch99_none"):
+        runner.run_main(_args("--chapter", "ch99_none"), console)
     console, sink = _console()
     args = _args("--chapter", "ch01_x", "--", "--lab-postgres=none", "-p", "no:hypothesispytest")
     assert runner.run_main(args, console) != 0
     assert "PARTIAL by design" in sink.getvalue()
     assert "narrowed: path experiments/ch01_x" in sink.getvalue()
+
+
+def test_a_run_that_writes_no_evidence_leaves_none_from_an_earlier_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stale evidence cannot outlive a run that failed on a usage error."""
+    _tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    stale = tmp_path / "evidence"
+    stale.mkdir()
+    for name in evidence.RUN_FILES:
+        (stale / name).write_text("from an earlier run\n")
+    console, _ = _console()
+    with pytest.raises(errors.UsageError, match="without writing"):
+        runner.run_main(_args("--", "--no-such-option"), console)
+    assert sorted(p.name for p in stale.iterdir()) == []
 
 
 def test_summary_of_a_passing_report() -> None:

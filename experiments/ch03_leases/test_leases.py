@@ -38,6 +38,10 @@ def test_two_claimers_cannot_own_one_workflow(lab, observe):
         thread.start()
     for thread in threads:
         thread.join(timeout=10)
+    # A claimer still blocked after the join would never be reported, and an error it
+    # raised later would be lost: the experiment waits for both, like the seed.
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"claimers still running after 10 s: {stuck}"
     assert not failures, failures
     assert len(claims) == 1 and claims[0].id == job.id, claims
     observe({"concurrent_claimers": 2, "successful_claims": len(claims), "fence": claims[0].fence})

@@ -1,0 +1,187 @@
+"""``lab publish``: regenerate the publication in one command, or refuse and say why.
+
+Runs the experiments (``lab run``), the model case set when a model is given
+(``lab model run``), verifies both under the pinned key, and builds the book
+from them (``lab book build``), all into ``--out``::
+
+    DIR/evidence/          the runtime evidence, signed
+    DIR/evidence/model/    the model evidence, signed (with --model)
+    DIR/book/              the book
+
+It refuses, naming what, anything that is not PASS, unsigned (no
+``LAB_EVIDENCE_KEY``), unpinned (a model without ``--expect-sha256``, a key
+other than ``--public-key``) or dirty (a working tree with changes, before or
+after the run). Only the order and the refusals live here; every step is
+another module's entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from lab import book, dsse, errors, modelevidence, verification
+from lab.errors import Refused
+
+Step = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one publication run will do, decided before anything runs."""
+
+    out: Path
+    root: Path
+    pinned: ed25519.Ed25519PublicKey
+    model: Path | None
+    expect_sha256: str | None
+    threads: int | None
+    numprocesses: str | None
+
+    @property
+    def evidence(self) -> Path:
+        """The runtime evidence directory."""
+        return self.out / "evidence"
+
+    @property
+    def model_evidence(self) -> Path:
+        """The model evidence directory."""
+        return self.evidence / "model"
+
+    @property
+    def book(self) -> Path:
+        """The book's directory."""
+        return self.out / "book"
+
+
+def dirty_files(root: Path) -> list[str]:
+    """Changed or untracked files of the git working tree at ``root`` (ignored files aside)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Refused(f"dirty: cannot ask git about {root}: {exc}") from exc
+    if done.returncode != 0:
+        raise Refused(f"dirty: {root} is not a git working tree, so its sources cannot be pinned")
+    return [line[3:] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _refuse_dirty(root: Path, when: str) -> None:
+    changed = dirty_files(root)
+    if changed:
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        raise Refused(f"dirty {when}: {changed[0]}{more} changed in {root}; commit first")
+
+
+def prepare(args: argparse.Namespace, root: Path, environ: dict[str, str]) -> Plan:
+    """Check everything that can be checked before running; raise ``Refused`` naming it."""
+    if not environ.get(dsse.KEY_ENV):
+        raise Refused(f"unsigned: set {dsse.KEY_ENV} to the publication key's private PEM")
+    signer = dsse.load_signer(environ)
+    pinned = signer.key.public_key()
+    if args.public_key:
+        try:
+            expected = dsse.load_public_key(Path(args.public_key).read_bytes())
+        except (OSError, errors.EvidenceError) as exc:
+            raise errors.InputError(f"cannot use --public-key {args.public_key}: {exc}") from exc
+        if dsse.raw_public_key(expected) != dsse.raw_public_key(pinned):
+            raise Refused(
+                f"unpinned: {dsse.KEY_ENV} signs as {signer.keyid}, not as the --public-key "
+                f"{dsse.keyid(expected)}"
+            )
+        pinned = expected
+    if args.model and not args.expect_sha256:
+        raise Refused(f"unpinned: --model {args.model} needs --expect-sha256")
+    if args.expect_sha256 and not args.model:
+        raise errors.UsageError("--expect-sha256 needs --model")
+    _refuse_dirty(root, "before the run")
+    out = Path(args.out).resolve()
+    if out == root or root.is_relative_to(out):
+        raise errors.UsageError(f"--out {args.out} would hold the working tree itself")
+    return Plan(
+        out=out,
+        root=root,
+        pinned=pinned,
+        model=Path(args.model) if args.model else None,
+        expect_sha256=args.expect_sha256,
+        threads=args.threads,
+        numprocesses=args.numprocesses,
+    )
+
+
+def _run_experiments(args: argparse.Namespace) -> int:
+    from lab import runner
+
+    return runner.run_main(args)
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from lab import model
+
+    return model.run_main(args)
+
+
+def publish(
+    plan: Plan,
+    *,
+    run_experiments: Step = _run_experiments,
+    run_model: Step = _run_model,
+) -> list[str]:
+    """Run, verify and build as ``plan`` says; the book's files, or ``Refused`` naming why."""
+    # Model evidence of an earlier publication must not reach this book.
+    if plan.model_evidence.exists():
+        shutil.rmtree(plan.model_evidence)
+    code = run_experiments(
+        argparse.Namespace(
+            chapter=[], numprocesses=plan.numprocesses, evidence=str(plan.evidence),
+            pytest_args=[],
+        )
+    )  # fmt: skip
+    if code != 0:
+        raise Refused(f"not PASS: the experiments exited {code}; see {plan.evidence}")
+    if plan.model is not None:
+        code = run_model(
+            argparse.Namespace(
+                model=str(plan.model), expect_sha256=plan.expect_sha256, cases=None, case=[],
+                evidence=str(plan.model_evidence), threads=plan.threads,
+            )
+        )  # fmt: skip
+        if code != 0:
+            raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
+        model_verdict = modelevidence.verify(
+            plan.model_evidence, public_key=plan.pinned, model_path=plan.model
+        )
+        if not model_verdict.ok:
+            raise Refused(f"{plan.model_evidence}: {model_verdict.problems[0]}")
+    verdict = verification.verify(
+        plan.evidence, public_key=plan.pinned, check_sources=True, root=plan.root
+    )
+    if not verdict.ok:
+        raise Refused(f"{plan.evidence}: {verdict.problems[0]}")
+    _refuse_dirty(plan.root, "after the run")
+    return book.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """``lab publish``: 0 with the book written from verified evidence; refusals are raised."""
+    root = Path.cwd().resolve()
+    plan = prepare(args, root, dict(os.environ))
+    written = publish(plan)
+    model = f", model evidence in {plan.model_evidence}" if plan.model else ", no model"
+    print(
+        f"published: experiments PASS in {plan.evidence}{model}, verified under key "
+        f"{dsse.keyid(plan.pinned)}; book of {len(written)} files in {plan.book}"
+    )
+    return 0

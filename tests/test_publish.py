@@ -1,0 +1,167 @@
+"""``lab publish``: every refusal names what it refuses, before or after running anything.
+
+The refusals that need no run are driven through the command itself. The
+orchestration is driven with the experiment and model steps replaced by
+functions that say what a real step would (a non-PASS exit, or evidence a
+real step wrote and someone altered), because a full publication run takes
+the whole experiment suite; CI's own steps run the real entry points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import canned_model
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from lab import cli, dsse, publish
+from lab.errors import Refused
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _key(path: Path) -> Path:
+    key = ed25519.Ed25519PrivateKey.generate()
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return path
+
+
+def _public(private: Path, path: Path) -> Path:
+    key = serialization.load_pem_private_key(private.read_bytes(), password=None)
+    assert isinstance(key, ed25519.Ed25519PrivateKey)
+    path.write_text(dsse.public_pem(key.public_key()))
+    return path
+
+
+def _git_tree(path: Path) -> Path:
+    path.mkdir()
+    for argv in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", "-C", str(path), *argv], check=True)
+    (path / "a.py").write_text("x = 1\n")
+    subprocess.run(["git", "-C", str(path), "add", "a.py"], check=True)
+    subprocess.run(
+        ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a"],
+        check=True,
+    )
+    return path
+
+
+def _args(out: Path, **changes: object) -> argparse.Namespace:
+    values: dict[str, object] = {
+        "out": str(out), "model": None, "expect_sha256": None, "public_key": None,
+        "threads": None, "numprocesses": None,
+    }  # fmt: skip
+    values.update(changes)
+    return argparse.Namespace(**values)
+
+
+def _lab(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lab.cli", *argv],
+        cwd=cwd, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+def test_unsigned_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != dsse.KEY_ENV}
+    done = _lab("publish", "--out", str(tmp_path / "pub"), cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        "lab publish: refused: unsigned: set LAB_EVIDENCE_KEY to the publication key's "
+        "private PEM\n"
+    )
+    assert not (tmp_path / "pub").exists()
+
+
+def test_unpinned_model_and_key_are_refused(tmp_path: Path) -> None:
+    tree = _git_tree(tmp_path / "tree")
+    private = _key(tmp_path / "k.pem")
+    env = {dsse.KEY_ENV: str(private)}
+    with pytest.raises(Refused, match=r"unpinned: --model m\.gguf needs --expect-sha256"):
+        publish.prepare(_args(tmp_path / "o", model="m.gguf"), tree, env)
+    other = _public(_key(tmp_path / "other.pem"), tmp_path / "other.pub")
+    with pytest.raises(Refused, match="unpinned: LAB_EVIDENCE_KEY signs as"):
+        publish.prepare(_args(tmp_path / "o", public_key=str(other)), tree, env)
+    mine = _public(private, tmp_path / "mine.pub")
+    plan = publish.prepare(_args(tmp_path / "o", public_key=str(mine)), tree, env)
+    assert dsse.keyid(plan.pinned) == dsse.load_signer(env).keyid
+
+
+def test_a_dirty_tree_is_refused_naming_the_file(tmp_path: Path) -> None:
+    tree = _git_tree(tmp_path / "tree")
+    env = {dsse.KEY_ENV: str(_key(tmp_path / "k.pem"))}
+    (tree / "a.py").write_text("x = 2\n")
+    with pytest.raises(Refused, match=r"dirty before the run: a\.py changed"):
+        publish.prepare(_args(tmp_path / "o"), tree, env)
+    (tree / "a.py").write_text("x = 1\n")
+    (tree / "new.py").write_text("")
+    with pytest.raises(Refused, match=r"dirty before the run: new\.py changed"):
+        publish.prepare(_args(tmp_path / "o"), tree, env)
+    with pytest.raises(Refused, match="is not a git working tree"):
+        publish.prepare(_args(tmp_path / "o"), tmp_path / "nowhere", env)
+
+
+def test_a_run_that_is_not_pass_is_refused(tmp_path: Path) -> None:
+    tree = _git_tree(tmp_path / "tree")
+    env = {dsse.KEY_ENV: str(_key(tmp_path / "k.pem"))}
+    plan = publish.prepare(_args(tmp_path / "o"), tree, env)
+    seen: list[argparse.Namespace] = []
+
+    def failing(args: argparse.Namespace) -> int:
+        seen.append(args)
+        return 1
+
+    with pytest.raises(Refused, match="not PASS: the experiments exited 1"):
+        publish.publish(plan, run_experiments=failing)
+    assert seen[0].evidence == str(plan.evidence)
+    assert not plan.book.exists()
+
+
+def test_model_evidence_under_another_key_is_refused(tmp_path: Path) -> None:
+    """The model step's evidence must verify under the pinned key before any book is built."""
+    env = {dsse.KEY_ENV: str(_key(tmp_path / "k.pem"))}
+    tree = _git_tree(tmp_path / "tree")
+    model_file = tmp_path / "m.gguf"
+    model_file.write_bytes(b"GGUF canned")
+    plan = publish.Plan(
+        out=tmp_path / "o", root=tree, pinned=dsse.load_signer(env).key.public_key(),
+        model=model_file, expect_sha256="0" * 64, threads=1, numprocesses=None,
+    )  # fmt: skip
+    stale = plan.model_evidence / "traces" / "stale.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+
+    def model_step(args: argparse.Namespace) -> int:
+        assert not stale.exists(), "an earlier publication's model evidence was kept"
+        # Real signed model evidence, but under an ephemeral key, not the pinned one.
+        canned_model.write_evidence(Path(args.evidence), tmp_path / "scratch", ["account-a"])
+        return 0
+
+    with pytest.raises(
+        Refused,
+        match=r"evidence/model: signature: signed by key [0-9a-f]{64}, "
+        "not by the expected key",
+    ):
+        publish.publish(plan, run_experiments=lambda args: 0, run_model=model_step)
+    assert not plan.book.exists()
+
+
+def test_publish_is_a_lab_subcommand() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["publish", "--out", "x", "--model", "m", "--expect-sha256", "s"])
+    assert args.handler is not None
+    assert (args.out, args.model, args.expect_sha256) == ("x", "m", "s")
+    assert REPO.joinpath("lab", "publish.py").is_file()
