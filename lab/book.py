@@ -42,7 +42,17 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import crashmatrix, dsse, errors, evidence, figures, files, modelbook, verification
+from lab import (
+    crashmatrix,
+    dsse,
+    errors,
+    evidence,
+    figures,
+    files,
+    modelbook,
+    sidebyside,
+    verification,
+)
 from lab.report import Report
 
 MARKDOWN_FILE = "experiments.md"
@@ -230,6 +240,7 @@ def _render(
                 lines.append(section)
     matrix = copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}")
     lines += crashmatrix.book_section(report, matrix)
+    lines += sidebyside.section(report, _md)
     model_lines, model_figures = modelbook.section(
         copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None
     )

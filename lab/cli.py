@@ -279,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--workers", type=int, default=2)
     throughput.add_argument("--peer", choices=["dbos"], default=None)
     throughput.add_argument("--repeat", type=int, default=1)
+    throughput.add_argument("--sweep", action="store_true",
+                            help="each system over its own configurations, best against best")
+    throughput.add_argument("--lab-processes", default="2,4", help="sweep: lab worker processes")
+    throughput.add_argument("--dbos-processes", default="2,4", help="sweep: DBOS processes")
+    throughput.add_argument("--dbos-concurrency", default="1,8,16",
+                            help="sweep: DBOS worker_concurrency values")
+    throughput.add_argument("--dbos-poll", default="0.005,0.05",
+                            help="sweep: DBOS queue polling intervals, seconds")
     claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
     claim.add_argument("--history", type=int, action="append", default=[])
     bench_commands.add_parser("suite", help="experiment suite wall time, serial and parallel")

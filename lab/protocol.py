@@ -29,6 +29,7 @@ SKIP = "BOOK_SKIP"  # BOOK_SKIP <error>: a looping worker gave up one item
 LAUNCHED = "BOOK_LAUNCHED"  # a peer's queue runner is up (bench)
 OBSERVATION = "BOOK_OBSERVATION"  # an experiment's observation, printed by the plugin
 REQUEST = "BOOK_REQUEST"  # BOOK_REQUEST call|lookup: the tool process received one request
+FAILED = "BOOK_FAILED"  # BOOK_FAILED <error type>: a peer's program failed (peer chapters)
 ARMED = "BOOK_ARMED"  # BOOK_ARMED <fault>: the tool process armed a fault asked for on stdin
 
 # -- environment of child processes ---------------------------------------------------

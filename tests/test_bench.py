@@ -7,60 +7,61 @@ from datetime import timedelta
 
 import pytest
 
-from lab import bench
+from lab import bench_claim, bench_suite, bench_throughput, cli, harness, measure
+from lab.bench_throughput import Config
 
 
 def test_percentile_interpolates_between_ranks_like_numpy() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert bench.percentile(values, 50) == pytest.approx(50.5)
-    assert bench.percentile(values, 99) == pytest.approx(99.01)
-    assert bench.percentile(values, 0) == 1.0
-    assert bench.percentile(values, 100) == 100.0
-    assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0  # order of input does not matter
-    assert bench.percentile([7.0], 99) == 7.0
+    assert measure.percentile(values, 50) == pytest.approx(50.5)
+    assert measure.percentile(values, 99) == pytest.approx(99.01)
+    assert measure.percentile(values, 0) == 1.0
+    assert measure.percentile(values, 100) == 100.0
+    assert measure.percentile([3.0, 1.0, 2.0], 50) == 2.0  # order of input does not matter
+    assert measure.percentile([7.0], 99) == 7.0
 
 
 @pytest.mark.parametrize(("values", "q"), [([], 50), ([1.0], -1), ([1.0], 101)])
 def test_percentile_refuses_nonsense(values: list[float], q: float) -> None:
     with pytest.raises(ValueError):
-        bench.percentile(values, q)
+        measure.percentile(values, q)
 
 
 def test_latency_summary_reports_milliseconds_and_nothing_for_no_samples() -> None:
-    assert bench.latency_summary([0.010, 0.020, 0.030]) == {
+    assert measure.latency_summary([0.010, 0.020, 0.030]) == {
         "p50_ms": 20.0, "p99_ms": pytest.approx(29.8), "max_ms": 30.0
     }
-    assert bench.latency_summary([]) == {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    assert measure.latency_summary([]) == {"p50_ms": None, "p99_ms": None, "max_ms": None}
 
 
 def test_ratio_is_none_when_a_side_is_missing_or_zero() -> None:
-    assert bench.ratio(3.0, 2.0) == 1.5
-    assert bench.ratio(None, 2.0) is None
-    assert bench.ratio(3.0, None) is None
-    assert bench.ratio(3.0, 0.0) is None
+    assert measure.ratio(3.0, 2.0) == 1.5
+    assert measure.ratio(None, 2.0) is None
+    assert measure.ratio(3.0, None) is None
+    assert measure.ratio(3.0, 0.0) is None
 
 
 def test_xact_delta_subtracts_the_benchmarks_own_reads() -> None:
     before = {"store": 100, "tool": 10}
     after = {"store": 520, "tool": 110}
-    assert bench.xact_delta(before, after) == {"store": 420, "tool": 100}
-    assert bench.xact_delta(before, after, own={"store": 20}) == {"store": 400, "tool": 100}
+    assert measure.xact_delta(before, after) == {"store": 420, "tool": 100}
+    assert measure.xact_delta(before, after, own={"store": 20}) == {"store": 400, "tool": 100}
 
 
 def test_xact_delta_refuses_snapshots_of_different_databases() -> None:
     with pytest.raises(ValueError, match="disagree"):
-        bench.xact_delta({"store": 1}, {"tool": 2})
+        measure.xact_delta({"store": 1}, {"tool": 2})
 
 
 def test_separate_databases_measure_the_tool_share() -> None:
-    split = bench.split_transactions(
+    split = measure.split_transactions(
         {"store": 400, "tool": 103}, system_db="store", tool_db="tool", tool_calls=100
     )
     assert split == {"total": 503, "system": 400, "tool": 103, "tool_measured": True}
 
 
 def test_a_shared_database_estimates_one_tool_transaction_per_call() -> None:
-    split = bench.split_transactions(
+    split = measure.split_transactions(
         {"db": 500}, system_db="db", tool_db="db", tool_calls=100
     )
     assert split == {"total": 500, "system": 400, "tool": 100, "tool_measured": False}
@@ -69,18 +70,18 @@ def test_a_shared_database_estimates_one_tool_transaction_per_call() -> None:
 def test_marginal_cost_removes_the_empty_runs_fixed_cost() -> None:
     run = {"total": 5_040, "system": 4_030, "tool": 1_010}
     empty = {"total": 40, "system": 30, "tool": 10}
-    assert bench.marginal_per_workflow(run, empty, 1_000) == {
+    assert measure.marginal_per_workflow(run, empty, 1_000) == {
         "total": 5.0, "system": 4.0, "tool": 1.0
     }
     with pytest.raises(ValueError):
-        bench.marginal_per_workflow(run, empty, 0)
+        measure.marginal_per_workflow(run, empty, 0)
 
 
 def test_rounds_alternate_so_drift_cancels() -> None:
-    assert bench.alternating_order(3, ["lab", "dbos"]) == [
+    assert measure.alternating_order(3, ["lab", "dbos"]) == [
         ["lab", "dbos"], ["dbos", "lab"], ["lab", "dbos"]
     ]
-    assert bench.alternating_order(2, ["lab"]) == [["lab"], ["lab"]]
+    assert measure.alternating_order(2, ["lab"]) == [["lab"], ["lab"]]
 
 
 DURATIONS = """\
@@ -95,7 +96,7 @@ DURATIONS = """\
 
 
 def test_parse_durations_reads_pytests_slowest_durations_section() -> None:
-    rows = bench.parse_durations(DURATIONS)
+    rows = measure.parse_durations(DURATIONS)
     assert len(rows) == 5
     assert rows[0] == (
         "experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim",
@@ -130,18 +131,18 @@ SOURCE = textwrap.dedent(
 
 
 def test_known_waits_count_lease_expiries_backoffs_and_fault_phases_only() -> None:
-    waits = bench.known_waits(SOURCE, lease_seconds=3.0)
+    waits = measure.known_waits(SOURCE, lease_seconds=3.0)
     assert waits == {"test_two_lease_waits": 6.0, "test_backoff": 0.25, "test_chaos": 20.0}
 
 
 def test_suite_breakdown_splits_wall_time() -> None:
-    durations = bench.parse_durations(DURATIONS)
+    durations = measure.parse_durations(DURATIONS)
     waits = {
         "test_sigkill_after_claim": 30.0,  # an upper bound beyond the test's time is capped
         "test_trusted_429_uses_timed_retry": 0.25,
         "test_not_in_this_run": 99.0,
     }
-    figures = bench.suite_breakdown(10.0, durations, waits)
+    figures = bench_suite.suite_breakdown(10.0, durations, waits)
     assert figures["tests"] == 3
     # Each parametrized instance waits its own backoff; the 30 s bound is capped at 3.62 s.
     assert figures["inherent_wait_seconds"] == pytest.approx(4.12)
@@ -149,14 +150,14 @@ def test_suite_breakdown_splits_wall_time() -> None:
     assert figures["overhead_seconds"] == pytest.approx(5.88)
     assert figures["outside_tests_seconds"] == pytest.approx(10.0 - 4.23)
     assert figures["longest_test_seconds"] == pytest.approx(3.62)
-    parallel = bench.suite_breakdown(2.0, durations, waits, serial=False)
+    parallel = bench_suite.suite_breakdown(2.0, durations, waits, serial=False)
     # Under xdist the tests overlap: time outside them and shares are not defined.
     assert parallel["outside_tests_seconds"] is None
     assert parallel["inherent_share_of_wall"] is None
 
 
 def test_dbos_url_carries_the_admin_dsns_server_and_credentials() -> None:
-    scratch = bench.Scratch(
+    scratch = measure.Scratch(
         "host=127.0.0.1 port=55440 user=lab password=p@ss dbname=postgres",
         "s", "t", "lab_bench_x_dbos", separate=True,
     )
@@ -165,14 +166,54 @@ def test_dbos_url_carries_the_admin_dsns_server_and_credentials() -> None:
 
 
 def test_literal_timedelta_ignores_what_it_cannot_evaluate() -> None:
-    assert bench.known_waits("def test_x():\n    w.backoff = timedelta(seconds=n)\n", 3.0) == {}
+    assert measure.known_waits("def test_x():\n    w.backoff = timedelta(seconds=n)\n", 3.0) == {}
     assert timedelta(milliseconds=250).total_seconds() == 0.25
 
 
 def test_clone_query_overrides_identity_and_copies_every_other_column() -> None:
-    text = bench.clone_query(["id", "tenant", "trace_id", "state"]).as_string(None)
+    text = bench_claim.clone_query(["id", "tenant", "trace_id", "state"]).as_string(None)
     assert text.startswith('INSERT INTO workflows ("id", "tenant", "trace_id", "state") SELECT ')
     assert "%(prefix)s::text || g" in text
     assert 't."tenant"' in text and 't."trace_id"' in text
     assert 't."id"' not in text and 't."state"' not in text
     assert "generate_series(1, %(count)s)" in text
+
+
+def test_the_benchmarks_lease_is_the_experiments_lease() -> None:
+    assert harness.SEED_LEASE.total_seconds() == measure.SEED_LEASE_SECONDS
+
+
+def test_sweep_covers_each_systems_configuration_space_interleaved() -> None:
+    configs = bench_throughput.sweep_configs([2, 4], [2], [1, 16], [0.005])
+    assert [c.label for c in configs] == [
+        "lab p2", "lab p4", "dbos p2 c1 poll 5ms", "dbos p2 c16 poll 5ms"]
+    rounds = bench_throughput.sweep_order(configs, 2)
+    assert [c.label for c in rounds[0]] == [
+        "lab p2", "dbos p2 c1 poll 5ms", "lab p4", "dbos p2 c16 poll 5ms"]
+    assert rounds[1] == list(reversed(rounds[0]))
+
+
+def test_compare_names_best_against_best_and_equal_process_ratios() -> None:
+    medians: dict[Config, float | None] = {
+        Config("lab", 2): 100.0, Config("lab", 4): 150.0,
+        Config("dbos", 2, 16, 0.005): 80.0, Config("dbos", 4, 8, 0.005): 120.0,
+        Config("dbos", 4, 1, 0.005): None,
+    }
+    result = bench_throughput.compare(medians)
+    assert result["best_lab"] == "lab p4" and result["best_dbos"] == "dbos p4 c8 poll 5ms"
+    assert result["best_against_best"] == 1.25
+    assert result["at_equal_processes"]["2"]["ratio"] == 1.25
+    assert result["at_equal_processes"]["4"] == {
+        "lab": "lab p4", "dbos": "dbos p4 c8 poll 5ms", "ratio": 1.25}
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "throughput", "--sweep"],
+    ["bench", "throughput", "--workflows", "0"],
+    ["bench", "throughput", "--sweep", "--peer", "dbos", "--dbos-concurrency", "x"],
+    ["bench", "throughput", "--sweep", "--peer", "dbos", "--dbos-poll", "0"],
+])
+def test_bad_bench_arguments_exit_2_before_any_server_starts(argv, capsys) -> None:
+    assert cli.main([*argv, "--lab-postgres", "dsn"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -18,8 +18,8 @@ from lab import crashmatrix, crashpoints, errors, protocol, pytest_plugin
 LAB = Path(crashpoints.__file__).parent
 PROTOCOL_WORDS = {
     protocol.READY, protocol.STAGE, protocol.DONE, protocol.ITEM, protocol.SKIP,
-    protocol.LAUNCHED, protocol.OBSERVATION, protocol.REQUEST, protocol.ARMED, protocol.DSN_ENV,
-    protocol.TOKEN_ENV,
+    protocol.LAUNCHED, protocol.OBSERVATION, protocol.REQUEST, protocol.ARMED, protocol.FAILED,
+    protocol.DSN_ENV, protocol.TOKEN_ENV,
 }
 
 
