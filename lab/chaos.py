@@ -714,28 +714,8 @@ class Chaos:
             lookups += service.lookups
         c = self.counts
         return {
-            "run": {
-                "seed": s.seed,
-                "workflows": s.workflows,
-                "worker_processes": s.workers,
-                "max_fault_duration_s": s.duration,
-                "kill_every_ms_mean": s.kill_every_ms,
-                "terminate_backend_every_ms_mean": s.terminate_every_ms,
-                "drop_reply_rate": s.drop_replies,
-                "reject_429_rate": s.reject_429,
-                "non_idempotent_share": s.non_idempotent_share,
-                "lease_s": s.lease,
-                "heartbeat_s": s.heartbeat,
-                "backoff_s": s.backoff,
-                "idle_exit_s": s.idle_exit,
-                "max_attempts": store.DEFAULT_MAX_ATTEMPTS,
-                "layout": "one schema per tool mode, each with its own tool service and workers",
-                "restart_postgres_every_ms": s.restart_every_ms,
-                "partition_every_ms": s.partition_every_ms,
-                "partition_for_ms": s.partition_for_ms,
-                "latency_ms": s.latency_ms,
-                "proxied_links": sorted(self.proxies),
-            },
+            "run": s.describe(max_attempts=store.DEFAULT_MAX_ATTEMPTS,
+                              proxied_links=sorted(self.proxies)),
             "database": {
                 "durable_mode_requested": s.durable,
                 "durability": durability,

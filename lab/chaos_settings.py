@@ -10,6 +10,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from lab import errors
 
@@ -70,6 +71,31 @@ class Settings:
     def proxied(self) -> bool:
         """Whether the links run through fault proxies (partitions or latency asked for)."""
         return self.partition_every_ms > 0 or self.latency_ms > 0
+
+    def describe(self, *, max_attempts: int, proxied_links: list[str]) -> dict[str, Any]:
+        """The ``run`` section of a chaos report: what was asked for, in its units."""
+        return {
+            "seed": self.seed,
+            "workflows": self.workflows,
+            "worker_processes": self.workers,
+            "max_fault_duration_s": self.duration,
+            "kill_every_ms_mean": self.kill_every_ms,
+            "terminate_backend_every_ms_mean": self.terminate_every_ms,
+            "drop_reply_rate": self.drop_replies,
+            "reject_429_rate": self.reject_429,
+            "non_idempotent_share": self.non_idempotent_share,
+            "lease_s": self.lease,
+            "heartbeat_s": self.heartbeat,
+            "backoff_s": self.backoff,
+            "idle_exit_s": self.idle_exit,
+            "max_attempts": max_attempts,
+            "layout": "one schema per tool mode, each with its own tool service and workers",
+            "restart_postgres_every_ms": self.restart_every_ms,
+            "partition_every_ms": self.partition_every_ms,
+            "partition_for_ms": self.partition_for_ms,
+            "latency_ms": self.latency_ms,
+            "proxied_links": proxied_links,
+        }
 
     def validate(self) -> None:
         """Raise ``errors.UsageError`` for settings that cannot make a bounded run."""

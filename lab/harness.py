@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from lab import names, processes, proposal, store, tool, worker
 from lab import plan as plans
-from lab import processes, proposal, store, tool, worker
 from lab.plan import Plan
 
 # The admission limits, by name, for experiments and the author's guide.
@@ -153,7 +153,7 @@ class Harness:
             if tenant == PROPOSER.tenant
             else (actor(tenant, "proposer"), actor(tenant, "approver"))
         )
-        created = self.store.create(proposer, store.new_id("op"), plan or sample_plan(idempotent))
+        created = self.store.create(proposer, names.new_id("op"), plan or sample_plan(idempotent))
         self.store.approve(approver, created.id, created.fingerprint, timedelta(minutes=1))
         return self.store.get(created.id)
 

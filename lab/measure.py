@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from psycopg import sql
 
-from lab import cluster, errors, pg, plan, store
+from lab import cluster, errors, names, pg, plan, store
 
 T = TypeVar("T")
 
@@ -321,7 +321,7 @@ def difference(after: float | None, before: float | None) -> float | None:
 
 def new_schema(prefix: str) -> str:
     """A fresh schema name for one benchmark round."""
-    return store.check_schema_name(f"{prefix}_{uuid.uuid4().hex[:10]}")
+    return names.check_schema_name(f"{prefix}_{uuid.uuid4().hex[:10]}")
 
 
 def ceiling(dsn: str, seconds: float = 2.0, schema_prefix: str = "bench_ceiling") -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 
 from psycopg import sql
 
-from lab import errors, pg, processes, protocol, store, tool
+from lab import errors, names, pg, processes, protocol, tool
 
 APP = "labpeer"
 QUEUE = "lab_bench"
@@ -86,7 +86,7 @@ def child_env(
     env = {
         **os.environ,
         URL_ENV: pg.sqlalchemy_url(dsn),
-        SCHEMA_ENV: store.check_schema_name(schema),
+        SCHEMA_ENV: names.check_schema_name(schema),
         TOOL_ENV: endpoint,
         TOKEN_ENV: token,
         "PYTHONUNBUFFERED": "1",
@@ -109,7 +109,7 @@ def status_rows(dsn: str, schema: str, workflow_id: str) -> list[dict[str, Any]]
     query = sql.SQL(
         "SELECT status, recovery_attempts, application_version, executor_id, "
         "error IS NOT NULL AS has_error FROM {} WHERE workflow_uuid = %s"
-    ).format(sql.Identifier(store.check_schema_name(schema), "workflow_status"))
+    ).format(sql.Identifier(names.check_schema_name(schema), "workflow_status"))
     found = pg.rows(dsn, query, (workflow_id,), action="read DBOS's workflow status")
     return [{**row, "recovery_attempts": int(row["recovery_attempts"] or 0)} for row in found]
 
@@ -119,7 +119,7 @@ def step_rows(dsn: str, schema: str, workflow_id: str) -> list[dict[str, Any]]:
     query = sql.SQL(
         "SELECT function_id, function_name, output IS NOT NULL AS has_output, "
         "error IS NOT NULL AS has_error FROM {} WHERE workflow_uuid = %s ORDER BY function_id"
-    ).format(sql.Identifier(store.check_schema_name(schema), "operation_outputs"))
+    ).format(sql.Identifier(names.check_schema_name(schema), "operation_outputs"))
     return pg.rows(dsn, query, (workflow_id,), action="read DBOS's step outputs")
 
 

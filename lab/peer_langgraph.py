@@ -39,7 +39,7 @@ from typing import Any, TypedDict
 
 from psycopg import sql
 
-from lab import errors, pg, plan, processes, proposal, protocol, sealing, store, tool, worker
+from lab import errors, names, pg, plan, processes, proposal, protocol, sealing, store, tool, worker
 
 DSN_ENV = "LAB_LG_DSN"
 SCHEMA_ENV = "LAB_LG_SCHEMA"
@@ -97,7 +97,7 @@ def config(thread: str) -> dict[str, Any]:
 def checkpointer(dsn: str, schema: str) -> Iterator[Any]:
     """A ``PostgresSaver`` whose tables live in ``schema`` (created when missing)."""
     _, _, saver_class = modules()
-    store.check_schema_name(schema)
+    names.check_schema_name(schema)
     with pg.session(dsn, "create the checkpoint schema") as conn:
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     with pg.translated("open LangGraph's checkpointer"), \

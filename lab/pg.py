@@ -19,7 +19,7 @@ import psycopg
 from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 
-from lab import boundaries, errors, store
+from lab import boundaries, errors, names
 
 Connection = psycopg.Connection[dict[str, Any]]
 
@@ -37,7 +37,7 @@ def translated(action: str) -> Iterator[None]:
 @contextlib.contextmanager
 def session(dsn: str, action: str, *, schema: str | None = None) -> Iterator[Connection]:
     """One autocommit session with dict rows (``search_path`` set to ``schema`` if given)."""
-    options = f"-c search_path={store.check_schema_name(schema)}" if schema else ""
+    options = f"-c search_path={names.check_schema_name(schema)}" if schema else ""
     with translated(action), psycopg.connect(
         dsn, autocommit=True, row_factory=dict_row, options=options
     ) as conn:
@@ -61,7 +61,7 @@ def on_database(dsn: str, dbname: str) -> str:
 
 def with_search_path(dsn: str, schema: str) -> str:
     """``dsn`` with ``search_path`` set to ``schema`` for every session it opens."""
-    store.check_schema_name(schema)
+    names.check_schema_name(schema)
     return conninfo.make_conninfo(dsn, options=f"-c search_path={schema}")
 
 
@@ -87,7 +87,7 @@ def sqlalchemy_url(dsn: str) -> str:
 
 def drop_schema(dsn: str, schema: str) -> None:
     """Drop a schema a peer created (its own tables), if it exists."""
-    store.check_schema_name(schema)
+    names.check_schema_name(schema)
     with session(dsn, "drop a peer's schema") as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from lab import egress, errors, protocol, recorder
+from lab import egress, errors, names, protocol, recorder
 
 if TYPE_CHECKING:
     from lab import harness as lab_harness
@@ -173,7 +173,7 @@ def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     """A fresh schema holding every table of the lab, dropped after the test."""
     from lab import store
 
-    schema = store.new_id("t").lower()[:30]
+    schema = names.new_id("t").lower()[:30]
     store.create_schema(lab_dsn, schema)
     reached_database(request.node)
     yield schema

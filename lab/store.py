@@ -9,9 +9,7 @@ psycopg errors are translated into ``errors.StoreError`` here, at the edge.
 
 from __future__ import annotations
 
-import re
 import secrets
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,11 +23,10 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from lab import boundaries, errors, sealing
+from lab import boundaries, errors, names, sealing
 from lab.barrier import Completion, StartBarrier
 from lab.plan import SUPPORTED_PLAN_VERSION, Plan, Receipt, effect_key
 
-SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 DEFAULT_MAX_ATTEMPTS = 3
 STATES = (
     "waiting_approval",
@@ -108,21 +105,9 @@ class Workflow:
         return self.plan.get("idempotent") is True
 
 
-def check_schema_name(schema: str) -> str:
-    """Return ``schema`` if it is a plain lower-case identifier, else raise ``Rejected``."""
-    if not isinstance(schema, str) or not SCHEMA_NAME.fullmatch(schema):
-        raise errors.Rejected("schema name must match ^[a-z_][a-z0-9_]{0,62}$")
-    return schema
-
-
 def schema_sql() -> str:
     """The text of ``schema.sql``: every table, index and constraint."""
     return resources.files("lab").joinpath("schema.sql").read_text(encoding="utf-8")
-
-
-def new_id(prefix: str = "wf") -> str:
-    """A random identifier with a readable prefix."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @contextmanager
@@ -165,7 +150,7 @@ class Store:
         The DSN must point at loopback unless ``allow_remote`` is set. Results
         are sealed with ``keys`` (by default the catalog from the environment).
         """
-        check_schema_name(schema)
+        names.check_schema_name(schema)
         target = dsn if allow_remote else boundaries.check_dsn(dsn)
         if create:
             create_schema(target, schema)
@@ -176,7 +161,7 @@ class Store:
             kwargs={
                 "autocommit": True,
                 "row_factory": dict_row,
-                # The name passed SCHEMA_NAME above, so it is safe inside options.
+                # The name passed names.SCHEMA_NAME above, so it is safe inside options.
                 "options": f"-c search_path={schema}",
                 "application_name": application_name,
             },
@@ -236,7 +221,7 @@ class Store:
                 RETURNING *
                 """,
                 (
-                    new_id(),
+                    names.new_id(),
                     actor.tenant,
                     operation,
                     actor.subject,
@@ -898,7 +883,7 @@ class Store:
 
 def create_schema(dsn: str, schema: str) -> None:
     """Create ``schema`` and every table of ``schema.sql`` inside it, atomically."""
-    check_schema_name(schema)
+    names.check_schema_name(schema)
     with (
         _translated("create the schema"),
         psycopg.connect(dsn, autocommit=True) as conn,
@@ -912,7 +897,7 @@ def create_schema(dsn: str, schema: str) -> None:
 
 def drop_schema(dsn: str, schema: str) -> None:
     """Drop ``schema`` and everything in it."""
-    check_schema_name(schema)
+    names.check_schema_name(schema)
     with _translated("drop the schema"), psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
@@ -942,7 +927,7 @@ def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
     transaction, so the four see one moment even while something still writes. Only
     reads: the checker never goes through a transition.
     """
-    check_schema_name(schema)
+    names.check_schema_name(schema)
     with (
         _translated("read the history"),
         psycopg.connect(

@@ -47,7 +47,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from lab import barrier as barriers
-from lab import boundaries, errors, protocol, store
+from lab import boundaries, errors, names, protocol
 from lab.plan import Receipt
 
 MAX_BODY_BYTES = 4096
@@ -157,7 +157,7 @@ class ToolService:
     """
 
     def __init__(self, dsn: str, schema: str, *, idempotent: bool, token: str | None = None):
-        store.check_schema_name(schema)
+        names.check_schema_name(schema)
         self.idempotent = idempotent
         self.token = token or secrets.token_urlsafe(24)
         #: While True, every effect reply is dropped after the commit (see ``drop_next_reply``).
@@ -415,7 +415,7 @@ class ToolService:
         self, body: dict[str, Any], trace_id: str | None = None, start_id: str | None = None
     ) -> tuple[HTTPStatus, Receipt | None]:
         """Write the effect for ``body`` (once per key when idempotent), with its trace."""
-        receipt_id = store.new_id("rcpt")
+        receipt_id = names.new_id("rcpt")
         body = {**body, "trace_id": trace_id, "start_id": start_id}
         with self._pool.connection(timeout=LEDGER_WAIT_S) as conn:
             if self.idempotent:

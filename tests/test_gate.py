@@ -15,11 +15,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import labtree
 import pytest
+from conftest import KeyFiles
 from psycopg import conninfo
 
 import lab
@@ -415,26 +417,18 @@ def _password(dsn: str) -> str | None:
 
 
 def test_signing_key_from_environment_is_used(
-    tree: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tree: pytest.Pytester,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_key: Callable[[str], KeyFiles],
 ) -> None:
     """LAB_EVIDENCE_KEY signs the run; a broken key fails the gate rather than hiding."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
-    key = ed25519.Ed25519PrivateKey.generate()
-    path = tmp_path / "key.pem"
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    monkeypatch.setenv(dsse.KEY_ENV, str(path))
+    key = make_key("key")
+    monkeypatch.setenv(dsse.KEY_ENV, str(key.private_pem))
     assert _run(tree, "experiments").ret == 0
     report = _report(tree)
     assert report["signing"]["key_source"] == "key_file"
-    assert verification.verify(tree.path / "evidence", public_key=key.public_key()).ok
+    assert verification.verify(tree.path / "evidence", public_key=key.public).ok
 
     monkeypatch.setenv(dsse.KEY_ENV, str(tmp_path / "absent.pem"))
     assert _run(tree, "experiments").ret != 0

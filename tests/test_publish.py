@@ -12,36 +12,17 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import canned_model
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from conftest import KeyFiles
 
 from lab import cli, dsse, publish
 from lab.errors import Refused
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _key(path: Path) -> Path:
-    key = ed25519.Ed25519PrivateKey.generate()
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return path
-
-
-def _public(private: Path, path: Path) -> Path:
-    key = serialization.load_pem_private_key(private.read_bytes(), password=None)
-    assert isinstance(key, ed25519.Ed25519PrivateKey)
-    path.write_text(dsse.public_pem(key.public_key()))
-    return path
 
 
 def _git_tree(path: Path) -> Path:
@@ -86,23 +67,26 @@ def test_unsigned_is_refused_before_anything_runs(tmp_path: Path) -> None:
     assert not (tmp_path / "pub").exists()
 
 
-def test_unpinned_model_and_key_are_refused(tmp_path: Path) -> None:
+def test_unpinned_model_and_key_are_refused(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles]
+) -> None:
     tree = _git_tree(tmp_path / "tree")
-    private = _key(tmp_path / "k.pem")
-    env = {dsse.KEY_ENV: str(private)}
+    mine = make_key("k")
+    env = {dsse.KEY_ENV: str(mine.private_pem)}
     with pytest.raises(Refused, match=r"unpinned: --model m\.gguf needs --expect-sha256"):
         publish.prepare(_args(tmp_path / "o", model="m.gguf"), tree, env)
-    other = _public(_key(tmp_path / "other.pem"), tmp_path / "other.pub")
+    other = make_key("other").public_pem
     with pytest.raises(Refused, match="unpinned: LAB_EVIDENCE_KEY signs as"):
         publish.prepare(_args(tmp_path / "o", public_key=str(other)), tree, env)
-    mine = _public(private, tmp_path / "mine.pub")
-    plan = publish.prepare(_args(tmp_path / "o", public_key=str(mine)), tree, env)
+    plan = publish.prepare(_args(tmp_path / "o", public_key=str(mine.public_pem)), tree, env)
     assert dsse.keyid(plan.pinned) == dsse.load_signer(env).keyid
 
 
-def test_a_dirty_tree_is_refused_naming_the_file(tmp_path: Path) -> None:
+def test_a_dirty_tree_is_refused_naming_the_file(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles]
+) -> None:
     tree = _git_tree(tmp_path / "tree")
-    env = {dsse.KEY_ENV: str(_key(tmp_path / "k.pem"))}
+    env = {dsse.KEY_ENV: str(make_key("k").private_pem)}
     (tree / "a.py").write_text("x = 2\n")
     with pytest.raises(Refused, match=r"dirty before the run: a\.py changed"):
         publish.prepare(_args(tmp_path / "o"), tree, env)
@@ -114,9 +98,11 @@ def test_a_dirty_tree_is_refused_naming_the_file(tmp_path: Path) -> None:
         publish.prepare(_args(tmp_path / "o"), tmp_path / "nowhere", env)
 
 
-def test_a_run_that_is_not_pass_is_refused(tmp_path: Path) -> None:
+def test_a_run_that_is_not_pass_is_refused(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles]
+) -> None:
     tree = _git_tree(tmp_path / "tree")
-    env = {dsse.KEY_ENV: str(_key(tmp_path / "k.pem"))}
+    env = {dsse.KEY_ENV: str(make_key("k").private_pem)}
     plan = publish.prepare(_args(tmp_path / "o"), tree, env)
     seen: list[argparse.Namespace] = []
 
@@ -130,9 +116,11 @@ def test_a_run_that_is_not_pass_is_refused(tmp_path: Path) -> None:
     assert not plan.book.exists()
 
 
-def test_model_evidence_under_another_key_is_refused(tmp_path: Path) -> None:
+def test_model_evidence_under_another_key_is_refused(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles]
+) -> None:
     """The model step's evidence must verify under the pinned key before any book is built."""
-    env = {dsse.KEY_ENV: str(_key(tmp_path / "k.pem"))}
+    env = {dsse.KEY_ENV: str(make_key("k").private_pem)}
     tree = _git_tree(tmp_path / "tree")
     model_file = tmp_path / "m.gguf"
     model_file.write_bytes(b"GGUF canned")

@@ -28,6 +28,7 @@ from lab import (
     errors,
     harness,
     invariants,
+    names,
     processes,
     proxy,
     pytest_plugin,
@@ -56,7 +57,7 @@ def crashable(
 ) -> Iterator[harness.Harness]:
     """A harness on a fresh schema of the chapter's own durable server."""
     dsn = durable_server.provisioned.dsn
-    schema = store.new_id("t").lower()[:30]
+    schema = names.new_id("t").lower()[:30]
     store.create_schema(dsn, schema)
     pytest_plugin.reached_database(request.node)
     db = store.Store.open(dsn, schema)

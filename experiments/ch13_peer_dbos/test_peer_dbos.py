@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lab import cluster, harness, peer_dbos, plan, store
+from lab import cluster, harness, names, peer_dbos, plan
 
 PINNED = "3.4.0"
 RECOVER_WAIT = "30"
@@ -38,13 +38,13 @@ def dbos(lab: harness.Harness) -> Iterator[peer_dbos.Peer]:
 def _work(idempotent: bool) -> tuple[str, peer_dbos.Work]:
     """A workflow id and the step's input: the lab's sample plan under the lab's effect key."""
     sample = harness.sample_plan(idempotent)
-    operation = store.new_id("op")
+    operation = names.new_id("op")
     work = peer_dbos.Work(
         effect_key=plan.effect_key(harness.PROPOSER.tenant, operation),
         fingerprint=sample.fingerprint(),
         plan=sample.to_json(),
     )
-    return store.new_id("dbos"), work
+    return names.new_id("dbos"), work
 
 
 def _seen(dbos: peer_dbos.Peer, workflow_id: str, max_attempts: int = 0) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from datetime import datetime
 
 import pytest
 
-from lab import cluster, harness, peer_langgraph, store
+from lab import cluster, harness, names, peer_langgraph
 
 PINNED = {"langgraph": "1.2.24", "langgraph-checkpoint-postgres": "3.2.0"}
 APPROVE = json.dumps({"approved": True})
@@ -80,7 +80,7 @@ def test_langgraph_credit_node_reruns_after_sigkill_after_effect(lab, graph, obs
     again, so the tool is called twice: two credits with a non-idempotent tool for one
     approved plan, and the final state keeps only the second receipt."""
     rig = lab.credit_tool(idempotent=idempotent)
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     _interrupted(lab, graph, rig, thread)
     resumed = graph.spawn("resume", "graph-resume", rig.service, thread, "--value", APPROVE,
                           "--pause", "after_tool")
@@ -117,7 +117,7 @@ def test_langgraph_lost_reply_is_replayed_on_resume(lab, graph, observe):
     LangGraph leaves it as the thread's next node, and resuming the thread calls the tool
     again: two credits; nothing marks the outcome unknown or looks it up."""
     rig = lab.credit_tool(idempotent=False)
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     _interrupted(lab, graph, rig, thread)
     rig.service.drop_responses = True
     resumed = graph.spawn("resume", "graph-resume", rig.service, thread, "--value", APPROVE)
@@ -155,7 +155,7 @@ def test_langgraph_approval_is_any_resume_value(lab, graph, observe, decision):
     naming another tenant and another plan's fingerprint, is accepted and the credit runs;
     nothing binds it to the plan, a tenant, a role or an expiry."""
     rig = lab.credit_tool(idempotent=True)
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     _interrupted(lab, graph, rig, thread)
     plan_fingerprint = graph.snapshot(thread)["interrupts"][0]["fingerprint"]
     resumed = graph.spawn("resume", "graph-resume", rig.service, thread,
@@ -183,7 +183,7 @@ def test_langgraph_resume_after_expiry_still_credits(lab, graph, observe):
     """The graph's interrupt asks for an approval valid for 1 s; resumed after that expiry,
     LangGraph runs the credit: the expiry in the interrupt's payload binds nothing."""
     rig = lab.credit_tool(idempotent=True)
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     _interrupted(lab, graph, rig, thread)
     expires = datetime.fromisoformat(graph.snapshot(thread)["interrupts"][0]["expires_at"])
     lab.wait_until(lambda: datetime.now(expires.tzinfo) > expires, within=5.0,
@@ -211,7 +211,7 @@ def test_langgraph_two_processes_resume_one_thread(lab, graph, observe):
     node: LangGraph has no claim or lease on a thread, so both call the non-idempotent tool
     and the ledger holds two credits for one approval."""
     rig = lab.credit_tool(idempotent=False)
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     _interrupted(lab, graph, rig, thread)
     both = [graph.spawn("resume", f"graph-{n}", rig.service, thread, "--value", APPROVE,
                         "--start-gate", "--pause", "before_tool") for n in ("a", "b")]
@@ -249,7 +249,7 @@ def test_langgraph_node_delegating_to_the_lab_keeps_one_effect(lab, graph, obser
     (idempotent) or holds it for a person (non-idempotent), never calling the tool again."""
     rig = lab.credit_tool(idempotent=idempotent)
     contract = "credit-service" if idempotent else "credit-service-non-idempotent"
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     _interrupted(lab, graph, rig, thread, "--mode", "delegate", "--contract", contract)
     waiting = graph.snapshot(thread)["interrupts"][0]
     approval = json.dumps({"tenant": harness.APPROVER.tenant,
@@ -316,7 +316,7 @@ def test_langgraph_postgres_restart_between_effect_and_checkpoint(
     write fails, the thread still names the credit node as next, and resuming it in a new
     process credits again: two credits for one approval."""
     rig = lab.credit_tool(idempotent=False)
-    thread = store.new_id("thread")
+    thread = names.new_id("thread")
     graph = peer_langgraph.Peer(checkpoint_server.provisioned.dsn, f"{lab.schema}_lg",
                                 lab.schema, lab.store.keys, on_event=lab.mark)
     try:
