@@ -31,7 +31,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import dsse, evidence, modelreport
+from lab import dsse, errors, evidence, files, modelreport, verification
 from lab.cases import CaseSet
 from lab.errors import EvidenceError, InputError
 
@@ -160,28 +160,11 @@ def write(
 
 
 def _read(path: Path, limit: int) -> bytes:
-    with path.open("rb") as handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"larger than {limit} bytes")
-    return data
-
-
-def _subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
-    found: dict[str, str] = {}
-    items = statement_.get("subject")
-    if not isinstance(items, list) or not items:
-        problems.append("statement: no subjects")
-        return found
-    for item in items:
-        name = item.get("name") if isinstance(item, dict) else None
-        digest = item.get("digest") if isinstance(item, dict) else None
-        sha = digest.get("sha256") if isinstance(digest, dict) else None
-        if not isinstance(name, str) or not isinstance(sha, str) or name in found:
-            problems.append(f"statement: malformed or duplicate subject {item!r}")
-            continue
-        found[name] = sha
-    return found
+    """A bounded read of a regular file only (no FIFO can hang it, no device flood it)."""
+    try:
+        return files.read_bytes(path, limit, path.name)
+    except errors.InputError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _safe_name(name: str) -> bool:
@@ -239,7 +222,7 @@ def verify(
         problems.append(f"statement: _type {statement_.get('_type')!r} is not in-toto v1")
     if statement_.get("predicateType") != PREDICATE_TYPE:
         problems.append(f"statement: predicateType {statement_.get('predicateType')!r} unknown")
-    subjects = _subjects(statement_, problems)
+    subjects = verification.subjects(statement_, problems)
     models = {n: d for n, d in subjects.items() if n.startswith(MODEL_SUBJECT_PREFIX)}
     files = {n: d for n, d in subjects.items() if n not in models}
     data = _check_files(directory, files, problems)

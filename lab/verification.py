@@ -298,10 +298,10 @@ def _check_statement(
     if statement_.get("predicateType") != evidence.PREDICATE_TYPE:
         problems.append(f"statement: predicateType {_short(statement_.get('predicateType'))} "
                         "unknown")
-    subjects = _subjects(statement_, problems)
+    signed = subjects(statement_, problems)
     predicate = statement_.get("predicate")
     for name, path in ((evidence.REPORT_FILE, where.report), (evidence.TESTS_FILE, where.tests)):
-        if name not in subjects:
+        if name not in signed:
             problems.append(f"subjects: {name} is not a signed subject")
             continue
         limit = files.REPORT_LIMIT if name == evidence.REPORT_FILE else files.TESTS_LOG_LIMIT
@@ -310,7 +310,7 @@ def _check_statement(
         except InputError as exc:
             problems.append(str(exc))
             continue
-        if hashlib.sha256(data).hexdigest() != subjects[name]:
+        if hashlib.sha256(data).hexdigest() != signed[name]:
             problems.append(f"{name}: its sha256 does not match the signed subject")
         elif name == evidence.REPORT_FILE:
             try:
@@ -320,14 +320,15 @@ def _check_statement(
                 problems.append(str(exc))
     sources = predicate.get("sources") if isinstance(predicate, dict) else None
     declared = {
-        k: v for k, v in subjects.items() if k not in (evidence.REPORT_FILE, evidence.TESTS_FILE)
+        k: v for k, v in signed.items() if k not in (evidence.REPORT_FILE, evidence.TESTS_FILE)
     }
     if sources != declared:
         problems.append("subjects: the source subjects differ from the report's sources")
     return declared
 
 
-def _subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
+def subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
+    """``{name: sha256}`` of a statement's subjects; malformed or duplicate ones are problems."""
     found: dict[str, str] = {}
     items = statement_.get("subject")
     if not isinstance(items, list) or not items:
