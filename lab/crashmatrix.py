@@ -4,8 +4,7 @@ Pure: no database, no processes. ``lab crashpoints`` (``lab.crashpoints``)
 produces the matrix; ``lab book build`` renders it from the evidence directory
 with ``book_section``. The file is signed with the run when an experiment of
 the run observed its sha256 (``SIGNED_KEY``): the signed report then binds the
-file's exact bytes, and the chapter says so; otherwise it says the signature
-does not cover it.
+file's exact bytes, and the chapter says so; any other matrix is refused.
 """
 
 from __future__ import annotations
@@ -174,12 +173,17 @@ def signed_digests(report: Mapping[str, Any]) -> set[str]:
 
 
 def book_section(report: Mapping[str, Any], data: bytes | None) -> list[str]:
-    """The chapter for ``data`` (the matrix file's bytes), checked against the signed report."""
+    """The chapter for ``data`` (the matrix file's bytes), checked against the signed report.
+
+    A matrix the signed run did not record is refused, not published with a caveat:
+    the book publishes from verified evidence only.
+    """
     if data is None:
         return []
-    if digest(data) in signed_digests(report):
-        note = (f"signed with the run (the signed report holds this file's sha256 "
-                f"`{digest(data)}`)")
-    else:
-        note = "copied beside the evidence; the run's signature does not cover it"
+    if digest(data) not in signed_digests(report):
+        raise errors.Refused(
+            f"{OUTPUT_FILE}: sha256 {digest(data)} is not the matrix the signed run recorded"
+        )
+    note = (f"signed with the run (the signed report holds this file's sha256 "
+            f"`{digest(data)}`)")
     return render_markdown(load(data), signed_note=note)
