@@ -239,7 +239,9 @@ def _render(
             for section in figures_md.get((chapter, row["name"]), []):
                 lines.append(section)
     matrix = copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}")
-    lines += crashmatrix.book_section(report, matrix)
+    matrix_lines, matrix_figures = crashmatrix.book_section(report, matrix, FIGURES_DIR)
+    lines += matrix_lines
+    rendered.update(matrix_figures)
     lines += sidebyside.section(report, _md)
     model_lines, model_figures = modelbook.section(
         copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lab import errors
+from lab import errors, figures
 
 FORMAT = "lab-crashpoints/1"
 OUTPUT_FILE = "crashpoints.json"
@@ -172,18 +172,67 @@ def signed_digests(report: Mapping[str, Any]) -> set[str]:
     return found
 
 
-def book_section(report: Mapping[str, Any], data: bytes | None) -> list[str]:
-    """The chapter for ``data`` (the matrix file's bytes), checked against the signed report.
+def book_section(
+    report: Mapping[str, Any], data: bytes | None, figures_dir: str = "figures"
+) -> tuple[list[str], dict[str, bytes]]:
+    """The chapter for ``data`` (the matrix file's bytes), checked against the signed report,
+    and one sequence figure per distinct outcome (``{path: svg bytes}``).
 
     A matrix the signed run did not record is refused, not published with a caveat:
     the book publishes from verified evidence only.
     """
     if data is None:
-        return []
+        return [], {}
     if digest(data) not in signed_digests(report):
         raise errors.Refused(
             f"{OUTPUT_FILE}: sha256 {digest(data)} is not the matrix the signed run recorded"
         )
     note = (f"signed with the run (the signed report holds this file's sha256 "
             f"`{digest(data)}`)")
-    return render_markdown(load(data), signed_note=note)
+    matrix = load(data)
+    lines = render_markdown(matrix, signed_note=note)
+    drawn = outcome_figures(matrix)
+    if drawn:
+        lines += ["### One run of each distinct outcome", ""]
+    rendered: dict[str, bytes] = {}
+    for index, (text, cell, svg) in enumerate(drawn, 1):
+        path = f"{figures_dir}/crashpoint-outcome-{index:02d}.svg"
+        rendered[path] = svg
+        where = f"{cell.get('boundary')} · {cell.get('fault')} · {cell.get('kind')}"
+        lines += [f"- {_md(text)} (first seen at {_md(where)}): ![{_md(text)}]({path})", ""]
+    return lines, rendered
+
+
+_STEP_LEGEND = (
+    "Rows: the cell's audit events in commit order (the matrix records their kinds, not "
+    "their times), then the final state."
+)
+
+
+def _step_number(t: float | None) -> str:
+    return "end" if t is None else f"step {int(t)}"
+
+
+def outcome_figures(matrix: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], bytes]]:
+    """For each distinct outcome, its first cell in table order drawn as a sequence figure.
+
+    The figure is the cell's recorded event history (kinds in commit order) with the fault
+    named in its title; cells that cannot happen draw nothing.
+    """
+    seen: dict[str, tuple[Mapping[str, Any], bytes]] = {}
+    for cell in matrix["cells"]:
+        if cell.get("status") == NOT_APPLICABLE:
+            continue
+        text = outcome(cell)
+        if text in seen:
+            continue
+        kinds = [str(k) for k in cell.get("events", []) if isinstance(k, str)]
+        events = [
+            {"t": float(index), "workflow": "wf-1", "kind": kind, "fence": None, "detail": ""}
+            for index, kind in enumerate(kinds, 1)
+        ]
+        title = f"{cell.get('fault')} at {cell.get('boundary')} ({cell.get('kind')} tool)"
+        svg = figures.svg(figures.sequence(events, []), title, text, clock=_step_number,
+                          legend=_STEP_LEGEND).encode()
+        seen[text] = (cell, svg)
+    return [(text, cell, svg) for text, (cell, svg) in seen.items()]

@@ -466,11 +466,20 @@ _COLORS = {
 }
 
 
-def svg(figure: Figure, title: str, caption: str | None = None) -> str:
+def svg(
+    figure: Figure,
+    title: str,
+    caption: str | None = None,
+    *,
+    clock: Callable[[float | None], str] = seconds,
+    legend: str = _LEGEND,
+) -> str:
     """The figure as a standalone SVG document: lanes, arrows and notes in time order.
 
-    Every string is passed through ``shown`` and escaped, so evidence cannot add
-    markup or characters XML cannot carry.
+    ``clock`` labels each row (seconds by default) and ``legend`` says what the labels
+    are, for figures whose steps carry an order rather than a time. Every string is
+    passed through ``shown`` and escaped, so evidence cannot add markup or characters
+    XML cannot carry.
     """
     title = shown(str(title), MAX_TITLE)
     centers = {lane.key: _LEFT + _GAP // 2 + i * _GAP for i, lane in enumerate(figure.lanes)}
@@ -484,7 +493,7 @@ def svg(figure: Figure, title: str, caption: str | None = None) -> str:
     for step in figure.steps:
         width = max(width, _extent(step, centers)[1] + 20)
     # Title, caption and legend are wider than three lanes: never clip them.
-    texts = [(title, 16.0, True), (_LEGEND, 11.0, False)] + [(line, 13.0, False)
+    texts = [(title, 16.0, True), (legend, 11.0, False)] + [(line, 13.0, False)
                                                             for line in wrapped]
     width = max(width, *(math.ceil(text_width(t, s, bold=b)) + 32 for t, s, b in texts))
     height = bottom + 56
@@ -527,7 +536,7 @@ def svg(figure: Figure, title: str, caption: str | None = None) -> str:
     out.append("</g>")
     out.append('<g class="steps">')
     for i, step in enumerate(figure.steps):
-        out += _svg_step(step, centers, first_row + i * _ROW)
+        out += _svg_step(step, centers, first_row + i * _ROW, clock)
     if figure.omitted:
         y = first_row + len(figure.steps) * _ROW
         out.append(f'<text class="omitted" x="{_LEFT}" y="{y}" fill="#555555">'
@@ -535,7 +544,7 @@ def svg(figure: Figure, title: str, caption: str | None = None) -> str:
     out.append("</g>")
     out.append(
         f'<text class="legend" x="16" y="{bottom + 32}" font-size="11" fill="#555555">'
-        f"{_esc(_LEGEND)}</text>"
+        f"{_esc(legend)}</text>"
     )
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -564,12 +573,14 @@ def _extent(step: Step, centers: Mapping[str, int]) -> tuple[int, int]:
     return left, left + 2 * half
 
 
-def _svg_step(step: Step, centers: Mapping[str, int], y: int) -> list[str]:
+def _svg_step(
+    step: Step, centers: Mapping[str, int], y: int, clock: Callable[[float | None], str]
+) -> list[str]:
     """One row: its time, then its arrow and haloed label, or its note box and text."""
     text = shown(step.text)
     stroke, fill = _COLORS.get(step.style, _COLORS[NOTE])
     time = (f'<text class="time" x="{_LEFT - 12}" y="{y + 4}" text-anchor="end" '
-            f'font-size="11" fill="#757575">{_esc(seconds(step.t))}</text>')
+            f'font-size="11" fill="#757575">{_esc(clock(step.t))}</text>')
     left, right = _extent(step, centers)
     label_x = (left + right) // 2
     weight = ' font-weight="bold"' if _bold(step) else ""

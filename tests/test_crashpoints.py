@@ -192,11 +192,26 @@ def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
 def test_the_book_publishes_only_the_matrix_the_run_signed():
     data = crashmatrix.canonical_json(_sample_matrix())
     signed = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: crashmatrix.digest(data)}]}]}
-    assert "signed with the run" in "\n".join(crashmatrix.book_section(signed, data))
+    lines, _ = crashmatrix.book_section(signed, data)
+    assert "signed with the run" in "\n".join(lines)
     other = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: "0" * 64}]}]}
     with pytest.raises(errors.Refused, match="not the matrix the signed run recorded"):
         crashmatrix.book_section(other, data)
-    assert crashmatrix.book_section(signed, None) == []
+    assert crashmatrix.book_section(signed, None) == ([], {})
+
+
+def test_the_chapter_draws_one_figure_per_distinct_outcome():
+    matrix = _sample_matrix()
+    data = crashmatrix.canonical_json(matrix)
+    signed = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: crashmatrix.digest(data)}]}]}
+    lines, drawn = crashmatrix.book_section(signed, data, "figures")
+    distinct = {crashmatrix.outcome(c) for c in matrix["cells"]
+                if c["status"] != crashmatrix.NOT_APPLICABLE}
+    assert len(drawn) == len(distinct) >= 1
+    text = "\n".join(lines)
+    for path, svg in drawn.items():
+        assert f"]({path})" in text
+        assert svg.startswith(b"<svg") or svg.startswith(b"<?xml")
 
 
 def test_a_violation_or_an_unreached_boundary_fails_the_matrix():
