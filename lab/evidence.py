@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import dsse, errors, files, gate, provenance
+from lab import dsse, errors, gate, manifest, provenance
 from lab.errors import EvidenceError
 
 SCHEMA_VERSION = 1
@@ -116,32 +116,12 @@ class Expected:
 
 
 def load_manifest(path: Path) -> list[Expected]:
-    """Read ``manifest.json``; reject anything but the declared shape."""
+    """The experiments ``manifest.json`` declares (read and checked by ``lab.manifest``)."""
     try:
-        raw = files.read_json(path, files.MANIFEST_LIMIT, "experiment manifest")
+        entries = manifest.load(path).entries
     except errors.InputError as exc:
         raise EvidenceError(str(exc)) from exc
-    items = raw.get("experiments") if isinstance(raw, dict) else None
-    if not isinstance(items, list):
-        raise EvidenceError(f"{path}: 'experiments' must be a list")
-    expected: list[Expected] = []
-    seen: set[tuple[str, str]] = set()
-    for item in items:
-        if not isinstance(item, dict):
-            raise EvidenceError(f"{path}: every experiment must be an object")
-        chapter, name = item.get("chapter"), item.get("name")
-        results, database = item.get("results", 1), item.get("database")
-        if not (isinstance(chapter, str) and isinstance(name, str) and name.startswith("test")):
-            raise EvidenceError(f"{path}: bad chapter/name in {item!r}")
-        if isinstance(results, bool) or not isinstance(results, int) or results < 1:
-            raise EvidenceError(f"{path}: results must be a positive integer in {item!r}")
-        if database is not None and not isinstance(database, bool):
-            raise EvidenceError(f"{path}: database must be true or false in {item!r}")
-        if (chapter, name) in seen:
-            raise EvidenceError(f"{path}: {chapter}/{name} is declared twice")
-        seen.add((chapter, name))
-        expected.append(Expected(chapter, name, results, database))
-    return expected
+    return [Expected(e.chapter, e.name, e.results, e.database) for e in entries]
 
 
 # --------------------------------------------------------------------------- collection
@@ -481,14 +461,14 @@ def _relative(path: Path, root: Path) -> str:
 
 def _selection(facts: RunFacts, root: Path, env: Mapping[str, str]) -> dict[str, Any]:
     """Which manifest gave the expected set, and the effective arguments, redacted."""
-    manifest = None
+    recorded = None
     if facts.manifest is not None:
         # A relative path is relative to the root of the sources.
         path = facts.manifest if facts.manifest.is_absolute() else root / facts.manifest
         digest = provenance.sha256_file(path)
         # An unreadable manifest is recorded as none (load_manifest names the problem).
         if digest is not None:
-            manifest = {"path": _relative(path, root), "sha256": digest}
+            recorded = {"path": _relative(path, root), "sha256": digest}
     arguments: dict[str, Any] | None = None
     if facts.arguments is not None:
         arguments = {}
@@ -497,7 +477,7 @@ def _selection(facts: RunFacts, root: Path, env: Mapping[str, str]) -> dict[str,
                 arguments[name] = redact_command([str(v) for v in value], env)
             else:
                 arguments[name] = _redact_text(str(value)) if value is not None else None
-    return {"manifest": manifest, "arguments": arguments}
+    return {"manifest": recorded, "arguments": arguments}
 
 
 def _provenance(

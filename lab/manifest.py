@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lab import errors, gate
+from lab import errors, files, gate
 
 if TYPE_CHECKING:  # pytest stays out of the processes that only read a manifest
     import pytest
@@ -125,14 +125,9 @@ def _entry(item: Any, source: str) -> Entry:
 
 
 def load(path: Path) -> Manifest:
-    """Read and parse the manifest at ``path`` (at most ``MAX_MANIFEST_BYTES``)."""
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise errors.InputError(f"cannot read experiment manifest {path}: {exc}") from exc
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise errors.InputError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
+    """Read and parse the manifest at ``path``: a regular file of at most
+    ``MAX_MANIFEST_BYTES`` (a FIFO cannot hang the read, a device cannot flood it)."""
+    data = files.read_bytes(path, MAX_MANIFEST_BYTES, "experiment manifest")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
