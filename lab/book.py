@@ -131,7 +131,9 @@ def build(
     copies[f"{EVIDENCE_DIR}/{evidence.PUBLIC_KEY_FILE}"] = _public_key(
         evidence_dir / evidence.PUBLIC_KEY_FILE, report
     )
-    for name, data in modelbook.verified_files(evidence_dir, public_key=public_key).items():
+    for name, data in modelbook.verified_files(
+        evidence_dir, public_key=public_key, trusted=trusted
+    ).items():
         copies[f"{EVIDENCE_DIR}/{name}"] = data
     try:
         matrix = crashmatrix.read(evidence_dir)

@@ -67,7 +67,8 @@ def _evidence(args: argparse.Namespace) -> int:
     from lab import modelevidence
 
     if args.evidence_command == "verify" and modelevidence.is_model_evidence(path):
-        model_verdict = modelevidence.verify(path, public_key=pinned)
+        model_trusted = [] if pinned is not None else verification.trusted_keys(root)
+        model_verdict = modelevidence.verify(path, public_key=pinned, trusted=model_trusted)
         print(modelevidence.format_verdict(model_verdict))
         sys.stdout.flush()
         return 0 if model_verdict.ok else 1

@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import candidates, modelevidence
+from lab import candidates, modelevidence, verification
 from lab.errors import Refused
 
 MODEL_DIR = "model"
@@ -37,7 +37,10 @@ _COLOURS = {"unconstrained": "#8c6bb1", "constrained": "#2b8cbe"}
 
 
 def verified_files(
-    evidence_dir: Path, *, public_key: ed25519.Ed25519PublicKey | None
+    evidence_dir: Path,
+    *,
+    public_key: ed25519.Ed25519PublicKey | None,
+    trusted: Sequence[verification.TrustedKey] = (),
 ) -> dict[str, bytes]:
     """``{model/<name>: bytes}`` of the verified model evidence, or ``{}`` when there is none."""
     stray = sorted(evidence_dir.glob("model-experiment*.json"))
@@ -59,7 +62,7 @@ def verified_files(
         # Verify a private copy and publish from it: nothing can change in between.
         staged = Path(scratch) / MODEL_DIR
         shutil.copytree(source, staged)
-        verdict = modelevidence.verify(staged, public_key=public_key)
+        verdict = modelevidence.verify(staged, public_key=public_key, trusted=trusted)
         if not verdict.ok:
             more = f" (and {len(verdict.problems) - 1} more)" if len(verdict.problems) > 1 else ""
             raise Refused(f"{source}: {verdict.problems[0]}{more}")

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,8 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     report: dict[str, Any] | None = None
     signer_keyid: str | None = None
+    # The pin that vouched for the signer (None: UNPINNED), as in ``verification``.
+    pinned_by: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -176,6 +178,7 @@ def verify(
     path: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
+    trusted: Sequence[verification.TrustedKey] = (),
     model_path: Path | None = None,
 ) -> Verdict:
     """Check a model evidence directory offline and name every failure (see the module doc)."""
@@ -197,15 +200,30 @@ def verify(
     predicate = statement_.get("predicate")
     predicate = predicate if isinstance(predicate, dict) else {}
     key = public_key
+    verdict.pinned_by = "--public-key" if public_key is not None else None
     if key is None:
         try:
             key = dsse.load_public_key(str(predicate["signing"]["public_key"]).encode())
         except (KeyError, TypeError, EvidenceError) as exc:
             problems.append(f"signature: no key pinned and none usable in the evidence: {exc}")
             return verdict
+        raw = dsse.raw_public_key(key)
+        verdict.pinned_by = next(
+            (t.origin for t in trusted if dsse.raw_public_key(t.key) == raw), None
+        )
+    if verdict.pinned_by is None:
+        # The same trust policy as the runtime evidence: only a pin vouches for a signer.
+        signing = predicate.get("signing")
+        source = signing.get("key_source") if isinstance(signing, dict) else None
+        if source != "ephemeral":
+            problems.append(
+                f"signer: UNPINNED key {dsse.keyid(key)} is presented as a publication key "
+                f"(key_source {source!r}); pin it with --public-key or commit it under "
+                f"{verification.TRUSTED_DIR}/"
+            )
         verdict.notes.append(
-            "verified with the public key the evidence carries: this proves integrity, "
-            "not identity; pin the signer with --public-key"
+            "UNPINNED: verified with the key the evidence carries; this proves integrity, "
+            "not identity (pin the signer with --public-key or a committed trusted key)"
         )
     verdict.signer_keyid = dsse.keyid(key)
     try:
@@ -352,7 +370,7 @@ def _check_report(
 def format_verdict(verdict: Verdict) -> str:
     """A short human verdict: one line, then each failure and note."""
     report = verdict.report or {}
-    head = "OK" if verdict.ok else "FAIL"
+    head = "FAIL" if not verdict.ok else ("OK" if verdict.pinned_by else "UNPINNED")
     summary = report.get("summary")
     summary = summary if isinstance(summary, dict) else {}
     counts = ", ".join(

@@ -802,3 +802,32 @@ def test_real_instruction_model(tmp_path: Path, capsys: pytest.CaptureFixture[st
         f"{report['cases'][0]['trace']}: its sha256 does not match the signed subject"
     ]
     print(json.dumps({"summary": report["summary"], "total_seconds": report["total_seconds"]}))
+
+
+def test_model_evidence_follows_the_runtime_trust_policy(
+    tiny_report: dict[str, Any], tiny_traces: Path, tmp_path: Path
+) -> None:
+    """A signer is trusted only by a pin: an unpinned key presented as a publication key
+    fails, an ephemeral one verifies as UNPINNED, a pinned or committed-trusted one is OK."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from lab import dsse, verification
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    directory = tmp_path / "model"
+    modelevidence.write(directory, tiny_report, tiny_traces, SEED, dsse.Signer(key, "key_file"))
+    unpinned = modelevidence.verify(directory)
+    assert any("UNPINNED" in p and "publication key" in p for p in unpinned.problems)
+    assert modelevidence.format_verdict(unpinned).startswith("FAIL ")
+    pinned = modelevidence.verify(directory, public_key=key.public_key())
+    assert pinned.ok and pinned.pinned_by == "--public-key"
+    assert modelevidence.format_verdict(pinned).startswith("OK ")
+    trusted = [verification.TrustedKey(key.public_key(), "keys/trusted/k.pub.pem")]
+    vouched = modelevidence.verify(directory, trusted=trusted)
+    assert vouched.ok and vouched.pinned_by == "keys/trusted/k.pub.pem"
+
+    ephemeral = tmp_path / "ephemeral" / "model"
+    modelevidence.write(ephemeral, tiny_report, tiny_traces, SEED, dsse.load_signer({}))
+    verdict = modelevidence.verify(ephemeral)
+    assert verdict.ok and verdict.pinned_by is None
+    assert modelevidence.format_verdict(verdict).startswith("UNPINNED ")
