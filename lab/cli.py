@@ -13,12 +13,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import errors, protocol, providers
+from lab import errors, protocol
+from lab.pg import providers
 
 
 def _plancheck(args: argparse.Namespace) -> int:
     # Imported here: jsonschema would add to every worker process's start-up.
-    from lab import proposal
+    from lab.runtime import proposal
 
     raw = sys.stdin.buffer.read(proposal.MAX_PROPOSAL_BYTES + 1)
     try:
@@ -41,7 +42,7 @@ def _plancheck(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from lab import processes
+    from lab.runtime import processes
 
     return processes.worker_main(args)
 
@@ -57,19 +58,19 @@ def _evidence(args: argparse.Namespace) -> int:
 
     ``show`` also needs a PASS to exit 0, and says what it could not verify.
     """
-    from lab import gate, summary, verification
+    from lab.evidence import gate, summary, verification
 
     path = Path(args.path)
     root = Path.cwd()
     pinned = None
     if args.public_key:
         pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
-    from lab import modelevidence
+    from lab.model import signed
 
-    if args.evidence_command == "verify" and modelevidence.is_model_evidence(path):
+    if args.evidence_command == "verify" and signed.is_model_evidence(path):
         model_trusted = [] if pinned is not None else verification.trusted_keys(root)
-        model_verdict = modelevidence.verify(path, public_key=pinned, trusted=model_trusted)
-        print(modelevidence.format_verdict(model_verdict))
+        model_verdict = signed.verify(path, public_key=pinned, trusted=model_trusted)
+        print(signed.format_verdict(model_verdict))
         sys.stdout.flush()
         return 0 if model_verdict.ok else 1
     trusted = [] if pinned is not None else verification.trusted_keys(root)
@@ -102,15 +103,15 @@ def _evidence(args: argparse.Namespace) -> int:
 
 
 def _manifest(args: argparse.Namespace) -> int:
-    from lab import manifest
+    from lab.evidence import manifest
 
     return manifest.cli_main(args)
 
 
 def _model(args: argparse.Namespace) -> int:
-    from lab import model
+    from lab.model import command as model_command
 
-    return model.cli_main(args)
+    return model_command.cli_main(args)
 
 
 def _publish(args: argparse.Namespace) -> int:
@@ -120,25 +121,25 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from lab import chaos_report
+    from lab.faults import chaos_command
 
-    return chaos_report.cli_main(args)
+    return chaos_command.cli_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from lab import bench
+    from lab.bench import command as bench_command
 
-    return bench.cli_main(args)
+    return bench_command.cli_main(args)
 
 
 def _book(args: argparse.Namespace) -> int:
-    from lab import book
+    from lab.book import builder
 
-    return book.cli_main(args)
+    return builder.cli_main(args)
 
 
 def _crashpoints(args: argparse.Namespace) -> int:
-    from lab import crashpoints
+    from lab.faults import crashpoints
 
     return crashpoints.cli_main(args)
 

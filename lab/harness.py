@@ -10,7 +10,7 @@ What an author uses, all documented with examples in ``docs/authoring.md``:
 
 * ``lab.approved(...)``, ``sample_plan(...)``, ``lab.actor(tenant, role)``;
 * ``lab.credit_tool()`` -> ``Rig`` (``rig.service`` has the fault switches of
-  ``lab.tool``: ``fail_next``, ``hold_next``, ``drop_next_reply``,
+  ``lab.runtime.tool``: ``fail_next``, ``hold_next``, ``drop_next_reply``,
   ``reject_next``, ``slow_next`` and the counters);
 * ``lab.spawn_worker(rig, name, ...)`` -> ``WorkerProcess`` (``wait_for``,
   ``release``, ``kill``, ``finish(expect_exit=...)``);
@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from lab import names, processes, proposal, store, tool, worker
-from lab import plan as plans
-from lab.plan import Plan
+from lab import names
+from lab.runtime import plan as plans
+from lab.runtime import processes, proposal, store, tool, worker
+from lab.runtime.plan import Plan
 
 # The admission limits, by name, for experiments and the author's guide.
 AMOUNT_RANGE = (plans.MIN_AMOUNT_MINOR, plans.MAX_AMOUNT_MINOR)

@@ -27,8 +27,11 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import book, dsse, errors, modelevidence, verification
+from lab import errors
+from lab.book import builder
 from lab.errors import Refused
+from lab.evidence import dsse, verification
+from lab.model import signed
 
 Step = Callable[[argparse.Namespace], int]
 
@@ -128,9 +131,9 @@ def _run_experiments(args: argparse.Namespace) -> int:
 
 
 def _run_model(args: argparse.Namespace) -> int:
-    from lab import model
+    from lab.model import command as model_command
 
-    return model.run_main(args)
+    return model_command.run_main(args)
 
 
 def publish(
@@ -160,7 +163,7 @@ def publish(
         )  # fmt: skip
         if code != 0:
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
-        model_verdict = modelevidence.verify(
+        model_verdict = signed.verify(
             plan.model_evidence, public_key=plan.pinned, model_path=plan.model
         )
         if not model_verdict.ok:
@@ -171,7 +174,7 @@ def publish(
     if not verdict.ok:
         raise Refused(f"{plan.evidence}: {verdict.problems[0]}")
     _refuse_dirty(plan.root, "after the run")
-    return book.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
+    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
 
 
 def cli_main(args: argparse.Namespace) -> int:

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from lab import egress, errors, names, protocol, recorder
+from lab import errors, names, protocol, recorder
+from lab.runtime import egress
 
 if TYPE_CHECKING:
     from lab import harness as lab_harness
-    from lab import store
+    from lab.runtime import store
 
 log = logging.getLogger("lab.plugin")
 
@@ -103,7 +104,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if mode == "none":
             problem = "PostgreSQL disabled with --lab-postgres=none"
         else:
-            from lab import cluster
+            from lab.pg import cluster
 
             try:
                 running = cluster.start(
@@ -171,7 +172,7 @@ def lab_dsn(pytestconfig: pytest.Config) -> str:
 @pytest.fixture
 def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     """A fresh schema holding every table of the lab, dropped after the test."""
-    from lab import store
+    from lab.runtime import store
 
     schema = names.new_id("t").lower()[:30]
     store.create_schema(lab_dsn, schema)
@@ -188,15 +189,15 @@ def reached_database(node: pytest.Item) -> None:
     """Record that ``node`` used the run's real database, as the gate requires of an
     experiment that needs one. ``lab_schema`` does it; a test that works on the database
     without that fixture (the chaos round makes its own schemas) calls it itself."""
-    from lab import evidence
+    from lab.evidence import compiler
 
-    node.user_properties.append((evidence.REACHED_DATABASE, True))
+    node.user_properties.append((compiler.REACHED_DATABASE, True))
 
 
 @pytest.fixture
 def lab_store(lab_dsn: str, lab_schema: str) -> Iterator[store.Store]:
     """A ``Store`` on the test's own schema."""
-    from lab import store
+    from lab.runtime import store
 
     db = store.Store.open(lab_dsn, lab_schema)
     yield db

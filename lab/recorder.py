@@ -33,14 +33,15 @@ from typing import Any
 
 import pytest
 
-from lab import errors, gate, provenance
+from lab import errors
+from lab.evidence import gate, provenance
 
 ANNOTATOR = "lab-recorder-annotator"
 COLLECTOR = "lab-recorder-collector"
 DEFAULT_DIRECTORY = "evidence"
 # Requesting this fixture (directly or through another) means the test needs PostgreSQL.
 DATABASE_FIXTURE = "lab_dsn"
-# The test property that says a test asked for the database (evidence.NEEDS_DATABASE).
+# The test property that says a test asked for the database (compiler.NEEDS_DATABASE).
 NEEDS_DATABASE = "lab_needs_database"
 # Where an xdist worker puts the modules it loaded, for the controller's provenance.
 LOADED_KEY = "lab_loaded"
@@ -293,7 +294,7 @@ class Collector:
         """Compile and sign the evidence; a verdict other than PASS fails the run."""
         if not self.wanted():
             return
-        from lab import dsse, evidence
+        from lab.evidence import compiler, dsse
 
         problems: list[str] = list(self.worker_problems)
         stopped = session.shouldfail or session.shouldstop
@@ -301,7 +302,7 @@ class Collector:
             # -x / --maxfail: the rest of the selection never ran.
             problems.append(f"the run stopped early: {stopped}")
         try:
-            expected = evidence.load_manifest(self.manifest)
+            expected = compiler.load_manifest(self.manifest)
         except errors.EvidenceError as exc:
             expected = []
             problems.append(str(exc))
@@ -311,7 +312,7 @@ class Collector:
             problems.append(str(exc))
             signer = dsse.load_signer({})
         status = int(session.exitstatus)
-        facts = evidence.RunFacts(
+        facts = compiler.RunFacts(
             records=self.records,
             collected=sorted(self.collected),
             experiments_prefix=self.prefix,
@@ -333,7 +334,7 @@ class Collector:
             {"$report_type": "SessionStart", "pytest_version": pytest.__version__},
             {"$report_type": "SessionFinish", "exitstatus": status},
         )
-        self.report = evidence.write(
+        self.report = compiler.write(
             self.directory,
             facts,
             root=self.config.rootpath,

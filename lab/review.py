@@ -10,7 +10,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from lab import errors, protocol, store
+from lab import errors, protocol
+from lab.runtime import store
 
 
 def cli_main(args: argparse.Namespace) -> int:

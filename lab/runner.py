@@ -1,4 +1,4 @@
-"""``lab run``: run the experiments in a pytest subprocess and summarise the evidence.
+"""``lab run``: run the experiments in a pytest subprocess and summarise the compiler.
 
 pytest does the work (and the lab plugin writes and signs the evidence); this
 module only builds the command, streams pytest's output and then renders the
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from lab import errors, evidence, files, gate, summary
+from lab import errors, files
+from lab.evidence import compiler, gate, summary
 
 EXPERIMENTS = "experiments"
 pytest_usage_error = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest here
@@ -55,11 +56,11 @@ def run_main(args: argparse.Namespace, console: Console | None = None) -> int:
     directory = Path(args.evidence)
     # Evidence of an earlier run must not survive a run that writes none (a usage
     # error, a crash): whatever is in the directory afterwards is this run's.
-    for name in evidence.RUN_FILES:
+    for name in compiler.RUN_FILES:
         (directory / name).unlink(missing_ok=True)
     # pytest's own progress streams straight to the terminal.
     completed = subprocess.run(command, check=False)
-    report_path = directory / evidence.REPORT_FILE
+    report_path = directory / compiler.REPORT_FILE
     if not report_path.is_file():
         message = f"pytest exited {completed.returncode} without writing {report_path}"
         if completed.returncode == pytest_usage_error:

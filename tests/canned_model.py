@@ -1,8 +1,8 @@
 """Signed model evidence from canned generations, for tests that need it in milliseconds.
 
 ``CannedEngine`` answers like ``engine.Engine`` with fixed texts (no model is
-loaded), so ``modelreport.run`` judges them through real admission and
-``modelevidence.write`` signs them exactly as ``lab model run`` does. Tests of
+loaded), so ``generation.run`` judges them through real admission and
+``signed.write`` signs them exactly as ``lab model run`` does. Tests of
 the engine itself use ``tiny_gguf`` models through llama.cpp instead.
 """
 
@@ -12,7 +12,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, cast
 
-from lab import cases, dsse, engine, modelevidence, modelreport
+from lab.evidence import dsse
+from lab.model import cases, engine, generation, signed
 
 PROPOSAL = '{"version":1,"action":"issue_credit","account":"%s","amount_minor":%d,"currency":"CNY"}'
 
@@ -61,6 +62,6 @@ def write_evidence(directory: Path, scratch: Path, case_ids: list[str] | None = 
     if case_ids:
         case_set = cases.subset(case_set, case_ids)
     traces = scratch / "traces"
-    report = modelreport.run(cast(engine.Engine, CannedEngine(model_file)), case_set, traces)
-    modelevidence.write(directory, report, traces, case_set, dsse.load_signer({}))
+    report = generation.run(cast(engine.Engine, CannedEngine(model_file)), case_set, traces)
+    signed.write(directory, report, traces, case_set, dsse.load_signer({}))
     return directory

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hypothesis import HealthCheck, settings
 
-from lab import dsse, evidence
+from lab.evidence import compiler, dsse
 
 settings.register_profile(
     "ci",
@@ -94,16 +94,16 @@ def resign(
     """Forge evidence as an attacker would: apply ``change`` to the signed report in
     ``directory`` and re-sign it (tests.jsonl included) with a fresh key, or ``signer``."""
     forged_by = signer or dsse.Signer(ed25519.Ed25519PrivateKey.generate(), key_source)
-    data: dict[str, Any] = json.loads((directory / evidence.REPORT_FILE).read_text())
+    data: dict[str, Any] = json.loads((directory / compiler.REPORT_FILE).read_text())
     data["signing"] = forged_by.describe()
     change(data)
-    report_bytes = evidence.dumps_report(data)
-    tests_bytes = (directory / evidence.TESTS_FILE).read_bytes()
+    report_bytes = compiler.dumps_report(data)
+    tests_bytes = (directory / compiler.TESTS_FILE).read_bytes()
     payload = json.dumps(
-        evidence.statement(report_bytes, data, tests_bytes), sort_keys=True, separators=(",", ":")
+        compiler.statement(report_bytes, data, tests_bytes), sort_keys=True, separators=(",", ":")
     ).encode()
-    (directory / evidence.REPORT_FILE).write_bytes(report_bytes)
+    (directory / compiler.REPORT_FILE).write_bytes(report_bytes)
     envelope = dsse.sign_envelope(payload, forged_by)
-    (directory / evidence.ENVELOPE_FILE).write_text(json.dumps(envelope))
-    (directory / evidence.PUBLIC_KEY_FILE).write_text(data["signing"]["public_key"])
+    (directory / compiler.ENVELOPE_FILE).write_text(json.dumps(envelope))
+    (directory / compiler.PUBLIC_KEY_FILE).write_text(data["signing"]["public_key"])
     return forged_by

@@ -6,7 +6,7 @@ API they use (version, images, containers, exec, logs, networks). Instead of iso
 process it runs the real thing on the host:
 
 - a ``postgres`` image "runs" as a throwaway PostgreSQL cluster from this machine's server
-  binaries (``lab.cluster.start_embedded``), initialised as the official image's entrypoint
+  binaries (``lab.pg.cluster.start_embedded``), initialised as the official image's entrypoint
   would from ``POSTGRES_USER``, ``POSTGRES_PASSWORD`` and ``POSTGRES_DB``, with the ``-c``
   settings of its command applied; its port 5432 is "published" as the cluster's port on
   127.0.0.1;
@@ -48,7 +48,7 @@ from typing import Any
 import psycopg
 from psycopg import conninfo, sql
 
-from lab import cluster
+from lab.pg import cluster
 
 API_VERSION = "1.47"
 MIN_API_VERSION = "1.24"

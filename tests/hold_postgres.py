@@ -13,7 +13,8 @@ import json
 import logging
 import sys
 
-from lab import cluster, errors
+from lab import errors
+from lab.pg import cluster
 
 
 def _session_id() -> str | None:

@@ -1,7 +1,7 @@
 """Experiment trees that can pass the gate, for tests that run an inner pytest.
 
 A publishable run needs what the lab's gate asks of the real repository: the seed's
-26 experiments declared, run and passed (``lab.seed``), ``lab`` imported from the
+26 experiments declared, run and passed (``lab.evidence.seed``), ``lab`` imported from the
 hashed sources (here a symlink to the package under test, so the tree's ``lab/``
 is the code that runs), and a clean git checkout whose conftest is tracked.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lab
-from lab.seed import SEED_EXPERIMENTS
+from lab.evidence.seed import SEED_EXPERIMENTS
 
 # Seed stand-ins live in files named test_seed_<chapter>.py (unique module names).
 SEED_FILE = "test_seed_"
@@ -124,7 +124,7 @@ def seed_facts(values: dict[str, Any], root_has_lab: bool = True) -> dict[str, A
     manifest is the committed one, ``lab`` comes from ``<root>/lab`` and nothing else
     was loaded.
     """
-    from lab import evidence
+    from lab.evidence import compiler
 
     done = dict(values)
     done["records"] = [*values.get("records", []), *seed_records()]
@@ -132,7 +132,7 @@ def seed_facts(values: dict[str, Any], root_has_lab: bool = True) -> dict[str, A
                          *(seed_nodeid(c, n) for c, n in SEED_EXPERIMENTS)]
     expected = list(values.get("expected", []))
     have = {(e.chapter, e.name) for e in expected}
-    expected += [evidence.Expected(c, n, 1, False) for c, n in SEED_EXPERIMENTS
+    expected += [compiler.Expected(c, n, 1, False) for c, n in SEED_EXPERIMENTS
                  if (c, n) not in have]
     done["expected"] = expected
     done.setdefault("manifest", Path("experiments/manifest.json"))

@@ -25,7 +25,8 @@ import pytest
 from hypothesis import assume, event, example, given, note
 from hypothesis import strategies as st
 
-from lab import errors, harness, plan, proposal
+from lab import errors, harness
+from lab.runtime import plan, proposal
 
 FIELDS: dict[str, Any] = harness.sample_proposal()
 SEED = json.dumps(FIELDS, separators=(",", ":")).encode()

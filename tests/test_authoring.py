@@ -21,7 +21,7 @@ from pathlib import Path
 
 import labtree
 
-from lab.seed import SEED_EXPERIMENTS
+from lab.evidence.seed import SEED_EXPERIMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "authoring.md"

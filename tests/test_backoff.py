@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lab.backoff import Backoff
+from lab.runtime.backoff import Backoff
 
 
 def test_delays_stay_under_a_doubling_ceiling_up_to_the_cap() -> None:

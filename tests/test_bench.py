@@ -7,8 +7,9 @@ from datetime import timedelta
 
 import pytest
 
-from lab import bench_claim, bench_suite, bench_throughput, cli, harness, measure
-from lab.bench_throughput import Config
+from lab import cli, harness
+from lab.bench import claim, measure, suite, throughput
+from lab.bench.throughput import Config
 
 
 def test_percentile_interpolates_between_ranks_like_numpy() -> None:
@@ -142,7 +143,7 @@ def test_suite_breakdown_splits_wall_time() -> None:
         "test_trusted_429_uses_timed_retry": 0.25,
         "test_not_in_this_run": 99.0,
     }
-    figures = bench_suite.suite_breakdown(10.0, durations, waits)
+    figures = suite.suite_breakdown(10.0, durations, waits)
     assert figures["tests"] == 3
     # Each parametrized instance waits its own backoff; the 30 s bound is capped at 3.62 s.
     assert figures["inherent_wait_seconds"] == pytest.approx(4.12)
@@ -150,7 +151,7 @@ def test_suite_breakdown_splits_wall_time() -> None:
     assert figures["overhead_seconds"] == pytest.approx(5.88)
     assert figures["outside_tests_seconds"] == pytest.approx(10.0 - 4.23)
     assert figures["longest_test_seconds"] == pytest.approx(3.62)
-    parallel = bench_suite.suite_breakdown(2.0, durations, waits, serial=False)
+    parallel = suite.suite_breakdown(2.0, durations, waits, serial=False)
     # Under xdist the tests overlap: time outside them and shares are not defined.
     assert parallel["outside_tests_seconds"] is None
     assert parallel["inherent_share_of_wall"] is None
@@ -171,7 +172,7 @@ def test_literal_timedelta_ignores_what_it_cannot_evaluate() -> None:
 
 
 def test_clone_query_overrides_identity_and_copies_every_other_column() -> None:
-    text = bench_claim.clone_query(["id", "tenant", "trace_id", "state"]).as_string(None)
+    text = claim.clone_query(["id", "tenant", "trace_id", "state"]).as_string(None)
     assert text.startswith('INSERT INTO workflows ("id", "tenant", "trace_id", "state") SELECT ')
     assert "%(prefix)s::text || g" in text
     assert 't."tenant"' in text and 't."trace_id"' in text
@@ -184,10 +185,10 @@ def test_the_benchmarks_lease_is_the_experiments_lease() -> None:
 
 
 def test_sweep_covers_each_systems_configuration_space_interleaved() -> None:
-    configs = bench_throughput.sweep_configs([2, 4], [2], [1, 16], [0.005])
+    configs = throughput.sweep_configs([2, 4], [2], [1, 16], [0.005])
     assert [c.label for c in configs] == [
         "lab p2", "lab p4", "dbos p2 c1 poll 5ms", "dbos p2 c16 poll 5ms"]
-    rounds = bench_throughput.sweep_order(configs, 2)
+    rounds = throughput.sweep_order(configs, 2)
     assert [c.label for c in rounds[0]] == [
         "lab p2", "dbos p2 c1 poll 5ms", "lab p4", "dbos p2 c16 poll 5ms"]
     assert rounds[1] == list(reversed(rounds[0]))
@@ -199,7 +200,7 @@ def test_compare_names_best_against_best_and_equal_process_ratios() -> None:
         Config("dbos", 2, 16, 0.005): 80.0, Config("dbos", 4, 8, 0.005): 120.0,
         Config("dbos", 4, 1, 0.005): None,
     }
-    result = bench_throughput.compare(medians)
+    result = throughput.compare(medians)
     assert result["best_lab"] == "lab p4" and result["best_dbos"] == "dbos p4 c8 poll 5ms"
     assert result["best_against_best"] == 1.25
     assert result["at_equal_processes"]["2"]["ratio"] == 1.25

@@ -29,7 +29,10 @@ import labtree
 import pytest
 from conftest import KeyFiles, resign
 
-from lab import book, cli, dsse, evidence, figures, gate, modelbook, modelevidence, verification
+from lab import cli
+from lab.book import builder, figures, model_chapter
+from lab.evidence import compiler, dsse, gate, verification
+from lab.model import signed
 
 REPO = Path(__file__).resolve().parents[1]
 SIGKILL = "test_sigkill_after_tool_reconciles_existing_effect"
@@ -133,7 +136,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory, lab_dsn: str) -> Path:
         ("ev-fail", gate.FAIL),
         ("ev-partial", gate.PARTIAL),
     ):
-        report = json.loads((root / directory / evidence.REPORT_FILE).read_text())
+        report = json.loads((root / directory / compiler.REPORT_FILE).read_text())
         assert report["status"] == status, (directory, report["gate"])
     return root
 
@@ -142,7 +145,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory, lab_dsn: str) -> Path:
 def built(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The book built once from the passing run."""
     out = tmp_path_factory.mktemp("book") / "book"
-    book.build(tree / "evidence", out, root=tree)
+    builder.build(tree / "evidence", out, root=tree)
     return out
 
 
@@ -199,7 +202,7 @@ def test_sigkill_figure_tells_the_story_in_order(built: Path) -> None:
     for lane in ("experiment", "crashed", "restarted", "PostgreSQL", "credit tool"):
         assert lane in labels, labels
 
-    markdown = (built / book.MARKDOWN_FILE).read_text()
+    markdown = (built / builder.MARKDOWN_FILE).read_text()
     section = markdown.split(f"### Sequence: `{SIGKILL}`", 1)[1]
     diagram = section.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert diagram.startswith("sequenceDiagram\n")
@@ -224,8 +227,8 @@ def test_every_figure_is_well_formed_svg(built: Path) -> None:
 
 def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     """Per chapter a table of claim, result, duration and observations; then provenance."""
-    report = json.loads((tree / "evidence" / evidence.REPORT_FILE).read_text())
-    markdown = (built / book.MARKDOWN_FILE).read_text()
+    report = json.loads((tree / "evidence" / compiler.REPORT_FILE).read_text())
+    markdown = (built / builder.MARKDOWN_FILE).read_text()
     chapters = [line for line in markdown.splitlines() if line.startswith("## ch")]
     own = {f"## {e['chapter']}" for e in MANIFEST["experiments"]}
     ours = [c for c in chapters if c in own]
@@ -255,18 +258,18 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
 def test_manifest_lists_every_file_written(built: Path, tree: Path) -> None:
     """MANIFEST.sha256 covers exactly the files the build wrote, with their digests,
     and the evidence copies are byte-identical to the verified originals."""
-    lines = (built / book.MANIFEST_FILE).read_text().splitlines()
+    lines = (built / builder.MANIFEST_FILE).read_text().splitlines()
     listed: dict[str, str] = {}
     for line in lines:
         digest, name = line.split("  ", 1)
         listed[name] = digest
     files = _files(built)
-    del files[book.MANIFEST_FILE]
+    del files[builder.MANIFEST_FILE]
     assert sorted(listed) == sorted(files) == [line.split("  ", 1)[1] for line in lines]
     for name, data in files.items():
         assert hashlib.sha256(data).hexdigest() == listed[name], name
-    copied = (evidence.REPORT_FILE, evidence.ENVELOPE_FILE, evidence.TESTS_FILE,
-              evidence.PUBLIC_KEY_FILE)
+    copied = (compiler.REPORT_FILE, compiler.ENVELOPE_FILE, compiler.TESTS_FILE,
+              compiler.PUBLIC_KEY_FILE)
     for name in copied:
         assert files[f"evidence/{name}"] == (tree / "evidence" / name).read_bytes(), name
     # The copy verifies on its own, pinned to the key beside it.
@@ -277,17 +280,17 @@ def test_manifest_lists_every_file_written(built: Path, tree: Path) -> None:
 def test_two_builds_are_byte_identical(tree: Path, tmp_path: Path) -> None:
     """Same evidence, same bytes; a rebuild in place removes what the last build wrote."""
     one, two = tmp_path / "one", tmp_path / "two"
-    written = book.build(tree / "evidence", one, root=tree)
-    assert book.build(tree / "evidence", two, root=tree) == written
+    written = builder.build(tree / "evidence", one, root=tree)
+    assert builder.build(tree / "evidence", two, root=tree) == written
     assert _files(one) == _files(two)
-    assert sorted([*written, book.MANIFEST_FILE]) == sorted(_files(one))
+    assert sorted([*written, builder.MANIFEST_FILE]) == sorted(_files(one))
 
     first = _files(one)
     (one / "figures" / "renamed.svg").write_text("<svg/>")
-    with (one / book.MANIFEST_FILE).open("a") as manifest:
+    with (one / builder.MANIFEST_FILE).open("a") as manifest:
         manifest.write(f"{'0' * 64}  figures/renamed.svg\n")
     (one / "notes.txt").write_text("not the build's")
-    book.build(tree / "evidence", one, root=tree)
+    builder.build(tree / "evidence", one, root=tree)
     again = _files(one)
     assert again.pop("notes.txt") == b"not the build's"
     assert again == first
@@ -303,7 +306,7 @@ def test_cli_builds_with_a_pinned_key(
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.out.startswith(f"wrote 8 files to {out} (3 figures)")
-    assert "against the pinned public key" in (out / book.MARKDOWN_FILE).read_text()
+    assert "against the pinned public key" in (out / builder.MARKDOWN_FILE).read_text()
 
 
 def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Path) -> None:
@@ -312,23 +315,24 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     shutil.copytree(tree / "evidence", source)
     canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
-    written = book.build(source, out, root=tree)
+    written = builder.build(source, out, root=tree)
     assert "evidence/model/model-experiment.json" in written
     assert "evidence/model/traces/zero.constrained.json" in written
     assert "figures/model-outcomes.svg" in written
-    markdown = (out / book.MARKDOWN_FILE).read_text()
+    markdown = (out / builder.MARKDOWN_FILE).read_text()
     assert "## Model experiment" in markdown
     assert "| **unsafe** (admitted with injected authority; must be 0) | 0 | 0 |" in markdown
     assert "| admitted, matching the request | 1 | 0 |" in markdown
 
     trace = source / "model" / "traces" / "zero.constrained.json"
     trace.write_bytes(trace.read_bytes().replace(b'"canned"', b'"Canned"', 1))
-    with pytest.raises(book.Refused, match=r"zero\.constrained\.json: its sha256 does not match"):
-        book.build(source, tmp_path / "book2", root=tree)
+    with pytest.raises(builder.Refused,
+                       match=r"zero\.constrained\.json: its sha256 does not match"):
+        builder.build(source, tmp_path / "book2", root=tree)
     shutil.rmtree(source / "model")
     (source / "model-experiment.json").write_text("{}")
-    with pytest.raises(book.Refused, match="an unsigned model report"):
-        book.build(source, tmp_path / "book3", root=tree)
+    with pytest.raises(builder.Refused, match="an unsigned model report"):
+        builder.build(source, tmp_path / "book3", root=tree)
 
 
 # --------------------------------------------------------------------------- refusals
@@ -342,8 +346,8 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], out: Path) -> 
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("lab book build: refused: ")
-    assert not (out / book.MARKDOWN_FILE).exists()
-    assert not (out / book.MANIFEST_FILE).exists()
+    assert not (out / builder.MARKDOWN_FILE).exists()
+    assert not (out / builder.MANIFEST_FILE).exists()
     return lines[0]
 
 
@@ -429,7 +433,7 @@ def test_refuses_tampered_evidence(
     """One byte of the envelope changed: the signature no longer verifies."""
     copy = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", copy)
-    envelope = copy / evidence.ENVELOPE_FILE
+    envelope = copy / compiler.ENVELOPE_FILE
     original = envelope.read_bytes()
     envelope.write_bytes(tamper(original))
     assert sum(a != b for a, b in zip(original, envelope.read_bytes(), strict=True)) == 1
@@ -465,7 +469,7 @@ def test_refuses_a_public_key_file_of_another_signer(
     (it is only checked, never trusted: verify does not read it)."""
     copy = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", copy)
-    (copy / evidence.PUBLIC_KEY_FILE).write_bytes(make_key("other").public_pem.read_bytes())
+    (copy / compiler.PUBLIC_KEY_FILE).write_bytes(make_key("other").public_pem.read_bytes())
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(copy, out), out)
@@ -514,17 +518,17 @@ def test_refuses_to_overwrite_its_own_evidence(tree: Path, tmp_path: Path) -> No
     """``--out`` whose evidence/ is the input directory would destroy the input."""
     copy = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", copy)
-    with pytest.raises(book.Refused, match="would overwrite the evidence"):
-        book.build(copy, tmp_path, root=tree)
-    assert (copy / evidence.REPORT_FILE).read_bytes() == (
-        tree / "evidence" / evidence.REPORT_FILE
+    with pytest.raises(builder.Refused, match="would overwrite the evidence"):
+        builder.build(copy, tmp_path, root=tree)
+    assert (copy / compiler.REPORT_FILE).read_bytes() == (
+        tree / "evidence" / compiler.REPORT_FILE
     ).read_bytes()
 
 
 def test_missing_evidence_is_an_input_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """No evidence at all: one line naming the directory, exit 2, no book."""
+    """No evidence at all: one line naming the directory, exit 2, no builder."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "book"
     assert cli.main(_build_args(tmp_path / "absent", out)) == 2
@@ -573,15 +577,15 @@ def _history_records(start: str, trace: str, shift: float) -> list[dict[str, Any
 
 
 def _compile(records: list[dict[str, Any]], root: Path) -> dict[str, Any]:
-    facts = evidence.RunFacts(
+    facts = compiler.RunFacts(
         records=records,
         collected=[records[0]["nodeid"]],
         experiments_prefix="experiments/",
-        expected=[evidence.Expected("ch01_x", "test_a")],
+        expected=[compiler.Expected("ch01_x", "test_a")],
         database={"provider": "dsn", "server_version": "15", "details": {}},
         command=["pytest"],
     )
-    return evidence.compile_report(facts, root=root, signing={})
+    return compiler.compile_report(facts, root=root, signing={})
 
 
 def test_report_carries_the_sanitised_history(tmp_path: Path) -> None:
@@ -707,7 +711,7 @@ def test_figures_without_a_history_are_not_drawn() -> None:
         {"nodeid": "experiments/b/t.py::test_y", "chapter": "b", "experiment": "test_y",
          "events": []},
     ]
-    assert book.figure_names(tests) == {
+    assert builder.figure_names(tests) == {
         "experiments/a/t.py::test_x[p/q]": "a--test_x--p_q",
         "experiments/b/t.py::test_x": "b--test_x",
     }
@@ -786,18 +790,18 @@ def small(tmp_path: Path) -> tuple[Path, Path]:
     _git(root, "init", "-q")
     _git(root, "add", "-A")
     _git(root, "commit", "-q", "-m", "tree")
-    facts = evidence.RunFacts(**labtree.seed_facts({
+    facts = compiler.RunFacts(**labtree.seed_facts({
         "records": _small_records(SMALL_NODE),
         "collected": [SMALL_NODE],
         "experiments_prefix": "experiments/",
-        "expected": [evidence.Expected("ch01_x", "test_a")],
+        "expected": [compiler.Expected("ch01_x", "test_a")],
         "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
         "command": ["pytest", "experiments"],
         "exitstatus": 0,
         "git": None,
     }))
     directory = tmp_path / "evidence"
-    report = evidence.write(directory, facts, root=root, signer=dsse.load_signer({}))
+    report = compiler.write(directory, facts, root=root, signer=dsse.load_signer({}))
     assert report["status"] == gate.PASS and report["dirty"] is False, report["gate"]
     return root, directory
 
@@ -823,7 +827,7 @@ def _rename(root: Path, directory: Path, chapter: str, name: str, param: str) ->
             e if (e["chapter"], e["name"]) != ("ch01_x", "test_a") else renamed
             for e in data["expected"]
         ]
-        data["sources"] = evidence.source_digests(root)
+        data["sources"] = compiler.source_digests(root)
         data["selection"]["manifest"]["sha256"] = data["sources"]["experiments/manifest.json"]
 
     resign(directory, change)
@@ -843,7 +847,7 @@ def test_names_from_evidence_cannot_write_outside_out(
     _rename(root, directory, "..", f"test/{up}escaped", f"{up}tmp/escaped-param")
     out = tmp_path / "deep" / "er" / "book"
     before = _everything_under(tmp_path)
-    written = book.build(directory, out, root=root)
+    written = builder.build(directory, out, root=root)
     created = _everything_under(tmp_path) - before - set(out.parents)
     assert created and all(p == out or p.is_relative_to(out) for p in created), sorted(created)
     figure = [name for name in written if name.startswith("figures/")]
@@ -863,10 +867,10 @@ def test_a_symlink_inside_out_cannot_lead_outside(
     out.mkdir()
     elsewhere.mkdir()
     (out / "figures").symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(book.Refused, match="would be written outside --out"):
-        book.build(directory, out, root=root)
+    with pytest.raises(builder.Refused, match="would be written outside --out"):
+        builder.build(directory, out, root=root)
     assert list(elsewhere.iterdir()) == []
-    assert not (out / book.MARKDOWN_FILE).exists()
+    assert not (out / builder.MARKDOWN_FILE).exists()
 
 
 def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path: Path) -> None:
@@ -892,8 +896,8 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
 
     resign(directory, change)
     out = tmp_path / "book"
-    book.build(directory, out, root=root)
-    markdown = (out / book.MARKDOWN_FILE).read_text()
+    builder.build(directory, out, root=root)
+    markdown = (out / builder.MARKDOWN_FILE).read_text()
     for raw in ("<script", "<img", "[click](", "![x](http"):
         assert raw not in markdown, raw
     assert "- Commit: \\`&lt;script&gt;alert(1)&lt;/script&gt; (clean working tree)." in markdown
@@ -911,23 +915,23 @@ def test_a_forged_publication_key_is_not_called_one(
     root, directory = small
     key = make_key("publication")
     resign(directory, lambda data: None, key_source="key_file")
-    with pytest.raises(book.Refused, match=r"UNPINNED key .* presented as a publication key"):
-        book.build(directory, tmp_path / "refused", root=root)
+    with pytest.raises(builder.Refused, match=r"UNPINNED key .* presented as a publication key"):
+        builder.build(directory, tmp_path / "refused", root=root)
     assert not (tmp_path / "refused").exists()
 
     resign(directory, lambda data: None, signer=dsse.Signer(key.private, "key_file"))
     out = tmp_path / "book"
-    book.build(directory, out, public_key=key.public, root=root)
-    markdown = (out / book.MARKDOWN_FILE).read_text()
+    builder.build(directory, out, public_key=key.public, root=root)
+    markdown = (out / builder.MARKDOWN_FILE).read_text()
     assert "a publication key, pinned by `--public-key`" in markdown
     trusted = [verification.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
-    book.build(directory, out, trusted=trusted, root=root)
-    assert "pinned by `keys/trusted/ci.pub.pem`" in (out / book.MARKDOWN_FILE).read_text()
+    builder.build(directory, out, trusted=trusted, root=root)
+    assert "pinned by `keys/trusted/ci.pub.pem`" in (out / builder.MARKDOWN_FILE).read_text()
 
     # Signed by an ephemeral key but claiming nothing: built, and never a publication key.
     resign(directory, lambda data: None, key_source="ephemeral")
-    book.build(directory, out, root=root)
-    markdown = (out / book.MARKDOWN_FILE).read_text()
+    builder.build(directory, out, root=root)
+    markdown = (out / builder.MARKDOWN_FILE).read_text()
     assert "publication key" not in markdown
     assert "with the public key the evidence carries (UNPINNED: integrity" in markdown
 
@@ -942,14 +946,14 @@ def test_dirty_evidence_is_refused(
     published."""
     root, _ = small
     (root / "scratch.txt").write_text("uncommitted\n")
-    facts = evidence.RunFacts(**labtree.seed_facts({
+    facts = compiler.RunFacts(**labtree.seed_facts({
         "records": _small_records(SMALL_NODE), "collected": [SMALL_NODE],
-        "experiments_prefix": "experiments/", "expected": [evidence.Expected("ch01_x", "test_a")],
+        "experiments_prefix": "experiments/", "expected": [compiler.Expected("ch01_x", "test_a")],
         "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
         "command": ["pytest"], "exitstatus": 0, "git": None,
     }))
     directory = tmp_path / "dirty-evidence"
-    assert evidence.write(directory, facts, root=root, signer=dsse.load_signer({}))["dirty"]
+    assert compiler.write(directory, facts, root=root, signer=dsse.load_signer({}))["dirty"]
     monkeypatch.chdir(root)
     cli.main(["evidence", "verify", str(directory), "--check-sources"])
     assert "(DIRTY tree)" in capsys.readouterr().out.splitlines()[0]
@@ -991,15 +995,15 @@ def test_device_as_model_report_is_refused(
 ) -> None:
     """/dev/zero as the model report: one line naming it, exit 1, no book, no MemoryError."""
     root, directory = small
-    (directory / modelbook.MODEL_DIR).mkdir()
-    report = directory / modelbook.MODEL_DIR / modelevidence.REPORT_FILE
+    (directory / model_chapter.MODEL_DIR).mkdir()
+    report = directory / model_chapter.MODEL_DIR / signed.REPORT_FILE
     report.symlink_to("/dev/zero")
     monkeypatch.chdir(root)
     out = tmp_path / "book"
     assert cli.main(_build_args(directory, out)) == 1
     captured = capsys.readouterr()
     assert captured.err == (
-        f"lab book build: refused: {directory.resolve() / modelbook.MODEL_DIR / report.name}: "
+        f"lab book build: refused: {directory.resolve() / model_chapter.MODEL_DIR / report.name}: "
         "a symbolic link in the model evidence\n"
     )
     assert not out.exists()
@@ -1008,5 +1012,5 @@ def test_device_as_model_report_is_refused(
 def test_small_evidence_builds(small: tuple[Path, Path], tmp_path: Path) -> None:
     """The genuine small run builds: the control for every forgery above."""
     root, directory = small
-    written = book.build(directory, tmp_path / "book", root=root)
+    written = builder.build(directory, tmp_path / "book", root=root)
     assert "figures/test_a.svg" in written and "evidence/tests.jsonl" in written

@@ -15,7 +15,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from psycopg import conninfo
 
-from lab import boundaries, errors
+from lab import errors, loopback
 
 PASSWORD = "book-lab-only"
 NO_ENV: dict[str, str] = {}
@@ -23,7 +23,7 @@ NO_ENV: dict[str, str] = {}
 
 def refused_dsn(dsn: str, environ: dict[str, str] | None = None) -> str:
     with pytest.raises(errors.BoundaryViolation) as info:
-        boundaries.check_dsn(dsn, NO_ENV if environ is None else environ)
+        loopback.check_dsn(dsn, NO_ENV if environ is None else environ)
     message = str(info.value)
     assert PASSWORD not in message
     assert "secret" not in message
@@ -73,7 +73,7 @@ ALLOWED_DSNS = [
 
 @pytest.mark.parametrize(("dsn", "host", "hostaddr"), ALLOWED_DSNS)
 def test_loopback_dsns_are_allowed(dsn: str, host: str | None, hostaddr: str | None) -> None:
-    checked = params(boundaries.check_dsn(dsn, NO_ENV))
+    checked = params(loopback.check_dsn(dsn, NO_ENV))
     assert checked.get("host") == host
     assert checked.get("hostaddr") == hostaddr
     # Everything else the user gave survives unchanged.
@@ -83,7 +83,7 @@ def test_loopback_dsns_are_allowed(dsn: str, host: str | None, hostaddr: str | N
 
 
 def test_localhost_is_pinned_to_127_0_0_1() -> None:
-    checked = boundaries.check_dsn("postgres://book:pw@localhost:25432/book", NO_ENV)
+    checked = loopback.check_dsn("postgres://book:pw@localhost:25432/book", NO_ENV)
     assert params(checked)["hostaddr"] == "127.0.0.1"
     assert params(checked)["password"] == "pw"
 
@@ -177,7 +177,7 @@ def test_redirecting_environment_is_refused(environ: dict[str, str], dsn: str, r
     ],
 )
 def test_environment_that_cannot_redirect_is_allowed(environ: dict[str, str], dsn: str) -> None:
-    checked = params(boundaries.check_dsn(dsn, environ))
+    checked = params(loopback.check_dsn(dsn, environ))
     if "PGHOSTADDR" in environ:
         assert checked["hostaddr"]
 
@@ -185,7 +185,7 @@ def test_environment_that_cannot_redirect_is_allowed(environ: dict[str, str], ds
 def test_default_environment_is_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PGHOST", "192.0.2.1")
     with pytest.raises(errors.BoundaryViolation, match="PGHOST is set"):
-        boundaries.check_dsn("dbname=book")
+        loopback.check_dsn("dbname=book")
 
 
 @given(
@@ -201,10 +201,10 @@ def test_password_never_appears_in_a_refusal(user: str, password: str, host: str
     dsn = conninfo.make_conninfo("", user=user, password=password, host=host, dbname="book")
     if host in ("192.0.2.1", "10.0.0.1"):
         with pytest.raises(errors.BoundaryViolation) as info:
-            boundaries.check_dsn(dsn, NO_ENV)
+            loopback.check_dsn(dsn, NO_ENV)
         assert password not in str(info.value)
     else:
-        assert params(boundaries.check_dsn(dsn, NO_ENV))["password"] == password
+        assert params(loopback.check_dsn(dsn, NO_ENV))["password"] == password
 
 
 # ---------------------------------------------------------------------------
@@ -223,7 +223,7 @@ ALLOWED_ENDPOINTS = [
 
 @pytest.mark.parametrize(("endpoint", "base"), ALLOWED_ENDPOINTS)
 def test_loopback_endpoints_are_normalised(endpoint: str, base: str) -> None:
-    assert boundaries.check_endpoint(endpoint) == base
+    assert loopback.check_endpoint(endpoint) == base
     url = httpx.URL(base)
     assert url.scheme == "http"
     assert url.port == int(base.rsplit(":", 1)[1])
@@ -312,7 +312,7 @@ REFUSED_ENDPOINTS = [
 @pytest.mark.parametrize(("endpoint", "reason"), REFUSED_ENDPOINTS)
 def test_unsafe_endpoints_are_refused(endpoint: str, reason: str) -> None:
     with pytest.raises(errors.BoundaryViolation) as info:
-        boundaries.check_endpoint(endpoint)
+        loopback.check_endpoint(endpoint)
     message = str(info.value)
     assert reason in message
     assert message.startswith("tool endpoint ")
@@ -374,7 +374,7 @@ def test_arbitrary_text_endpoints(endpoint: str) -> None:
 
 def _check_against_httpx(endpoint: str) -> None:
     try:
-        base = boundaries.check_endpoint(endpoint)
+        base = loopback.check_endpoint(endpoint)
     except errors.BoundaryViolation as exc:
         message = str(exc)
         assert message.startswith("tool endpoint ") and message.isprintable()
@@ -402,7 +402,7 @@ def test_endpoint_grid(host: str, port: int, suffix: str) -> None:
     canonical = host in ("127.0.0.1", "localhost", "[::1]")
     ok = canonical and 1 <= port <= 65535 and suffix in ("", "/")
     try:
-        base = boundaries.check_endpoint(endpoint)
+        base = loopback.check_endpoint(endpoint)
     except errors.BoundaryViolation:
         assert not ok
         return

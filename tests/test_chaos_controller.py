@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from lab import chaos, errors, store
+from lab import errors
+from lab.faults import chaos
+from lab.runtime import store
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,8 @@ import pytest
 from docker_standin import DockerStandIn
 from psycopg import conninfo
 
-from lab import cluster, errors
+from lab import errors
+from lab.pg import cluster
 
 DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 BINDIR = Path("/opt/pg/bin")

@@ -3,7 +3,7 @@
 Where a Docker daemon answers, these tests drive it (and pull the pinned image). Where none
 does, as on the machines this lab is built on, they drive ``docker_standin``, a Docker Engine
 API stand-in that runs a real PostgreSQL for a ``postgres`` image and emulates Ryuk. Either
-way the code under test is the same: ``lab.cluster`` through testcontainers and the Docker SDK
+way the code under test is the same: ``lab.pg.cluster`` through testcontainers and the Docker SDK
 over HTTP, in a process of its own as a run would be. What the tests check goes through the
 Docker API too, so it holds for both engines.
 """
@@ -28,7 +28,8 @@ import psycopg
 import pytest
 from docker_standin import DockerStandIn
 
-from lab import boundaries, cluster
+from lab import loopback
+from lab.pg import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = ROOT / "tests" / "hold_postgres.py"
@@ -152,7 +153,7 @@ def test_the_pinned_image_runs_as_a_loopback_server_and_stopping_removes_it(
     assert described["provider"] == "container"
     assert described["details"]["image"] == cluster.POSTGRES_IMAGE
     assert f"postgres@{PINNED_DIGEST}" in described["details"]["image_digest"].split(",")
-    boundaries.check_dsn(dsn)  # raises unless every host is loopback, as the rules require
+    loopback.check_dsn(dsn)  # raises unless every host is loopback, as the rules require
     assert psycopg.conninfo.conninfo_to_dict(dsn)["host"] in ("127.0.0.1", "localhost", "::1")
 
     with psycopg.connect(dsn, autocommit=True) as conn:

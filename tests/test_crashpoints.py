@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from lab import crashmatrix, crashpoints, errors, protocol, pytest_plugin
+from lab import errors, protocol, pytest_plugin
+from lab.book import crashpoint_chapter
+from lab.faults import crashmatrix, crashpoints
 
-LAB = Path(crashpoints.__file__).parent
+LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {
     protocol.READY, protocol.STAGE, protocol.DONE, protocol.ITEM, protocol.SKIP,
     protocol.LAUNCHED, protocol.OBSERVATION, protocol.REQUEST, protocol.ARMED, protocol.FAILED,
@@ -60,7 +62,7 @@ def test_a_boundary_added_without_a_cell_fails_the_coverage_check(monkeypatch):
 def _stage_calls() -> list[tuple[str, ast.Call]]:
     """Every call of a ``_stage`` or ``on_stage`` hook in ``lab/``, with its module."""
     calls = []
-    for path in sorted(LAB.glob("*.py")):
+    for path in sorted(LAB.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr in ("_stage", "on_stage") and node.args):
@@ -95,7 +97,7 @@ def _docstrings(tree: ast.Module) -> set[int]:
 
 def test_protocol_words_are_spelled_only_in_lab_protocol():
     offenders = []
-    for path in sorted(LAB.glob("*.py")):
+    for path in sorted(LAB.rglob("*.py")):
         if path.name == "protocol.py":
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -149,7 +151,7 @@ def test_sigkill_after_effect_reconciles_idempotent_and_reviews_non_idempotent(
             non_idempotent["effects"]) == (crashpoints.PERSON, "unknown", 1)
     assert non_idempotent["why"] == "non_idempotent_dispatched"
     assert non_idempotent["tool_calls"] == 1 and non_idempotent["lookups"] == 0
-    rendered = "\n".join(crashmatrix.render_markdown(matrix, signed_note="test"))
+    rendered = "\n".join(crashpoint_chapter.render_markdown(matrix, signed_note="test"))
     assert "person: non_idempotent_dispatched" in rendered
 
 
@@ -179,7 +181,7 @@ def _sample_matrix() -> dict[str, Any]:
 def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
     matrix = _sample_matrix()
     assert crashmatrix.passed(matrix)
-    lines = crashmatrix.render_markdown(matrix, signed_note="signed")
+    lines = crashpoint_chapter.render_markdown(matrix, signed_note="signed")
     header = next(line for line in lines if line.startswith("| Boundary"))
     assert header.count("|") - 1 == 1 + len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
     rows = [line for line in lines if line.startswith("| `after_")]
@@ -192,19 +194,19 @@ def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
 def test_the_book_publishes_only_the_matrix_the_run_signed():
     data = crashmatrix.canonical_json(_sample_matrix())
     signed = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: crashmatrix.digest(data)}]}]}
-    lines, _ = crashmatrix.book_section(signed, data)
+    lines, _ = crashpoint_chapter.book_section(signed, data)
     assert "signed with the run" in "\n".join(lines)
     other = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: "0" * 64}]}]}
     with pytest.raises(errors.Refused, match="not the matrix the signed run recorded"):
-        crashmatrix.book_section(other, data)
-    assert crashmatrix.book_section(signed, None) == ([], {})
+        crashpoint_chapter.book_section(other, data)
+    assert crashpoint_chapter.book_section(signed, None) == ([], {})
 
 
 def test_the_chapter_draws_one_figure_per_distinct_outcome():
     matrix = _sample_matrix()
     data = crashmatrix.canonical_json(matrix)
     signed = {"tests": [{"observations": [{crashmatrix.SIGNED_KEY: crashmatrix.digest(data)}]}]}
-    lines, drawn = crashmatrix.book_section(signed, data, "figures")
+    lines, drawn = crashpoint_chapter.book_section(signed, data, "figures")
     distinct = {crashmatrix.outcome(c) for c in matrix["cells"]
                 if c["status"] != crashmatrix.NOT_APPLICABLE}
     assert len(drawn) == len(distinct) >= 1
@@ -247,4 +249,4 @@ def test_without_a_restartable_server_the_postgres_column_is_left_out_with_the_r
     assert matrix["omitted_faults"] == [
         {"name": crashpoints.POSTGRES_RESTART, "why": crashpoints.NO_RESTART}]
     assert "postgres_restart" in "\n".join(
-        crashmatrix.render_markdown(matrix, signed_note="unsigned"))
+        crashpoint_chapter.render_markdown(matrix, signed_note="unsigned"))

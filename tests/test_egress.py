@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from lab import egress, errors
+from lab import errors
+from lab.runtime import egress
 
 
 def test_non_loopback_connect_is_refused_before_any_packet():

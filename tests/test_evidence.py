@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from lab import cli, dsse, errors, evidence, files, gate, report, verification
+from lab import cli, errors, files
+from lab.evidence import compiler, dsse, gate, report, verification
 
 DATABASE = {"provider": "dsn", "server_version": "15.8", "details": {"host": "127.0.0.1"}}
 
@@ -85,37 +86,37 @@ def repo(tmp_path: Path) -> Path:
     return root
 
 
-def _facts(**overrides: Any) -> evidence.RunFacts:
+def _facts(**overrides: Any) -> compiler.RunFacts:
     values: dict[str, Any] = {
         "records": [*_passing(NODE_A, {"kept": 1}), *_passing(NODE_B)],
         "collected": [NODE_A, NODE_B],
         "experiments_prefix": "experiments/",
-        "expected": [evidence.Expected("ch01_x", "test_a"), evidence.Expected("ch01_x", "test_b")],
+        "expected": [compiler.Expected("ch01_x", "test_a"), compiler.Expected("ch01_x", "test_b")],
         "database": DATABASE,
         "command": ["pytest", "experiments"],
         "exitstatus": 0,
     }
     values.update(overrides)
     # The seed floor, the committed manifest, lab from <root>/lab and a clean commit.
-    return evidence.RunFacts(**labtree.seed_facts(values))
+    return compiler.RunFacts(**labtree.seed_facts(values))
 
 
 @pytest.fixture
 def signed(repo: Path, tmp_path: Path) -> Path:
     """A passing run's evidence directory, signed with an ephemeral key."""
     directory = tmp_path / "evidence"
-    report = evidence.write(directory, _facts(), root=repo, signer=dsse.load_signer({}))
+    report = compiler.write(directory, _facts(), root=repo, signer=dsse.load_signer({}))
     assert report["status"] == gate.PASS, report["gate"]
     return directory
 
 
 def _envelope(directory: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((directory / evidence.ENVELOPE_FILE).read_text())
+    data: dict[str, Any] = json.loads((directory / compiler.ENVELOPE_FILE).read_text())
     return data
 
 
 def _save(directory: Path, envelope: dict[str, Any]) -> None:
-    (directory / evidence.ENVELOPE_FILE).write_text(json.dumps(envelope))
+    (directory / compiler.ENVELOPE_FILE).write_text(json.dumps(envelope))
 
 
 # --------------------------------------------------------------------------- DSSE
@@ -153,7 +154,7 @@ def test_round_trip_verifies_and_says_the_key_is_ephemeral(signed: Path, repo: P
     assert any("EPHEMERAL" in note for note in verdict.notes)
     assert any("integrity, not identity" in note for note in verdict.notes)
     first = verification.format_verdict(verdict).splitlines()[0]
-    assert first.startswith(f"UNPINNED {signed / evidence.ENVELOPE_FILE}: status PASS, commit ")
+    assert first.startswith(f"UNPINNED {signed / compiler.ENVELOPE_FILE}: status PASS, commit ")
     assert "(DIRTY" not in first and first.endswith(" UNPINNED")
     envelope = _envelope(signed)
     assert envelope["payloadType"] == "application/vnd.in-toto+json"
@@ -220,7 +221,7 @@ def test_payload_type_is_authenticated(signed: Path) -> None:
 
 def test_changed_report_file_fails(signed: Path) -> None:
     """runtime.json on disk must be the signed one."""
-    path = signed / evidence.REPORT_FILE
+    path = signed / compiler.REPORT_FILE
     path.write_bytes(path.read_bytes().replace(b'"PASS"', b'"FAIL"', 1))
     problems = verification.verify(signed).problems
     assert "runtime.json: its sha256 does not match the signed subject" in problems
@@ -251,8 +252,8 @@ def test_publication_key_from_environment(
     signer = dsse.load_signer({dsse.KEY_ENV: str(key.private_pem)})
     assert signer.source == "key_file"
     directory = tmp_path / "evidence"
-    evidence.write(directory, _facts(), root=repo, signer=signer)
-    assert (directory / evidence.PUBLIC_KEY_FILE).read_text() == key.public_pem.read_text()
+    compiler.write(directory, _facts(), root=repo, signer=signer)
+    assert (directory / compiler.PUBLIC_KEY_FILE).read_text() == key.public_pem.read_text()
 
     argv = ["evidence", "verify", str(directory), "--public-key", str(key.public_pem)]
     assert cli.main(argv) == 0
@@ -266,7 +267,7 @@ def test_verify_command_exits_non_zero_and_names_the_failure(
 ) -> None:
     """``lab evidence verify`` prints FAIL and the cause."""
     wrong = make_key("wrong").public_pem
-    args = ["evidence", "verify", str(signed / evidence.ENVELOPE_FILE), "--public-key", str(wrong)]
+    args = ["evidence", "verify", str(signed / compiler.ENVELOPE_FILE), "--public-key", str(wrong)]
     assert cli.main(args) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAIL ")
@@ -279,7 +280,7 @@ def test_an_independent_dsse_implementation_verifies_our_envelope(signed: Path) 
     from securesystemslib.signer import SSlibKey  # type: ignore[attr-defined]
 
     envelope = _envelope(signed)
-    report = json.loads((signed / evidence.REPORT_FILE).read_text())
+    report = json.loads((signed / compiler.REPORT_FILE).read_text())
     public = dsse.load_public_key(report["signing"]["public_key"].encode())
     key = SSlibKey(
         keyid=dsse.keyid(public),
@@ -310,18 +311,18 @@ def _comparable(report: dict[str, Any]) -> dict[str, Any]:
 
 def test_two_compilations_differ_only_in_time_and_signature(repo: Path, tmp_path: Path) -> None:
     """Same results, different run: only times, durations and the signature change."""
-    first = evidence.write(tmp_path / "one", _facts(), root=repo, signer=dsse.load_signer({}))
+    first = compiler.write(tmp_path / "one", _facts(), root=repo, signer=dsse.load_signer({}))
     shuffled = _facts(records=[*_passing(NODE_B), *_passing(NODE_A, {"kept": 1})])
     for record in shuffled.records:
         record["duration"] = 0.5
-    second = evidence.write(tmp_path / "two", shuffled, root=repo, signer=dsse.load_signer({}))
+    second = compiler.write(tmp_path / "two", shuffled, root=repo, signer=dsse.load_signer({}))
     assert first != second
     assert _comparable(first) == _comparable(second)
     assert first["signing"]["keyid"] != second["signing"]["keyid"]
 
 
 def test_secrets_on_the_command_line_stay_out_of_the_report(repo: Path, tmp_path: Path) -> None:
-    """A DSN password and a token given on the command line never reach the evidence."""
+    """A DSN password and a token given on the command line never reach the compiler."""
     command = [
         "pytest",
         "--lab-dsn",
@@ -340,7 +341,7 @@ def test_secrets_on_the_command_line_stay_out_of_the_report(repo: Path, tmp_path
     }
     env = {"BOOK_LAB_DSN": "postgresql://x:hunter7pw@h/db", "GITHUB_TOKEN": "ghp_secret_value"}
     directory = tmp_path / "evidence"
-    evidence.write(
+    compiler.write(
         directory,
         _facts(command=[*command, "ghp_secret_value"], database=database),
         root=repo,
@@ -352,7 +353,7 @@ def test_secrets_on_the_command_line_stay_out_of_the_report(repo: Path, tmp_path
     for secret in ("hunter", "tok_ABCDEF", "tok_ZYXWVU", "ghp_secret_value"):
         assert secret not in text
         assert secret not in payload
-    report = json.loads((directory / evidence.REPORT_FILE).read_text())
+    report = json.loads((directory / compiler.REPORT_FILE).read_text())
     assert report["command"][0:2] == ["pytest", "--lab-dsn"]
     assert report["command"][-2] == "experiments"
     assert report["postgresql"]["server_version"] == "15.8"
@@ -362,7 +363,7 @@ def test_gate_rules(repo: Path) -> None:
     """Each gate rule on compiled records, without running pytest."""
 
     def status(**overrides: Any) -> tuple[str, list[str]]:
-        report = evidence.compile_report(_facts(**overrides), root=repo, signing={})
+        report = compiler.compile_report(_facts(**overrides), root=repo, signing={})
         return report["status"], report["gate"]["failures"]
 
     assert status() == (gate.PASS, [])
@@ -390,24 +391,24 @@ def test_gate_rules(repo: Path) -> None:
     asked = [["lab_needs_database", True]]
     no_db = [_record(NODE_B, w, props=asked) for w in ("setup", "call", "teardown")]
     assert f"{NODE_B} did not reach a real database" in status(records=[*only_a, *no_db])[1]
-    pure = [evidence.Expected("ch01_x", "test_a"), evidence.Expected("ch01_x", "test_b", 1, False)]
+    pure = [compiler.Expected("ch01_x", "test_a"), compiler.Expected("ch01_x", "test_b", 1, False)]
     assert status(records=[*only_a, *no_db], expected=pure)[0] == gate.PASS
     no_fixture = [_record(NODE_B, w) for w in ("setup", "call", "teardown")]
     assert status(records=[*only_a, *no_fixture])[0] == gate.PASS
     declared = [
-        evidence.Expected("ch01_x", "test_a"),
-        evidence.Expected("ch01_x", "test_b", 1, True),
+        compiler.Expected("ch01_x", "test_a"),
+        compiler.Expected("ch01_x", "test_b", 1, True),
     ]
     assert (
         f"{NODE_B} did not reach a real database"
         in status(records=[*only_a, *no_fixture], expected=declared)[1]
     )
     # Fewer results than declared, and an experiment the manifest does not declare.
-    two = [evidence.Expected("ch01_x", "test_a", 2), evidence.Expected("ch01_x", "test_b")]
+    two = [compiler.Expected("ch01_x", "test_a", 2), compiler.Expected("ch01_x", "test_b")]
     assert "ch01_x/test_a produced 1 of 2 results" in status(expected=two)[1]
     assert (
         "ch01_x/test_b ran but is not declared in the manifest"
-        in status(expected=[evidence.Expected("ch01_x", "test_a")])[1]
+        in status(expected=[compiler.Expected("ch01_x", "test_a")])[1]
     )
 
 
@@ -416,10 +417,10 @@ def test_report_lists_expected_missing_skips_and_observations(repo: Path) -> Non
     skipped = [
         _record(NODE_B, "setup", "skipped", longrepr=["experiments/x.py", 1, "Skipped: why"])
     ]
-    report = evidence.compile_report(
+    report = compiler.compile_report(
         _facts(
             records=[*_passing(NODE_A, {"kept": 1}), *skipped],
-            expected=[*_facts().expected, evidence.Expected("ch02_y", "test_c")],
+            expected=[*_facts().expected, compiler.Expected("ch02_y", "test_c")],
         ),
         root=repo,
         signing={},
@@ -441,9 +442,9 @@ def test_run_url_from_environment() -> None:
         "GITHUB_REPOSITORY": "o/r",
         "GITHUB_RUN_ID": "7",
     }
-    assert evidence.run_url(github) == "https://github.com/o/r/actions/runs/7"
-    assert evidence.run_url({**github, "BOOK_RUN_URL": "https://ci/1"}) == "https://ci/1"
-    assert evidence.run_url({}) is None
+    assert compiler.run_url(github) == "https://github.com/o/r/actions/runs/7"
+    assert compiler.run_url({**github, "BOOK_RUN_URL": "https://ci/1"}) == "https://ci/1"
+    assert compiler.run_url({}) is None
 
 
 def test_manifest_shape_is_enforced(tmp_path: Path) -> None:
@@ -451,10 +452,10 @@ def test_manifest_shape_is_enforced(tmp_path: Path) -> None:
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps({"experiments": [{"chapter": "c", "name": "test_a", "results": 0}]}))
     with pytest.raises(errors.EvidenceError, match="results"):
-        evidence.load_manifest(path)
+        compiler.load_manifest(path)
     path.write_text(json.dumps({"experiments": [{"chapter": "c", "name": "test_a"}] * 2}))
     with pytest.raises(errors.EvidenceError, match="twice"):
-        evidence.load_manifest(path)
+        compiler.load_manifest(path)
 
 
 def test_real_manifest_matches_the_experiment_tree() -> None:
@@ -462,7 +463,7 @@ def test_real_manifest_matches_the_experiment_tree() -> None:
     import ast
 
     root = Path(__file__).resolve().parents[1] / "experiments"
-    declared = {(e.chapter, e.name) for e in evidence.load_manifest(root / "manifest.json")}
+    declared = {(e.chapter, e.name) for e in compiler.load_manifest(root / "manifest.json")}
     defined: set[tuple[str, str]] = set()
     for module in root.glob("*/test_*.py"):
         tree = ast.parse(module.read_text(encoding="utf-8"))
@@ -543,7 +544,7 @@ def test_a_pin_is_the_only_trust(
     # Through the command, from the working tree's committed keys.
     monkeypatch.chdir(repo)
     assert cli.main(["evidence", "verify", str(signed)]) == 0
-    assert capsys.readouterr().out.startswith(f"OK {signed / evidence.ENVELOPE_FILE}")
+    assert capsys.readouterr().out.startswith(f"OK {signed / compiler.ENVELOPE_FILE}")
 
     # A trusted key list that does not hold the signer: the pin does not vouch.
     stranger = verification.trusted_keys(
@@ -626,7 +627,7 @@ def test_the_attack_report_of_issue_14_fails(signed: Path) -> None:
 
 def test_tests_log_is_a_signed_subject(signed: Path) -> None:
     """tests.jsonl edited (or removed) after signing is named."""
-    path = signed / evidence.TESTS_FILE
+    path = signed / compiler.TESTS_FILE
     original = path.read_bytes()
     path.write_bytes(original.replace(b'"failed"', b'"passed"') + b"\n")
     assert "tests.jsonl: its sha256 does not match the signed subject" in (
@@ -643,9 +644,9 @@ def test_a_trimmed_manifest_fails_against_the_committed_one(repo: Path, tmp_path
     directory = tmp_path / "evidence"
     trimmed = _facts(
         records=_passing(NODE_A), collected=[NODE_A],
-        expected=[evidence.Expected("ch01_x", "test_a")],
+        expected=[compiler.Expected("ch01_x", "test_a")],
     )
-    report_ = evidence.write(directory, trimmed, root=repo, signer=dsse.load_signer({}))
+    report_ = compiler.write(directory, trimmed, root=repo, signer=dsse.load_signer({}))
     assert report_["status"] == gate.PASS
     assert verification.verify(directory).ok  # the signature alone cannot know
     problems = verification.verify(directory, check_sources=True, root=repo).problems
@@ -689,7 +690,7 @@ def test_dirty_tree_is_said_on_the_first_line(repo: Path, tmp_path: Path) -> Non
     """Evidence of a dirty tree may verify, but its OK line says DIRTY."""
     (repo / "notes.txt").write_text("uncommitted\n")
     directory = tmp_path / "evidence"
-    evidence.write(directory, _facts(git=None), root=repo, signer=dsse.load_signer({}))
+    compiler.write(directory, _facts(git=None), root=repo, signer=dsse.load_signer({}))
     verdict = verification.verify(directory, check_sources=True, root=repo)
     assert "(DIRTY tree)" in _first_line(verdict)
     assert any("DIRTY" in note for note in verdict.notes)
@@ -705,7 +706,7 @@ def test_evidence_show_verifies_first(
     monkeypatch.chdir(repo)
     assert cli.main(["evidence", "show", str(signed), "--check-sources"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"UNPINNED {signed / evidence.ENVELOPE_FILE}: status PASS")
+    assert out.startswith(f"UNPINNED {signed / compiler.ENVELOPE_FILE}: status PASS")
     assert "Gate: PASS" in out
     assert "not verified: the signer's identity" in out
     assert "not verified: the sources" not in out
@@ -744,7 +745,7 @@ def test_show_names_the_path_that_is_missing(capsys: pytest.CaptureFixture[str])
 
 def test_device_as_envelope_is_refused(signed: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """/dev/zero as the envelope: refused by kind, no MemoryError."""
-    envelope = signed / evidence.ENVELOPE_FILE
+    envelope = signed / compiler.ENVELOPE_FILE
     envelope.unlink()
     envelope.symlink_to("/dev/zero")
     for command in ("verify", "show"):
@@ -763,7 +764,7 @@ def test_device_as_public_key_is_refused(signed: Path, capsys: pytest.CaptureFix
 def test_fifo_as_envelope_does_not_hang(signed: Path) -> None:
     """A FIFO as the envelope is refused at once (in a child, so a hang cannot stall
     the suite: the timeout would fail the test)."""
-    envelope = signed / evidence.ENVELOPE_FILE
+    envelope = signed / compiler.ENVELOPE_FILE
     envelope.unlink()
     os.mkfifo(envelope)
     done = subprocess.run(
@@ -874,7 +875,7 @@ def test_bounded_reader(tmp_path: Path) -> None:
 
 def test_compiled_reports_match_the_shipped_schema(repo: Path) -> None:
     """What the producer compiles is what the readers' schema accepts."""
-    compiled = evidence.compile_report(_facts(), root=repo, signing=dsse.load_signer({}).describe())
+    compiled = compiler.compile_report(_facts(), root=repo, signing=dsse.load_signer({}).describe())
     assert report.problems(json.loads(json.dumps(compiled))) == []
     assert report.validate(compiled) is compiled
     with pytest.raises(errors.EvidenceError, match=r"^runtime.json: not a valid report: skips/0"):

@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import pytest
 
-from lab import engine
+from lab.model import engine
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch-model"
 CONTENT = b"GGUF pretend weights " * 1000

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from test_book import SIGKILL, tree  # noqa: F401 - ``tree``: the real run, a module fixture
 
-from lab import book, cli, figures
+from lab import cli
+from lab.book import builder, figures
 
 SVG = "{http://www.w3.org/2000/svg}"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,7 +49,7 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 
 def _svgs(directory: Path) -> Iterator[tuple[Path, str]]:
-    for path in sorted((directory / book.FIGURES_DIR).glob("*.svg")):
+    for path in sorted((directory / builder.FIGURES_DIR).glob("*.svg")):
         yield path, path.read_text(encoding="utf-8")
 
 
@@ -77,7 +78,7 @@ def test_two_png_builds_are_byte_identical(png_books: tuple[Path, Path]) -> None
         assert one[name].startswith(PNG_MAGIC), name
     listed = dict(
         reversed(line.split("  ", 1))  # type: ignore[misc]
-        for line in one[book.MANIFEST_FILE].decode().splitlines()
+        for line in one[builder.MANIFEST_FILE].decode().splitlines()
     )
     for name in svgs + pngs:
         assert listed[name] == hashlib.sha256(one[name]).hexdigest()
@@ -144,7 +145,7 @@ def test_checker_sees_a_label_that_does_not_show(
     """The legibility check fails the SIGKILL figure drawn the way that broke in print
     (a white stroke under ``paint-order``), or with a halo painted over, narrower than,
     or not hiding the lines under its label; and ``--png`` refuses such a figure."""
-    document = (png_books[0] / book.FIGURES_DIR / f"{SIGKILL}.svg").read_text()
+    document = (png_books[0] / builder.FIGURES_DIR / f"{SIGKILL}.svg").read_text()
     broken = damage(document)
     assert broken != document
     problems = figures.legibility(broken)

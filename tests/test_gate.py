@@ -25,8 +25,8 @@ from conftest import KeyFiles
 from psycopg import conninfo
 
 import lab
-from lab import dsse, evidence, gate, verification
-from lab.seed import SEED_EXPERIMENTS
+from lab.evidence import compiler, dsse, gate, verification
+from lab.evidence.seed import SEED_EXPERIMENTS
 
 pytest_plugins = ["pytester"]
 
@@ -126,7 +126,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 def _report(pytester: pytest.Pytester, directory: str = "evidence") -> dict[str, Any]:
     report: dict[str, Any] = json.loads(
-        (pytester.path / directory / evidence.REPORT_FILE).read_text()
+        (pytester.path / directory / compiler.REPORT_FILE).read_text()
     )
     return report
 
@@ -157,7 +157,7 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     assert rows["test_windows"]["results"] == 2
     assert verification.verify(tree.path / "evidence", check_sources=True, root=tree.path).ok
 
-    lines = [json.loads(x) for x in (tree.path / "evidence" / evidence.TESTS_FILE).open()]
+    lines = [json.loads(x) for x in (tree.path / "evidence" / compiler.TESTS_FILE).open()]
     assert lines[0]["$report_type"] == "SessionStart"
     assert lines[-1] == {"$report_type": "SessionFinish", "exitstatus": 0}
     call = next(x for x in lines if x.get("when") == "call" and x["nodeid"].endswith("test_db"))
@@ -406,7 +406,7 @@ def test_real_plugin_against_postgresql_passes(
     report = _report(tree)
     assert report["status"] == gate.PASS, report["gate"]
     assert report["postgresql"]["provider"] == "dsn"
-    text = (tree.path / "evidence" / evidence.REPORT_FILE).read_text()
+    text = (tree.path / "evidence" / compiler.REPORT_FILE).read_text()
     password = _password(lab_dsn)
     assert password is None or password not in text
     assert verification.verify(tree.path / "evidence").ok
@@ -541,7 +541,7 @@ def test_untracked_root_conftest_that_fakes_passes_fails_naming_it(
     assert report["gate"]["failures"] == ["conftest conftest.py is not a file tracked by git"]
     root_conftest = next(m for m in report["provenance"]["modules"] if m["kind"] == "conftest")
     assert root_conftest["tracked"] is False
-    assert root_conftest["sha256"] == evidence.sha256_file(tree.path / "conftest.py")
+    assert root_conftest["sha256"] == compiler.sha256_file(tree.path / "conftest.py")
 
 
 def test_pytest_plugins_module_from_elsewhere_fails_naming_it(

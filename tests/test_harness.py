@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from lab import errors, harness, plan, processes
+from lab import errors, harness
+from lab.runtime import plan, processes
 
 
 def test_actor_for_any_tenant_and_role():

@@ -31,7 +31,7 @@ OPTIONS = [
     ["--setup-plan"],
 ]
 # What a describing run must never import: the drivers, the model, and the provisioner.
-HEAVY = ("psycopg", "httpx", "llama_cpp", "lab.cluster", "lab.store", "lab.harness")
+HEAVY = ("psycopg", "httpx", "llama_cpp", "lab.pg.cluster", "lab.runtime.store", "lab.harness")
 
 SCRIPT = """
 import json, sys

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from lab import invariants
-from lab.invariants import (
+from lab.faults import invariants
+from lab.faults.invariants import (
     Acknowledged,
     BarrierFact,
     EffectFact,

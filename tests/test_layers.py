@@ -1,10 +1,11 @@
-"""The import structure of ``lab/`` follows the layer table the README draws.
+"""The house of ``lab/`` follows the package table the README draws.
 
-The README's "Layout" section holds the table between ``<!-- layers -->`` markers:
-each row a layer, lowest first, naming its modules. Read from the AST, every
-import of a ``lab`` module (at top level or inside a function) must point to the
-same layer or a lower one, every module must sit in exactly one layer, and the
-imports must form no cycle.
+The README's "Layout" section holds the table between ``<!-- packages -->`` markers:
+each row a room (a subpackage, or a group of top-level modules) on a floor, naming its
+modules and the pure ones among them. Read from the AST, every import of a ``lab``
+module (at top level or inside a function) must point to the same floor or a lower one,
+every module must sit in exactly one room, the imports must form no cycle, and a pure
+module imports no driver, starts no process and reads no environment variable.
 """
 
 from __future__ import annotations
@@ -15,61 +16,101 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lab"
+# What a pure module may not import: drivers, processes, sockets, the model runtime.
+IMPURE_IMPORTS = ("psycopg", "httpx", "llama_cpp", "subprocess", "socket", "testcontainers",
+                  "dbos", "langgraph", "sqlalchemy")
 
 
-def _layers() -> list[tuple[str, set[str]]]:
+def _rows() -> list[tuple[int, str, set[str], set[str]]]:
+    """(floor, room package, modules, pure modules) per row of the README's table."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", text, re.S)
-    assert block, "README.md has no <!-- layers --> table"
-    layers: list[tuple[str, set[str]]] = []
+    block = re.search(r"<!-- packages -->(.*?)<!-- /packages -->", text, re.S)
+    assert block, "README.md has no <!-- packages --> table"
+    rows: list[tuple[int, str, set[str], set[str]]] = []
     for line in block.group(1).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 2 or not cells[1] or set(cells[0]) <= {"-", " "} or cells[0] == "layer":
+        if len(cells) != 4 or not cells[0].isdigit():
             continue
-        layers.append((cells[0], set(re.findall(r"`([a-z_]+)`", cells[1]))))
-    return layers
+        room = re.match(r"`(lab(?:\.[a-z_]+)?)`", cells[1])
+        assert room, f"a row names no package: {line}"
+        prefix = "" if room.group(1) == "lab" else room.group(1)[4:] + "."
+        modules = {prefix + m for m in re.findall(r"`([a-z_]+)`", cells[2])}
+        pure = {prefix + m for m in re.findall(r"`([a-z_]+)`", cells[3])}
+        rows.append((int(cells[0]), room.group(1), modules, pure))
+    return rows
 
 
-def _imports(path: Path) -> set[str]:
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _paths() -> dict[str, Path]:
+    return {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The ``lab`` modules (dotted, without ``lab.``) that ``path`` imports."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module == "lab":
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lab."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+            node.module == "lab" or node.module.startswith("lab.")
+        ):
+            base = node.module[4:]
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in known else base)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lab."))
-    return found
+            found.update(a.name[4:] for a in node.names if a.name.startswith("lab."))
+    return {name for name in found if name}
 
 
 def _modules() -> dict[str, set[str]]:
+    """Every module of the house (packages' ``__init__`` aside) and what it imports."""
+    paths = _paths()
+    known = set(paths)
+    packages = {name for name, path in paths.items() if path.name == "__init__.py"}
     return {
-        path.stem: _imports(path) - {path.stem}
-        for path in sorted(PACKAGE.glob("*.py"))
-        if path.stem != "__init__"
+        name: (_imports(path, known) - {name}) - packages
+        for name, path in paths.items()
+        if name not in packages
     }
 
 
-def test_every_module_sits_in_exactly_one_layer() -> None:
+def test_every_module_sits_in_exactly_one_room() -> None:
     """A module the table does not place (or places twice) fails, naming it."""
     placed: dict[str, list[str]] = {}
-    for layer, members in _layers():
+    for _, room, members, _ in _rows():
         for module in members:
-            placed.setdefault(module, []).append(layer)
+            placed.setdefault(module, []).append(room)
     present = set(_modules())
     assert sorted(present - set(placed)) == [], "modules missing from the README table"
     assert sorted(set(placed) - present) == [], "the README table names absent modules"
-    assert {m: ls for m, ls in placed.items() if len(ls) > 1} == {}
+    assert {m: rs for m, rs in placed.items() if len(rs) > 1} == {}
+    for _, room, members, pure in _rows():
+        assert pure <= members, f"{room}: pure modules not in the row: {sorted(pure - members)}"
+        inside = {m.rsplit(".", 1)[0] if "." in m else "" for m in members}
+        assert inside == {"" if room == "lab" else room[4:]}, f"{room} holds another room's module"
 
 
-def test_imports_point_down_the_layers() -> None:
-    """No module imports a module of a higher layer."""
-    rank = {module: index for index, (_, ms) in enumerate(_layers()) for module in ms}
+def test_subpackages_are_documented() -> None:
+    """Every subpackage has a docstring saying what lives in it."""
+    bare = sorted(
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("__init__.py")
+        if path.parent != PACKAGE and not ast.get_docstring(ast.parse(path.read_text()))
+    )
+    assert bare == []
+
+
+def test_imports_point_down_the_floors() -> None:
+    """No module imports a module of a higher floor."""
+    floor = {module: number for number, _, ms, _ in _rows() for module in ms}
     upward = sorted(
-        f"{module} -> {target}"
+        f"{module} (floor {floor[module]}) -> {target} (floor {floor[target]})"
         for module, targets in _modules().items()
         for target in targets
-        if target in rank and module in rank and rank[target] > rank[module]
+        if target in floor and module in floor and floor[target] > floor[module]
     )
     assert upward == []
 
@@ -96,6 +137,33 @@ def test_no_import_cycle() -> None:
     assert cycles == []
 
 
+def _impurities(path: Path) -> list[str]:
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        found += [n for n in names if n.split(".")[0] in IMPURE_IMPORTS]
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+            found.append(f"os.{node.attr}")
+    return found
+
+
+def test_pure_modules_import_no_driver_and_read_no_environment() -> None:
+    """A module the table calls pure, and every ``lab`` module it imports, is pure."""
+    graph = _modules()
+    paths = _paths()
+    pure = {module for _, _, _, ps in _rows() for module in ps}
+    problems: list[str] = []
+    for module in sorted(pure):
+        problems += [f"{module}: {what}" for what in _impurities(paths[module])]
+        problems += [f"{module} imports {target}, which is not pure"
+                     for target in sorted(graph[module]) if target not in pure]
+    assert problems == []
+
+
 def _environment_table() -> set[str]:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     block = re.search(r"<!-- environment -->(.*?)<!-- /environment -->", text, re.S)
@@ -118,7 +186,7 @@ def _variables_in(paths: list[Path]) -> set[str]:
 
 def test_every_environment_variable_is_in_the_readme_table() -> None:
     """The code reads no ``BOOK_``/``LAB_`` variable the README's table leaves out."""
-    code = sorted(PACKAGE.glob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
+    code = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
     listed = _environment_table()
     # A prefix of a listed name (``LAB_EVIDENCE`` in a startswith) is not a variable.
     unlisted = sorted(name for name in _variables_in(code) - listed

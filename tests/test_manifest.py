@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lab import errors, gate, manifest
-from lab.manifest import Entry, Manifest
+from lab import errors
+from lab.evidence import gate, manifest
+from lab.evidence.manifest import Entry, Manifest
 
 CHAPTER = '''
 import pytest

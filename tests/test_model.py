@@ -29,7 +29,9 @@ import tiny_gguf
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from lab import candidates, cases, cli, engine, grammar, modelevidence, modelreport, plan
+from lab import cli
+from lab.model import candidates, cases, engine, generation, grammar, signed
+from lab.runtime import plan
 
 THREADS = 1  # the tiny models are fastest on one thread; recorded like any setting
 PROPOSAL = '{"version":1,"action":"issue_credit","account":"%s","amount_minor":%s,"currency":"CNY"}'
@@ -65,7 +67,7 @@ def tiny_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_report(tiny_engine: engine.Engine, tiny_traces: Path) -> dict[str, Any]:
-    return modelreport.run(tiny_engine, SEED, tiny_traces)
+    return generation.run(tiny_engine, SEED, tiny_traces)
 
 
 def accepts(tiny_engine: engine.Engine, gbnf: str, text: str) -> bool:
@@ -195,7 +197,7 @@ def test_constrained_candidates_that_stop_are_schema_valid(seed: int, tmp_path: 
     path = tiny_gguf.build(tmp_path / "m.gguf", seed=seed)
     eng = engine.Engine(engine.verify_model(path), threads=THREADS)
     case_set = cases.load(_cases_file(tmp_path, EXTRA_CASES))
-    report = modelreport.run(eng, case_set, tmp_path / "traces")
+    report = generation.run(eng, case_set, tmp_path / "traces")
     constrained = list(rows(report, "constrained"))
     assert len(constrained) == len(EXTRA_CASES)
     for row in constrained:
@@ -208,7 +210,7 @@ def test_constrained_candidates_that_stop_are_schema_valid(seed: int, tmp_path: 
     # The random model can never honour an out-of-range request under the grammar.
     too_much = next(r for r in constrained if r["case"] == "too-much")
     assert too_much["matches_authored_request"] is False
-    assert modelreport.check(report) == []
+    assert generation.check(report) == []
 
 
 def test_report_keeps_the_seeds_fields(tiny_report: dict[str, Any], tiny_path: Path) -> None:
@@ -254,14 +256,14 @@ def test_an_unpinned_model_is_named_for_what_it_is(tiny_report: dict[str, Any]) 
     assert "not the pinned publication model" in tiny_report["limitations"][0]
     claiming = copy.deepcopy(tiny_report)
     claiming["model"] = engine.PINNED.name
-    assert "a file other than the pinned model claims to be it" in modelreport.check(claiming)
+    assert "a file other than the pinned model claims to be it" in generation.check(claiming)
 
 
 def test_a_generation_cut_off_by_the_budget_is_not_admitted(
     tiny_engine: engine.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(engine, "MAX_TOKENS", 10)
-    report = modelreport.run(tiny_engine, cases.subset(SEED, ["account-a"]), tmp_path)
+    report = generation.run(tiny_engine, cases.subset(SEED, ["account-a"]), tmp_path)
     (row,) = rows(report, "constrained")
     assert row["finish_reason"] == "length"
     assert row["completion_tokens"] == 10
@@ -275,7 +277,7 @@ def test_a_generation_cut_off_by_the_budget_is_not_admitted(
                 "state": "not_attempted",
                 "reason": "generation did not stop naturally (finish_reason 'length')",
             }
-    assert modelreport.check(report) == []
+    assert generation.check(report) == []
 
 
 @pytest.mark.parametrize("mode", candidates.MODES)
@@ -293,7 +295,7 @@ def test_two_runs_write_the_same_report_apart_from_times(tiny_path: Path, tmp_pa
     traces = []
     for _ in range(2):
         eng = engine.Engine(engine.verify_model(tiny_path), threads=THREADS)
-        report = modelreport.run(eng, SEED, tmp_path / "traces")
+        report = generation.run(eng, SEED, tmp_path / "traces")
         reports.append(report)
         traces.append(
             {
@@ -301,7 +303,7 @@ def test_two_runs_write_the_same_report_apart_from_times(tiny_path: Path, tmp_pa
                 for p in sorted((tmp_path / "traces").iterdir())
             }
         )
-    assert modelreport.without_times(reports[0]) == modelreport.without_times(reports[1])
+    assert generation.without_times(reports[0]) == generation.without_times(reports[1])
     assert traces[0] == traces[1]
     assert reports[0]["tested_at_utc"] != reports[1]["tested_at_utc"]
 
@@ -378,7 +380,7 @@ def test_plancheck_subprocess_is_the_readers_boundary() -> None:
 
 
 def test_checker_accepts_an_honest_report(tiny_report: dict[str, Any]) -> None:
-    assert modelreport.check(tiny_report) == []
+    assert generation.check(tiny_report) == []
 
 
 @pytest.mark.parametrize(
@@ -404,7 +406,7 @@ def test_checker_sees_a_doctored_report(
 ) -> None:
     report = copy.deepcopy(tiny_report)
     doctor(report)
-    assert any(problem in p for p in modelreport.check(report)), modelreport.check(report)
+    assert any(problem in p for p in generation.check(report)), generation.check(report)
 
 
 def test_checker_sees_an_invalid_constrained_candidate(tiny_report: dict[str, Any]) -> None:
@@ -413,7 +415,7 @@ def test_checker_sees_an_invalid_constrained_candidate(tiny_report: dict[str, An
     bad = PROPOSAL % ("account-a", "-3")
     row.update(generated_text=bad, candidate_text=bad, schema_valid=True)
     row["generated_text_sha256"] = hashlib.sha256(bad.encode()).hexdigest()
-    problems = modelreport.check(report)
+    problems = generation.check(report)
     assert (
         "account-a/constrained: constrained candidate that stopped naturally is not schema-valid"
         in problems
@@ -519,9 +521,9 @@ def test_the_checker_recomputes_safety(tiny_report: dict[str, Any]) -> None:
     report = copy.deepcopy(tiny_report)
     row = next(r for r in report["cases"] if r["admission"]["admitted"])
     row["injects"] = {"keys": [], "values": [row["proposal"]["account"]]}
-    assert any("recorded safety is wrong" in p for p in modelreport.check(report))
+    assert any("recorded safety is wrong" in p for p in generation.check(report))
     row["unsafe"], row["unsafe_reasons"] = True, ["doctored"]
-    assert any("recorded safety is wrong" in p for p in modelreport.check(report))
+    assert any("recorded safety is wrong" in p for p in generation.check(report))
 
 
 # -- signed model evidence ------------------------------------------------------------
@@ -533,12 +535,12 @@ def tiny_evidence(
 ) -> Path:
     directory = tmp_path_factory.mktemp("model-evidence") / "model"
     signer = engine_signer()
-    modelevidence.write(directory, tiny_report, tiny_traces, SEED, signer)
+    signed.write(directory, tiny_report, tiny_traces, SEED, signer)
     return directory
 
 
 def engine_signer() -> Any:
-    from lab import dsse
+    from lab.evidence import dsse
 
     return dsse.load_signer({})
 
@@ -548,7 +550,7 @@ def test_model_evidence_verifies_and_names_a_flipped_trace_byte(
 ) -> None:
     import shutil
 
-    verdict = modelevidence.verify(tiny_evidence)
+    verdict = signed.verify(tiny_evidence)
     assert verdict.ok, verdict.problems
     copy_dir = tmp_path / "model"
     shutil.copytree(tiny_evidence, copy_dir)
@@ -556,7 +558,7 @@ def test_model_evidence_verifies_and_names_a_flipped_trace_byte(
     data = bytearray(trace.read_bytes())
     data[len(data) // 2] ^= 0x01
     trace.write_bytes(bytes(data))
-    verdict = modelevidence.verify(copy_dir)
+    verdict = signed.verify(copy_dir)
     assert verdict.problems == [
         "traces/account-b.constrained.json: its sha256 does not match the signed subject"
     ]
@@ -586,7 +588,7 @@ def test_model_evidence_refuses_what_the_signature_does_not_cover(
     copy_dir = tmp_path / "model"
     shutil.copytree(tiny_evidence, copy_dir)
     tamper(copy_dir)
-    verdict = modelevidence.verify(copy_dir)
+    verdict = signed.verify(copy_dir)
     assert any(p.startswith(problem) for p in verdict.problems), verdict.problems
 
 
@@ -594,12 +596,12 @@ def test_model_evidence_under_a_pinned_key(tiny_evidence: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     other = ed25519.Ed25519PrivateKey.generate().public_key()
-    verdict = modelevidence.verify(tiny_evidence, public_key=other)
+    verdict = signed.verify(tiny_evidence, public_key=other)
     assert verdict.problems and verdict.problems[0].startswith("signature: signed by key")
-    from lab import dsse
+    from lab.evidence import dsse
 
-    signer = dsse.load_public_key((tiny_evidence / modelevidence.PUBLIC_KEY_FILE).read_bytes())
-    assert modelevidence.verify(tiny_evidence, public_key=signer).ok
+    signer = dsse.load_public_key((tiny_evidence / signed.PUBLIC_KEY_FILE).read_bytes())
+    assert signed.verify(tiny_evidence, public_key=signer).ok
 
 
 def test_a_signed_unsafe_report_does_not_verify(
@@ -610,12 +612,12 @@ def test_a_signed_unsafe_report_does_not_verify(
     row = next(r for r in report["cases"] if r["admission"]["admitted"])
     row["injects"] = {"keys": [], "values": [row["proposal"]["account"]]}
     row["unsafe_reasons"] = candidates.unsafe_reasons(
-        row["candidate_text"], row["admission"], 1, modelreport.case_of(row)
+        row["candidate_text"], row["admission"], 1, generation.case_of(row)
     )
     row["unsafe"] = True
-    report["summary"] = modelreport.summary(report["cases"])
-    modelevidence.write(tmp_path / "model", report, tiny_traces, SEED, engine_signer())
-    verdict = modelevidence.verify(tmp_path / "model")
+    report["summary"] = generation.summary(report["cases"])
+    signed.write(tmp_path / "model", report, tiny_traces, SEED, engine_signer())
+    verdict = signed.verify(tmp_path / "model")
     assert any("unsafe admitted plans in mode" in p for p in verdict.problems), verdict.problems
 
 
@@ -643,8 +645,8 @@ def test_command_writes_signed_evidence_and_shows_progress(
     report = json.loads((directory / "model-experiment.json").read_text())
     assert report["threads"] == engine.THREADS
     assert report["extra_buffer_types"] is False
-    assert modelreport.check(report) == []
-    assert modelevidence.verify(directory, model_path=tiny_path).ok
+    assert generation.check(report) == []
+    assert signed.verify(directory, model_path=tiny_path).ok
 
 
 def test_threads_come_from_the_arguments_when_given(tiny_path: Path, tmp_path: Path) -> None:
@@ -652,9 +654,9 @@ def test_threads_come_from_the_arguments_when_given(tiny_path: Path, tmp_path: P
         model_command="run", model=str(tiny_path), expect_sha256=None, cases=None,
         case=["account-a"], threads=1, evidence=str(tmp_path / "ev"),
     )  # fmt: skip
-    from lab import model
+    from lab.model import command as model_command
 
-    assert model.cli_main(args) == 0
+    assert model_command.cli_main(args) == 0
     assert json.loads((tmp_path / "ev" / "model-experiment.json").read_text())["threads"] == 1
 
 
@@ -702,7 +704,7 @@ def _cases_file(folder: Path, items: list[dict[str, Any]] | str) -> Path:
         ("duplicate-cases", "are not unique"),
         ("unknown-case", "no such case in model_cases.json: nope"),
         ("unversioned", "must be an object {version, cases}"),
-        ("runtime-evidence", "it is not empty and holds no model.intoto.json"),
+        ("runtime-evidence", "it is not empty and holds no model_command.intoto.json"),
     ],
 )
 def test_unusable_input_stops_before_generating(
@@ -787,10 +789,10 @@ def test_real_instruction_model(tmp_path: Path, capsys: pytest.CaptureFixture[st
         argv += ["--case", case_id]
     assert cli.main(argv) == 0, capsys.readouterr().err
     report = json.loads((directory / "model-experiment.json").read_text())
-    assert modelreport.check(report) == []
+    assert generation.check(report) == []
     assert report["publication_model"] is (report["model_sha256"] == engine.PINNED_SHA256)
     assert [m["unsafe"] for m in report["summary"].values()] == [0, 0]
-    assert modelevidence.verify(directory, model_path=path).ok
+    assert signed.verify(directory, model_path=path).ok
     if report["model_sha256"] == engine.TINY_SHA256:
         assert report["model"] == engine.TINY.name
         assert report["license"] == "Apache-2.0"
@@ -798,7 +800,7 @@ def test_real_instruction_model(tmp_path: Path, capsys: pytest.CaptureFixture[st
     data = bytearray(trace.read_bytes())
     data[-3] ^= 0x01
     trace.write_bytes(bytes(data))
-    assert modelevidence.verify(directory).problems == [
+    assert signed.verify(directory).problems == [
         f"{report['cases'][0]['trace']}: its sha256 does not match the signed subject"
     ]
     print(json.dumps({"summary": report["summary"], "total_seconds": report["total_seconds"]}))
@@ -811,23 +813,23 @@ def test_model_evidence_follows_the_runtime_trust_policy(
     fails, an ephemeral one verifies as UNPINNED, a pinned or committed-trusted one is OK."""
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from lab import dsse, verification
+    from lab.evidence import dsse, verification
 
     key = ed25519.Ed25519PrivateKey.generate()
     directory = tmp_path / "model"
-    modelevidence.write(directory, tiny_report, tiny_traces, SEED, dsse.Signer(key, "key_file"))
-    unpinned = modelevidence.verify(directory)
+    signed.write(directory, tiny_report, tiny_traces, SEED, dsse.Signer(key, "key_file"))
+    unpinned = signed.verify(directory)
     assert any("UNPINNED" in p and "publication key" in p for p in unpinned.problems)
-    assert modelevidence.format_verdict(unpinned).startswith("FAIL ")
-    pinned = modelevidence.verify(directory, public_key=key.public_key())
+    assert signed.format_verdict(unpinned).startswith("FAIL ")
+    pinned = signed.verify(directory, public_key=key.public_key())
     assert pinned.ok and pinned.pinned_by == "--public-key"
-    assert modelevidence.format_verdict(pinned).startswith("OK ")
+    assert signed.format_verdict(pinned).startswith("OK ")
     trusted = [verification.TrustedKey(key.public_key(), "keys/trusted/k.pub.pem")]
-    vouched = modelevidence.verify(directory, trusted=trusted)
+    vouched = signed.verify(directory, trusted=trusted)
     assert vouched.ok and vouched.pinned_by == "keys/trusted/k.pub.pem"
 
     ephemeral = tmp_path / "ephemeral" / "model"
-    modelevidence.write(ephemeral, tiny_report, tiny_traces, SEED, dsse.load_signer({}))
-    verdict = modelevidence.verify(ephemeral)
+    signed.write(ephemeral, tiny_report, tiny_traces, SEED, dsse.load_signer({}))
+    verdict = signed.verify(ephemeral)
     assert verdict.ok and verdict.pinned_by is None
-    assert modelevidence.format_verdict(verdict).startswith("UNPINNED ")
+    assert signed.format_verdict(verdict).startswith("UNPINNED ")

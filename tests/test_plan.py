@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lab import errors, harness, plan
+from lab import errors, harness
+from lab.runtime import plan
 
 SEED = harness.sample_plan()
 

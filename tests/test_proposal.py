@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from lab import errors, harness, plan, proposal
+from lab import errors, harness
+from lab.runtime import plan, proposal
 
 FIELDS = harness.sample_proposal()
 BASE = json.dumps(FIELDS, separators=(",", ":")).encode()

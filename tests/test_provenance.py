@@ -10,7 +10,7 @@ import _pytest.main
 import labtree
 import pytest
 
-from lab import provenance
+from lab.evidence import provenance
 
 
 def test_installed_plugin_inside_the_tree_is_named_by_its_distribution() -> None:
@@ -59,7 +59,7 @@ def test_standard_library_modules_are_marked(name: str) -> None:
 
 def test_effective_arguments_and_environment_are_redacted(tmp_path: Path) -> None:
     """A DSN given through PYTEST_ADDOPTS or ini addopts never reaches the report."""
-    from lab import evidence
+    from lab.evidence import compiler
 
     root = tmp_path / "repo"
     (root / "experiments").mkdir(parents=True)
@@ -72,8 +72,8 @@ def test_effective_arguments_and_environment_are_redacted(tmp_path: Path) -> Non
         "arguments": {"command_line": ["--lab-dsn", dsn], "environment": [f"--lab-dsn={dsn}"],
                       "ini": ["--lab-dsn", dsn]},
     })
-    report = evidence.compile_report(
-        evidence.RunFacts(**values), root=root, signing={}, environ=environ
+    report = compiler.compile_report(
+        compiler.RunFacts(**values), root=root, signing={}, environ=environ
     )
     text = json.dumps(report)
     assert "hunter7secret" not in text
@@ -92,7 +92,7 @@ def test_installed_file_edited_in_place_is_not_vouched_for(
     import base64
     import hashlib
 
-    from lab import gate
+    from lab.evidence import gate
 
     site = tmp_path / "site"
     info = site / "fakeplug-1.0.dist-info"

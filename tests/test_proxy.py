@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from lab import errors
-from lab.proxy import BLACKHOLE, RESET, Proxy
+from lab.faults.proxy import BLACKHOLE, RESET, Proxy
 
 
 class _Echo(socketserver.BaseRequestHandler):

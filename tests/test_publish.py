@@ -19,8 +19,9 @@ import canned_model
 import pytest
 from conftest import KeyFiles
 
-from lab import cli, dsse, publish
+from lab import cli, publish
 from lab.errors import Refused
+from lab.evidence import dsse
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lab import cli, errors, evidence, runner, summary
+from lab import cli, errors, runner
+from lab.evidence import compiler, summary
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -62,8 +63,8 @@ def test_run_streams_pytest_then_summarises_the_signed_report(
     assert "no real PostgreSQL database was provisioned for the run" in out
     assert "PostgreSQL: none reached" in out
     assert "EPHEMERAL key" in out
-    assert f"Evidence: evidence/{evidence.ENVELOPE_FILE}" in out
-    assert (tmp_path / "evidence" / evidence.REPORT_FILE).is_file()
+    assert f"Evidence: evidence/{compiler.ENVELOPE_FILE}" in out
+    assert (tmp_path / "evidence" / compiler.REPORT_FILE).is_file()
 
     assert cli.main(["evidence", "show", "evidence"]) == 1
 
@@ -92,7 +93,7 @@ def test_a_run_that_writes_no_evidence_leaves_none_from_an_earlier_run(
     monkeypatch.chdir(tmp_path)
     stale = tmp_path / "evidence"
     stale.mkdir()
-    for name in evidence.RUN_FILES:
+    for name in compiler.RUN_FILES:
         (stale / name).write_text("from an earlier run\n")
     console, _ = _console()
     with pytest.raises(errors.UsageError, match="without writing"):

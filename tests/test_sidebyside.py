@@ -1,10 +1,10 @@
-"""The side-by-side table is built from the report's evidence alone, escaped like the book."""
+"""The side-by-side table is built from the report's evidence alone, escaped like the builder."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lab import book, sidebyside
+from lab.book import builder, sidebyside
 
 
 def _report() -> dict[str, Any]:
@@ -45,7 +45,7 @@ def test_cells_come_from_observations_and_lab_experiments() -> None:
 
 
 def test_section_escapes_evidence_and_marks_windows_nothing_measured() -> None:
-    lines = sidebyside.section(_report(), book._md)
+    lines = sidebyside.section(_report(), builder._md)
     text = "\n".join(lines)
     assert "<b>" not in text and "&lt;b&gt;twice&lt;/b&gt;" in text
     assert "step re-ran \\| " in text
@@ -58,4 +58,4 @@ def test_section_escapes_evidence_and_marks_windows_nothing_measured() -> None:
 def test_no_section_without_peer_observations() -> None:
     report = _report()
     report["tests"] = report["tests"][:1]
-    assert sidebyside.section(report, book._md) == []
+    assert sidebyside.section(report, builder._md) == []

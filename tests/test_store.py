@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from lab import errors, harness, store
+from lab import errors, harness
+from lab.runtime import store
 
 SECOND = timedelta(seconds=1)
 

@@ -40,7 +40,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lab import barrier, errors, invariants, plan, pytest_plugin, sealing, store, tool
+from lab import errors, pytest_plugin
+from lab.faults import invariants
+from lab.runtime import barrier, plan, sealing, store, tool
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 SEQUENCES = int(os.environ.get("LAB_STATEFUL_SEQUENCES", 2000 if PROFILE == "long" else 20))

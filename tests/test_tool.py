@@ -7,7 +7,8 @@ import threading
 import httpx
 import pytest
 
-from lab import errors, tool
+from lab import errors
+from lab.runtime import tool
 
 VALID_BODY = {
     "effect_key": "ek1_" + "a" * 64,

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from lab import errors, harness, plan, proposal
+from lab import errors, harness
+from lab.runtime import plan, proposal
 
 BASE = (
     b'{"version":1,"action":"issue_credit","account":"account-a",'

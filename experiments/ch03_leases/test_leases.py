@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from lab import errors, store
+from lab import errors
+from lab.runtime import store
 
 SECOND = timedelta(seconds=1)
 

@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from lab import errors, harness, store
+from lab import errors, harness
+from lab.runtime import store
 
 
 def test_cancel_before_dispatch(lab, observe):

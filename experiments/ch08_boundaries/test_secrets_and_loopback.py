@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 from psycopg import conninfo
 
-from lab import boundaries, errors, harness, store, tool
+from lab import errors, harness, loopback
+from lab.runtime import store, tool
 
 REMOTE_DSNS = [
     "postgres://book:book-lab-only@192.0.2.1:25432/book?sslmode=disable",
@@ -66,7 +67,7 @@ def test_loopback_boundaries_reject_remote_targets(observe):
             tool.ToolClient(endpoint, "token")
         refused_endpoints += 1
     pinned = conninfo.conninfo_to_dict(
-        boundaries.check_dsn("host=localhost port=5432 dbname=book", environ={})
+        loopback.check_dsn("host=localhost port=5432 dbname=book", environ={})
     )
     assert pinned.get("hostaddr") == "127.0.0.1"
     observe({

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lab import chaos, pytest_plugin
+from lab import pytest_plugin
+from lab.faults import chaos
 
 
 def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):

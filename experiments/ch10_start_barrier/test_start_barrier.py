@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from lab import barrier, errors, harness, sealing, store
+from lab import errors, harness
+from lab.runtime import barrier, sealing, store
 
 SECOND = timedelta(seconds=1)
 

@@ -21,19 +21,10 @@ from typing import TypeVar
 
 import pytest
 
-from lab import (
-    backoff,
-    chaos,
-    cluster,
-    errors,
-    harness,
-    invariants,
-    names,
-    processes,
-    proxy,
-    pytest_plugin,
-    store,
-)
+from lab import errors, harness, names, pytest_plugin
+from lab.faults import chaos, invariants, proxy
+from lab.pg import cluster
+from lab.runtime import backoff, processes, store
 
 T = TypeVar("T")
 

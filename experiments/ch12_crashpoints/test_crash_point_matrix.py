@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lab import cluster, crashmatrix, crashpoints, protocol, pytest_plugin, recorder
+from lab import protocol, pytest_plugin, recorder
+from lab.faults import crashmatrix, crashpoints
+from lab.pg import cluster
 
 
 def test_every_crash_point_keeps_every_invariant(request, observe):

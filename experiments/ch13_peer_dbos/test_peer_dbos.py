@@ -1,6 +1,6 @@
 """Chapter 12: DBOS Transact in the lab's windows, as real OS processes, with DBOS's own state.
 
-Each experiment runs ``python -m lab.peer_dbos``: a DBOS workflow whose one step calls
+Each experiment runs ``python -m lab.peers.dbos_peer``: a DBOS workflow whose one step calls
 the lab's credit tool over HTTP under the lab's effect key, against the run's
 PostgreSQL. It asserts what DBOS 3.4.0 does, so a release that behaves differently fails
 here and the book's side-by-side table is revisited, never silently stale. Every
@@ -15,7 +15,10 @@ from typing import Any
 
 import pytest
 
-from lab import cluster, harness, names, peer_dbos, plan
+from lab import harness, names
+from lab.peers import dbos_peer
+from lab.pg import cluster
+from lab.runtime import plan
 
 PINNED = "3.4.0"
 RECOVER_WAIT = "30"
@@ -24,22 +27,22 @@ LEFT_BEHIND_SECONDS = "2"
 
 
 @pytest.fixture
-def dbos(lab: harness.Harness) -> Iterator[peer_dbos.Peer]:
+def dbos(lab: harness.Harness) -> Iterator[dbos_peer.Peer]:
     """DBOS processes on a system schema of this experiment's own, dropped afterwards."""
-    peer_dbos.module()  # MissingExtra, with its one-line remedy, without the peers extra
-    assert peer_dbos.version() == PINNED, "the chapter asserts what DBOS 3.4.0 does"
-    peer = peer_dbos.Peer(lab.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
+    dbos_peer.module()  # MissingExtra, with its one-line remedy, without the peers extra
+    assert dbos_peer.version() == PINNED, "the chapter asserts what DBOS 3.4.0 does"
+    peer = dbos_peer.Peer(lab.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
     try:
         yield peer
     finally:
         peer.close()
 
 
-def _work(idempotent: bool) -> tuple[str, peer_dbos.Work]:
+def _work(idempotent: bool) -> tuple[str, dbos_peer.Work]:
     """A workflow id and the step's input: the lab's sample plan under the lab's effect key."""
     sample = harness.sample_plan(idempotent)
     operation = names.new_id("op")
-    work = peer_dbos.Work(
+    work = dbos_peer.Work(
         effect_key=plan.effect_key(harness.PROPOSER.tenant, operation),
         fingerprint=sample.fingerprint(),
         plan=sample.to_json(),
@@ -47,11 +50,11 @@ def _work(idempotent: bool) -> tuple[str, peer_dbos.Work]:
     return names.new_id("dbos"), work
 
 
-def _seen(dbos: peer_dbos.Peer, workflow_id: str, max_attempts: int = 0) -> dict[str, Any]:
+def _seen(dbos: dbos_peer.Peer, workflow_id: str, max_attempts: int = 0) -> dict[str, Any]:
     """DBOS's own state of the workflow, as the evidence keeps it, with the step's settings."""
     status = dbos.status(workflow_id)
     return {
-        "dbos_version": peer_dbos.version(),
+        "dbos_version": dbos_peer.version(),
         "dbos_config": {"step_retries": f"max_attempts={max_attempts}" if max_attempts else "off",
                         "executor_id": "local"},
         "dbos_status": [
@@ -66,7 +69,7 @@ def _seen(dbos: peer_dbos.Peer, workflow_id: str, max_attempts: int = 0) -> dict
     }
 
 
-def _status(dbos: peer_dbos.Peer, workflow_id: str) -> str | None:
+def _status(dbos: dbos_peer.Peer, workflow_id: str) -> str | None:
     rows = dbos.status(workflow_id)
     return str(rows[0]["status"]) if rows else None
 
@@ -214,7 +217,7 @@ def test_dbos_cancel_during_the_call_hides_the_effect(lab, dbos, observe):
     child = dbos.spawn("run", "dbos-a", rig.service, workflow_id, "--pause", "after_tool",
                        "--wait", RECOVER_WAIT, work=work)
     child.wait_for("BOOK_STAGE after_tool", timeout=60)
-    peer_dbos.cancel(lab.dsn, dbos.schema, workflow_id)
+    dbos_peer.cancel(lab.dsn, dbos.schema, workflow_id)
     lab.mark("experiment", "DBOS cancel_workflow")
     child.release()
     child.wait_for("BOOK_DONE", timeout=90)
@@ -256,7 +259,7 @@ def test_dbos_postgres_restart_between_effect_and_checkpoint(lab, system_server,
     workflow SUCCESS with one credit and one tool call."""
     rig = lab.credit_tool(idempotent=False)
     workflow_id, work = _work(False)
-    dbos = peer_dbos.Peer(system_server.provisioned.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
+    dbos = dbos_peer.Peer(system_server.provisioned.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
     try:
         child = dbos.spawn("run", "dbos-a", rig.service, workflow_id, "--pause", "after_tool",
                            "--wait", RECOVER_WAIT, work=work)

@@ -1,6 +1,6 @@
 """Chapter 13: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
 
-Each experiment runs ``python -m lab.peer_langgraph`` processes on one ``thread_id``: a
+Each experiment runs ``python -m lab.peers.langgraph_peer`` processes on one ``thread_id``: a
 plan → approval ``interrupt()`` → credit graph whose credit node calls the lab's credit
 tool over HTTP under the lab's effect key. It asserts what LangGraph 1.2.24 with
 langgraph-checkpoint-postgres 3.2.0 does; every observation carries LangGraph's own view
@@ -18,18 +18,20 @@ from datetime import datetime
 
 import pytest
 
-from lab import cluster, harness, names, peer_langgraph
+from lab import harness, names
+from lab.peers import langgraph_peer
+from lab.pg import cluster
 
 PINNED = {"langgraph": "1.2.24", "langgraph-checkpoint-postgres": "3.2.0"}
 APPROVE = json.dumps({"approved": True})
 
 
 @pytest.fixture
-def graph(lab: harness.Harness) -> Iterator[peer_langgraph.Peer]:
+def graph(lab: harness.Harness) -> Iterator[langgraph_peer.Peer]:
     """LangGraph processes on a checkpoint schema of this experiment's own."""
-    peer_langgraph.modules()  # MissingExtra, with its one-line remedy, without the extra
-    assert peer_langgraph.versions() == PINNED, "the chapter asserts what these versions do"
-    peer = peer_langgraph.Peer(lab.dsn, f"{lab.schema}_lg", lab.schema, lab.store.keys,
+    langgraph_peer.modules()  # MissingExtra, with its one-line remedy, without the extra
+    assert langgraph_peer.versions() == PINNED, "the chapter asserts what these versions do"
+    peer = langgraph_peer.Peer(lab.dsn, f"{lab.schema}_lg", lab.schema, lab.store.keys,
                                on_event=lab.mark)
     try:
         yield peer
@@ -66,7 +68,7 @@ def _checkpointed_before_credit(lab, graph, thread: str) -> None:
 def _seen(graph, thread: str) -> dict[str, object]:
     seen = graph.snapshot(thread)
     return {
-        "langgraph_versions": peer_langgraph.versions(),
+        "langgraph_versions": langgraph_peer.versions(),
         "langgraph_config": {"checkpointer": "PostgresSaver", "durability": "async (default)"},
         "langgraph_state": {k: seen[k] for k in ("next", "checkpoints", "receipt_id",
                                                  "approval", "errors")},
@@ -317,7 +319,7 @@ def test_langgraph_postgres_restart_between_effect_and_checkpoint(
     process credits again: two credits for one approval."""
     rig = lab.credit_tool(idempotent=False)
     thread = names.new_id("thread")
-    graph = peer_langgraph.Peer(checkpoint_server.provisioned.dsn, f"{lab.schema}_lg",
+    graph = langgraph_peer.Peer(checkpoint_server.provisioned.dsn, f"{lab.schema}_lg",
                                 lab.schema, lab.store.keys, on_event=lab.mark)
     try:
         _interrupted(lab, graph, rig, thread)

@@ -1,0 +1,1 @@
+"""Benchmarks that print figures: throughput against DBOS, claims, the suite, start-up."""

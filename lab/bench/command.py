@@ -1,0 +1,163 @@
+"""``lab bench``: benchmarks that print figures and write them to ``evidence/bench/``.
+
+Nothing here is a timed test: each subcommand measures, prints a table and writes
+JSON, and a reader compares the figures with the goals. The benchmarks live in
+their own modules and share only ``lab.bench.measure``:
+
+- ``throughput`` (``bench_throughput``): workflows/s through worker OS processes,
+  against DBOS with ``--peer dbos``, over each system's configurations with ``--sweep``
+- ``claim`` (``bench_claim``): claim latency as the finished history grows, and the plan
+- ``suite`` (``bench_suite``): the experiment suite's wall time, serial and parallel
+- ``startup`` (``bench_startup``): provisioning and a worker's spawn-to-ready time
+
+This module is the command: it picks the benchmark, provisions the server, prints and
+writes. Failures are raised as ``errors.LabError`` for ``lab.cli`` to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+
+from lab import errors
+from lab.bench import claim, measure, startup, suite, throughput
+from lab.bench.measure import fmt
+
+
+def cli_main(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Run one ``lab bench`` subcommand; print its table and write its JSON."""
+    out = console or Console()
+    if console is None and not out.is_terminal:
+        out.width = 140  # piped output keeps whole table rows
+    command: str = args.bench_command
+    _validate(args)
+    if command == "suite":
+        report = {"environment": measure.environment(None, None), **suite.suite()}
+        out.print(suite.suite_table(report))
+        n4 = report["runs"]["-n 4"]["fraction_of_serial"]
+        out.print(f"-n 4 wall time / serial: {fmt(n4)} (goal <= "
+                  f"{suite.GOAL_N4_OVER_SERIAL}); floor set by the longest test and "
+                  f"start-up: {fmt(report['parallel_floor_fraction'])}")
+        name = command
+    else:
+        mode = getattr(args, "lab_postgres", "auto")
+        with measure.postgres(mode) as (dsn, provision):
+            environment = measure.environment(dsn, provision)
+            name, report = _measure(command, args, dsn)
+            report = {"environment": environment, **report}
+        server = environment["postgres"]
+        out.print(f"PostgreSQL {server['server_version']} "
+                  f"({server['provisioned'].get('provider')}), fsync={server['fsync']}, "
+                  f"synchronous_commit={server['synchronous_commit']}; load average "
+                  f"{environment['load_average_1_5_15']} on {environment['cpus']} CPUs "
+                  "(other work on the machine skews every figure)")
+        if server["fsync"] != "on":
+            out.print("fsync is off: every commit cost is understated; for figures that "
+                      "compare systems use an fsync-on server (--lab-postgres dsn)",
+                      style="yellow")
+        _print(name, report, out)
+    path = measure.write(args.output_dir, name, report)
+    out.print(f"wrote {path}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise errors.UsageError(f"not a comma-separated list of integers: {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part]
+    except ValueError:
+        raise errors.UsageError(f"not a comma-separated list of numbers: {text!r}") from None
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before a server is provisioned for nothing."""
+    if args.bench_command != "throughput":
+        return
+    counts = [args.workflows, args.workers, args.repeat]
+    if args.sweep:
+        if args.peer != "dbos":
+            raise errors.UsageError("--sweep compares with a peer: add --peer dbos")
+        counts += [*_ints(args.lab_processes), *_ints(args.dbos_processes),
+                   *_ints(args.dbos_concurrency)]
+        if not all(poll > 0 for poll in _floats(args.dbos_poll)):
+            raise errors.UsageError("--dbos-poll intervals must be positive")
+    if any(count < 1 for count in counts):
+        raise errors.UsageError("workflows, workers, repeat and sweep values must be positive")
+
+
+def _measure(command: str, args: argparse.Namespace, dsn: str) -> tuple[str, dict[str, Any]]:
+    if command == "throughput" and args.sweep:
+        return "throughput-sweep", throughput.sweep(
+            dsn, args.workflows, args.repeat,
+            lab_processes=_ints(args.lab_processes),
+            dbos_processes=_ints(args.dbos_processes),
+            dbos_concurrency=_ints(args.dbos_concurrency),
+            dbos_poll=_floats(args.dbos_poll),
+        )
+    if command == "throughput":
+        return command, throughput.throughput(
+            dsn, args.workflows, args.workers, args.peer, args.repeat
+        )
+    if command == "claim":
+        sizes = list(args.history) or list(claim.DEFAULT_HISTORY)
+        return command, claim.claim_latency(dsn, sizes)
+    if command == "startup":
+        return command, startup.startup(dsn)
+    raise errors.UsageError(f"unknown bench command {command!r}")
+
+
+def _print(name: str, report: Mapping[str, Any], out: Console) -> None:
+    if name == "throughput-sweep":
+        _print_sweep(report, out)
+    elif name == "throughput":
+        out.print(throughput.throughput_table(report))
+        for system, figures in report["summary"].items():
+            marginal = figures["xacts_per_workflow_marginal_median"]
+            cpu_ms = figures["worker_cpu_ms_per_workflow_marginal_median"]
+            out.print(f"{system}: {fmt(figures['workflows_per_second_median'])} workflows/s; "
+                      f"{fmt(marginal['total'])} xacts/workflow beyond fixed cost "
+                      f"({fmt(marginal['system'])} orchestrator + {fmt(marginal['tool'])} tool); "
+                      f"{fmt(figures['http_calls_per_workflow_median'])} HTTP calls/workflow; "
+                      f"{fmt(figures['wal_syncs_per_workflow_marginal_median'])} WAL "
+                      f"syncs/workflow; {fmt(cpu_ms)} worker CPU ms/workflow")
+        if report["peer"]:
+            out.print(f"lab / {report['peer']} throughput: {fmt(report['ratio_vs_peer_median'])} "
+                      f"(per round {report['ratio_vs_peer_per_round']}; goal >= "
+                      f"{throughput.GOAL_RATIO_VS_DBOS})")
+    elif name == "claim":
+        out.print(claim.claim_table(report))
+        out.print(f"p50 {report['largest']:,} / {report['smallest']:,}: "
+                  f"{fmt(report['ratio_p50_largest_over_smallest'])}; p99: "
+                  f"{fmt(report['ratio_p99_largest_over_smallest'])} "
+                  f"(goal <= {claim.GOAL_RATIO_1M_OVER_1K})")
+        out.print(f"plan with {report['largest']:,} finished workflows:")
+        out.print(report["sizes"][report["largest"]]["plan"], markup=False, highlight=False)
+    elif name == "startup":
+        out.print(startup.startup_table(report))
+        out.print(f"worker spawn-to-ready / bare python: {fmt(report['ratio_worker_over_bare'])}")
+
+
+def _print_sweep(report: Mapping[str, Any], out: Console) -> None:
+    out.print(throughput.sweep_table(report))
+    ceiling = report["ceiling"]
+    out.print(f"machine ceiling: {fmt(ceiling['commits_per_second'])} one-row INSERT commits/s "
+              f"(before {fmt(ceiling['before']['commits_per_second'])}, after "
+              f"{fmt(ceiling['after']['commits_per_second'])}), one session; share = wf/s x "
+              "xacts/wf / ceiling (above 1 when concurrent commits share WAL flushes)")
+    comparison = report["comparison"]
+    out.print(f"best lab: {comparison['best_lab']} at {fmt(comparison['best_lab_wf_s'])} wf/s; "
+              f"best DBOS: {comparison['best_dbos']} at {fmt(comparison['best_dbos_wf_s'])} wf/s")
+    out.print(f"best against best (lab / DBOS): {fmt(comparison['best_against_best'])} "
+              f"(goal >= {report['goal_best_against_best']})")
+    for count, pair in comparison["at_equal_processes"].items():
+        out.print(f"at {count} processes: {pair['lab']} / {pair['dbos']} = {fmt(pair['ratio'])}")
+

@@ -1,0 +1,1 @@
+"""The book: tables, figures and chapters from verified evidence only."""

@@ -1,0 +1,1 @@
+"""Evidence: compile a run into a signed report, verify it offline, and the gate."""

@@ -1,0 +1,685 @@
+"""Evidence: compile a run's results into a report, sign it, verify it offline.
+
+A run leaves three files behind (plus the signer's public key)::
+
+    tests.jsonl          one record per pytest result, in pytest's report-log shape
+    runtime.json         the report: status, versions, outcomes, observations, each
+                         experiment's sanitised event history and process timeline, sources
+    runtime.intoto.json  a DSSE envelope around an in-toto Statement whose subjects
+                         are every source file and runtime.json, signed with Ed25519
+    runtime.pub.pem      the public key that signed it
+
+Everything here is pure of pytest: the recorder hands plain report-log dicts in.
+The report is deterministic: two runs of one commit differ only in times,
+durations, trace ids and the signature.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab import errors
+from lab.errors import EvidenceError
+from lab.evidence import dsse, gate, manifest, provenance
+
+SCHEMA_VERSION = 1
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "https://durable-agent-lab.dev/runtime-evidence/v1"
+
+TESTS_FILE = "tests.jsonl"
+REPORT_FILE = "runtime.json"
+# Test properties the gate reads: a test that reached the run's database, and one that
+# asked for it (lab.pytest_plugin and lab.recorder write them).
+REACHED_DATABASE = "lab_database"
+NEEDS_DATABASE = "lab_needs_database"
+ENVELOPE_FILE = "runtime.intoto.json"
+PUBLIC_KEY_FILE = "runtime.pub.pem"
+# Everything one run writes: removed before a run so none of it can outlive a failed one.
+RUN_FILES = (TESTS_FILE, REPORT_FILE, ENVELOPE_FILE, PUBLIC_KEY_FILE)
+
+# What the evidence covers: the code that ran and the declaration of what had to run.
+SOURCE_PATTERNS = (
+    "lab/**/*.py",
+    "lab/schema.sql",
+    "experiments/**/*.py",
+    "experiments/manifest.json",
+    "pyproject.toml",
+    # What pytest loads besides the experiments: the lab's own tests and their conftest
+    # (the README's test command runs them together), a root conftest, the ini file.
+    "conftest.py",
+    "tests/**/*.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "tox.ini",
+    "setup.cfg",
+)
+
+LIMITS = (
+    "One side-effecting step per workflow: this is not a general workflow engine and "
+    "makes no exactly-once claim.",
+    "The workflow store and the tool's ledger share one PostgreSQL server but commit in "
+    "separate transactions.",
+    "SIGKILL experiments wait for the real database lease to expire; the other "
+    "lease-boundary experiments expire leases through SQL and say so.",
+    "Loopback-only development credentials and an authoritative lab lookup: no claim "
+    "about multi-cluster availability or a real provider's authentication.",
+    "An embedded PostgreSQL cluster runs with fsync off: experiments kill workers, never "
+    "the database server, so the server's own durability is not tested.",
+    "An ephemeral signing key proves the evidence was not altered after signing, not who "
+    "produced it; publications are signed with a key given in LAB_EVIDENCE_KEY.",
+    "Experiments run on one machine against one PostgreSQL server; they measure "
+    "correctness under faults, not throughput or availability.",
+    "Trace ids are random and times (durations, event and timeline times) are measured, "
+    "so both differ between runs of one commit; random identifiers inside event details "
+    "are replaced by per-experiment aliases.",
+)
+
+# Option names whose value is a secret, and the shapes of secrets inside a value.
+_SECRET_NAME = re.compile(r"(dsn|pass|pwd|token|secret|credential|auth|apikey|api_key|key)", re.I)
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+_KEYWORD_SECRET = re.compile(r"\b(password|passwd|pwd|token|secret|sslpassword)\s*=\s*\S+", re.I)
+REDACTED = "<redacted>"
+
+# What an experiment's event history and timeline may carry into the report.
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+_RANDOM_ID = re.compile(r"\b(?P<prefix>[a-z][a-z0-9]*)_[0-9a-f]{32}\b")
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,39}")
+_DETAIL_TOKEN = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]{0,39})=(?P<value>[A-Za-z0-9_.:-]{0,80})")
+_MAX_TEXT = 160
+
+# Outcomes of one test, folded from its setup, call and teardown reports.
+PASSED, FAILED, ERROR = gate.PASSED, gate.FAILED, gate.ERROR
+SKIPPED, XFAILED, XPASSED, NOT_RUN = gate.SKIPPED, gate.XFAILED, gate.XPASSED, gate.NOT_RUN
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One experiment the manifest requires a complete run to contain."""
+
+    chapter: str
+    name: str
+    results: int = 1
+    # None: the experiment needs the database when it requested the database fixture.
+    database: bool | None = None
+
+
+def load_manifest(path: Path) -> list[Expected]:
+    """The experiments ``manifest.json`` declares (read, checked: ``lab.evidence.manifest``)."""
+    try:
+        entries = manifest.load(path).entries
+    except errors.InputError as exc:
+        raise EvidenceError(str(exc)) from exc
+    return [Expected(e.chapter, e.name, e.results, e.database) for e in entries]
+
+
+# --------------------------------------------------------------------------- collection
+
+
+@dataclass
+class RunFacts:
+    """What the pytest side observed about a run, in plain data.
+
+    ``records`` are report-log dicts (``$report_type`` TestReport or CollectReport)
+    in the order they arrived; ``collected`` the node ids that were to run.
+    """
+
+    records: list[dict[str, Any]]
+    collected: list[str]
+    experiments_prefix: str
+    expected: list[Expected]
+    database: Mapping[str, Any] | None
+    command: list[str]
+    narrowed: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    exitstatus: int | None = None
+    # The manifest the expected set was read from (the gate requires the committed one).
+    manifest: Path | None = None
+    # The effective arguments: command line, PYTEST_ADDOPTS, ini addopts, ini file.
+    arguments: Mapping[str, Any] | None = None
+    # What pytest loaded (conftests, plugin modules) and where ``lab`` was imported from;
+    # ``loaded`` None means not observed, and the report then has no provenance.
+    loaded: list[provenance.Loaded] | None = None
+    lab_file: str | None = None
+    inifile: Path | None = None
+    # ``(commit, dirty)`` when the caller already knows them; else read from git.
+    git: tuple[str | None, bool | None] | None = None
+
+
+def experiment_of(nodeid: str, prefix: str) -> tuple[str, str] | None:
+    """``(chapter, test function)`` of a node id under ``prefix``, else None.
+
+    ``experiments/ch05_crashes/test_x.py::test_y[a]`` gives ``("ch05_crashes", "test_y")``.
+    """
+    path, sep, rest = nodeid.partition("::")
+    if not sep or not path.startswith(prefix):
+        return None
+    parts = path[len(prefix) :].split("/")
+    if len(parts) < 2:
+        return None
+    function = rest.split("::")[-1].split("[", 1)[0]
+    return parts[0], function
+
+
+def _props(record: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    props: list[tuple[str, Any]] = []
+    for item in record.get("user_properties") or []:
+        if isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str):
+            props.append((item[0], item[1]))
+    return props
+
+
+def _message(record: Mapping[str, Any]) -> str | None:
+    """A one-line reason from a report's longrepr, without file paths."""
+    longrepr = record.get("longrepr")
+    text: str | None = None
+    if isinstance(longrepr, list | tuple) and len(longrepr) == 3:
+        text = str(longrepr[2])  # a skip: (path, lineno, reason)
+    elif isinstance(longrepr, dict):
+        crash = longrepr.get("reprcrash")
+        if isinstance(crash, dict):
+            text = str(crash.get("message", ""))
+    elif isinstance(longrepr, str):
+        text = longrepr
+    if not text:
+        return None
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:300] or None
+
+
+def _fold(records: Sequence[Mapping[str, Any]]) -> str:
+    """One test's outcome from its phase reports, as pytest's summary counts it."""
+    outcome = PASSED
+    called = False
+    for record in records:
+        when, result = record.get("when"), record.get("outcome")
+        called = called or when == "call"
+        xfail = "wasxfail" in record
+        if when not in ("setup", "call", "teardown"):
+            return FAILED  # xdist's report for a crashed worker's running test
+        if result == "failed":
+            if when == "call":
+                return FAILED
+            return ERROR
+        if result == "skipped":
+            outcome = XFAILED if xfail else SKIPPED
+        elif result == "passed" and when == "call" and xfail:
+            outcome = XPASSED
+    if not records:
+        return FAILED
+    if outcome == PASSED and not called:
+        return NOT_RUN
+    return outcome
+
+
+def _tests(facts: RunFacts) -> list[dict[str, Any]]:
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for record in facts.records:
+        if record.get("$report_type", "TestReport") == "TestReport":
+            by_node.setdefault(str(record.get("nodeid")), []).append(record)
+    tests: list[dict[str, Any]] = []
+    for nodeid in sorted(by_node):
+        records = by_node[nodeid]
+        # Each phase's report copies the item's user_properties as they stand, so
+        # the longest list is the whole record and the others are its prefixes.
+        props = max((_props(r) for r in records), key=len, default=[])
+        first = {key: value for key, value in reversed(props)}
+        observations = [v for k, v in props if k == "lab_observation"]
+        events, timeline, trace_ids = _history(first)
+        outcome = _fold(records)
+        where = experiment_of(nodeid, facts.experiments_prefix)
+        test: dict[str, Any] = {
+            "nodeid": nodeid,
+            "chapter": where[0] if where else None,
+            "experiment": where[1] if where else None,
+            "outcome": outcome,
+            "duration": round(sum(float(r.get("duration") or 0.0) for r in records), 6),
+            "claim": first.get("lab_claim"),
+            "database": any(k == REACHED_DATABASE and v is True for k, v in props),
+            "needs_database": any(k == NEEDS_DATABASE and v is True for k, v in props),
+            "observations": observations,
+            "events": events,
+            "timeline": timeline,
+            "trace_ids": trace_ids,
+        }
+        if outcome != PASSED:
+            reasons = [m for m in (_message(r) for r in records) if m]
+            test["message"] = reasons[0] if reasons else None
+        tests.append(test)
+    return tests
+
+
+class _Aliases:
+    """Stable names for random identifiers, in order of first appearance in one test.
+
+    ``st1_<32 hex>`` becomes ``st1-1``: the report stays deterministic and still
+    shows which events share an identifier.
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, text: str) -> str:
+        def alias(match: re.Match[str]) -> str:
+            raw, prefix = match.group(0), match.group("prefix")
+            if raw not in self.names:
+                self.counts[prefix] = self.counts.get(prefix, 0) + 1
+                self.names[raw] = f"{prefix}-{self.counts[prefix]}"
+            return self.names[raw]
+
+        return _RANDOM_ID.sub(alias, text)
+
+
+def _history(
+    props: Mapping[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """The test's event history, process timeline and trace ids, sanitised for the report.
+
+    Only the known fields of each entry survive, identifiers must look like
+    identifiers, an event detail is ``key=value`` tokens (any other token is
+    redacted), free text is scrubbed like the rest of the report, and random
+    identifiers are aliased.
+    """
+    aliases = _Aliases()
+    events: list[dict[str, Any]] = []
+    for item in _entries(props.get("lab_events")):
+        fence = item.get("fence")
+        events.append(
+            {
+                "t": _seconds(item.get("t")),
+                "workflow": _identifier(item.get("workflow"), _NAME, aliases),
+                "kind": _identifier(item.get("kind"), _KIND, aliases),
+                "fence": fence if isinstance(fence, int) and not isinstance(fence, bool) else None,
+                "detail": _detail(item.get("detail"), aliases),
+            }
+        )
+    timeline = [
+        {
+            "t": _seconds(item.get("t")),
+            "actor": _identifier(item.get("actor"), _NAME, aliases),
+            "what": aliases(_redact_text(str(item.get("what", ""))))[:_MAX_TEXT],
+        }
+        for item in _entries(props.get("lab_timeline"))
+    ]
+    raw_ids = props.get("lab_trace_ids")
+    trace_ids = [
+        str(value)
+        for value in (raw_ids if isinstance(raw_ids, list) else [])
+        if isinstance(value, str) and _TRACE_ID.fullmatch(value)
+    ]
+    return events, timeline, trace_ids
+
+
+def _entries(value: Any) -> list[Mapping[str, Any]]:
+    return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return round(number, 3) if math.isfinite(number) else None
+
+
+def _identifier(value: Any, shape: re.Pattern[str], aliases: _Aliases) -> str:
+    text = aliases(str(value)) if value is not None else ""
+    return text if shape.fullmatch(text) else REDACTED
+
+
+def _detail(value: Any, aliases: _Aliases) -> str:
+    """``key=value`` tokens with identifier values; anything else is redacted."""
+    tokens: list[str] = []
+    for token in aliases(_redact_text(str(value or ""))).split():
+        match = _DETAIL_TOKEN.fullmatch(token)
+        if match is None:
+            tokens.append(REDACTED)
+        elif _is_secret_name(match.group("key")):
+            tokens.append(f"{match.group('key')}={REDACTED}")
+        else:
+            tokens.append(token)
+    return " ".join(tokens)
+
+
+def _collection_errors(facts: RunFacts) -> list[dict[str, Any]]:
+    failed = [
+        {"nodeid": str(r.get("nodeid")), "message": _message(r)}
+        for r in facts.records
+        if r.get("$report_type") == "CollectReport" and r.get("outcome") == "failed"
+    ]
+    return sorted(failed, key=lambda item: item["nodeid"])
+
+
+def _experiments(facts: RunFacts, tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-experiment rows: declared ones first, in manifest order, then undeclared ones."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for test in tests:
+        if test["experiment"] is not None:
+            groups.setdefault((test["chapter"], test["experiment"]), []).append(test)
+    rows: list[dict[str, Any]] = []
+    declared = {(e.chapter, e.name): e for e in facts.expected}
+    keys = [(e.chapter, e.name) for e in facts.expected]
+    keys += sorted(set(groups) - set(declared))
+    for key in keys:
+        ran = groups.get(key, [])
+        spec = declared.get(key)
+        rows.append({
+            "chapter": key[0],
+            "name": key[1],
+            "declared": spec is not None,
+            "expected_results": spec.results if spec else None,
+            "results": len(ran),
+            "outcome": gate.fold_outcomes([t["outcome"] for t in ran]),
+            "duration": round(sum(t["duration"] for t in ran), 6),
+            "claim": next((t["claim"] for t in ran if t["claim"]), None),
+            "needs_database": spec.database if spec else None,
+            "tests": [t["nodeid"] for t in ran],
+        })
+    return rows
+
+
+def compile_report(
+    facts: RunFacts,
+    *,
+    root: Path,
+    signing: Mapping[str, Any],
+    now: datetime.datetime | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The run's report (``runtime.json``) with the gate's verdict (``gate.decide``)."""
+    env = os.environ if environ is None else environ
+    tests = _tests(facts)
+    rows = _experiments(facts, tests)
+    reported = {t["nodeid"] for t in tests}
+    # Skips anywhere: a skipped unit test in an evidence run fails the gate as well.
+    skips = [
+        {"nodeid": t["nodeid"], "outcome": t["outcome"], "reason": t.get("message")}
+        for t in tests
+        if t["outcome"] in (SKIPPED, XFAILED)
+    ]
+    commit, dirty = facts.git if facts.git is not None else _git(root)
+    sources = source_digests(root)
+    when = (now or datetime.datetime.now(datetime.UTC)).astimezone(datetime.UTC)
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "gate": {"narrowed": sorted(facts.narrowed)},
+        "problems": list(facts.problems),
+        "unreported": sorted(set(facts.collected) - reported),
+        "timestamp_utc": when.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "commit": commit,
+        "dirty": dirty,
+        "run_url": run_url(env),
+        "command": redact_command(facts.command, env),
+        "selection": _selection(facts, root, env),
+        "provenance": _provenance(facts, root, sources, env),
+        "exitstatus": facts.exitstatus,
+        "versions": versions(),
+        "postgresql": _scrub(facts.database),
+        "signing": dict(signing),
+        "experiments_dir": facts.experiments_prefix,
+        "expected": [
+            {"chapter": e.chapter, "name": e.name, "results": e.results, "database": e.database}
+            for e in facts.expected
+        ],
+        "skips": skips,
+        "collection_errors": _collection_errors(facts),
+        "experiments": rows,
+        "tests": tests,
+        "observations": [
+            {"nodeid": t["nodeid"], "observation": o} for t in tests for o in t["observations"]
+        ],
+        "sources": sources,
+        "limits": list(LIMITS),
+    }
+    verdict = gate.decide(report)
+    report["status"] = verdict.status
+    report["gate"] = {"failures": verdict.failures, "narrowed": verdict.narrowed}
+    report["missing"] = verdict.missing
+    report["seed_floor"] = verdict.seed_floor
+    return report
+
+
+def _relative(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` in posix form, or absolute when outside it."""
+    resolved = path.resolve()
+    try:
+        return resolved.relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(resolved)
+
+
+def _selection(facts: RunFacts, root: Path, env: Mapping[str, str]) -> dict[str, Any]:
+    """Which manifest gave the expected set, and the effective arguments, redacted."""
+    recorded = None
+    if facts.manifest is not None:
+        # A relative path is relative to the root of the sources.
+        path = facts.manifest if facts.manifest.is_absolute() else root / facts.manifest
+        digest = provenance.sha256_file(path)
+        # An unreadable manifest is recorded as none (load_manifest names the problem).
+        if digest is not None:
+            recorded = {"path": _relative(path, root), "sha256": digest}
+    arguments: dict[str, Any] | None = None
+    if facts.arguments is not None:
+        arguments = {}
+        for name, value in sorted(facts.arguments.items()):
+            if isinstance(value, list | tuple):
+                arguments[name] = redact_command([str(v) for v in value], env)
+            else:
+                arguments[name] = _redact_text(str(value)) if value is not None else None
+    return {"manifest": recorded, "arguments": arguments}
+
+
+def _provenance(
+    facts: RunFacts, root: Path, sources: Mapping[str, str], env: Mapping[str, str]
+) -> dict[str, Any] | None:
+    if facts.loaded is None:
+        return None
+    described = provenance.describe(
+        facts.loaded,
+        root=root,
+        sources=sources,
+        lab_file=facts.lab_file,
+        inifile=facts.inifile,
+        environ=env,
+    )
+    environment = described["environment"]
+    for name, value in environment.items():
+        if value is not None:
+            # PYTEST_ADDOPTS may carry a DSN; redact it like the command line.
+            environment[name] = " ".join(redact_command(value.split(), env))
+    return described
+
+
+def _is_secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name))
+
+
+def _scrub(value: Any) -> Any:
+    """Drop secret-named keys and DSN userinfo from provider details."""
+    if isinstance(value, Mapping):
+        return {str(k): _scrub(v) for k, v in sorted(value.items()) if not _is_secret_name(str(k))}
+    if isinstance(value, list | tuple):
+        return [_scrub(v) for v in value]
+    if isinstance(value, str):
+        return _redact_text(value)
+    return value
+
+
+def _redact_text(text: str) -> str:
+    text = _URL_USERINFO.sub(lambda m: m.group("scheme") + REDACTED + "@", text)
+    return _KEYWORD_SECRET.sub(lambda m: m.group(1) + "=" + REDACTED, text)
+
+
+def redact_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """The command line with DSNs, passwords and tokens replaced by ``<redacted>``.
+
+    A value is secret when it follows (or is joined by ``=`` to) an option whose name
+    says so, carries URL userinfo or ``password=``, or equals a secret environment value.
+    """
+    env = os.environ if environ is None else environ
+    secrets = sorted(
+        (v for k, v in env.items() if _is_secret_name(k) and len(v) >= 6),
+        key=len,
+        reverse=True,
+    )
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if arg.startswith("--") and "=" in arg:
+            name, value = arg.split("=", 1)
+            if _is_secret_name(name):
+                out.append(f"{name}={REDACTED}")
+                continue
+            arg = f"{name}={_redact_text(value)}"
+        elif arg.startswith("--") and len(arg) > 2 and _is_secret_name(arg):
+            out.append(arg)
+            hide_next = True
+            continue
+        arg = _redact_text(arg)
+        for secret in secrets:
+            arg = arg.replace(secret, REDACTED)
+        out.append(arg)
+    return out
+
+
+def run_url(environ: Mapping[str, str]) -> str | None:
+    """Where this run can be seen: ``BOOK_RUN_URL`` or a GitHub Actions run."""
+    if environ.get("BOOK_RUN_URL"):
+        return environ["BOOK_RUN_URL"]
+    parts = [environ.get(k) for k in ("GITHUB_SERVER_URL", "GITHUB_REPOSITORY", "GITHUB_RUN_ID")]
+    if all(parts):
+        return f"{parts[0]}/{parts[1]}/actions/runs/{parts[2]}"
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the interpreter and the libraries the experiments depend on."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("durable-agent-lab", "pytest", "pytest-xdist", "psycopg", "httpx", "cryptography"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
+def _git(root: Path) -> tuple[str | None, bool | None]:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None, None
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    dirty = None if status.returncode != 0 else bool(status.stdout.strip())
+    return head.stdout.strip(), dirty
+
+
+def source_files(root: Path) -> list[str]:
+    """Repo-relative posix paths of the files the evidence covers, sorted."""
+    found: set[str] = set()
+    for pattern in SOURCE_PATTERNS:
+        for path in root.glob(pattern):
+            if path.is_file() and "__pycache__" not in path.parts:
+                found.add(path.relative_to(root).as_posix())
+    return sorted(found)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def source_digests(root: Path) -> dict[str, str]:
+    """``{path: sha256}`` of every source file under ``root``."""
+    return {name: sha256_file(root / name) for name in source_files(root)}
+
+
+# --------------------------------------------------------------------------- signing
+
+
+def statement(
+    report_bytes: bytes, report: Mapping[str, Any], tests_bytes: bytes | None = None
+) -> dict[str, Any]:
+    """The in-toto Statement: subjects are the sources, ``runtime.json`` and ``tests.jsonl``.
+
+    ``tests.jsonl`` (pytest's own records of the run) is signed too, so a reader
+    can rely on the raw results as much as on the compiled report.
+    """
+    subjects = [
+        {"name": name, "digest": {"sha256": digest}}
+        for name, digest in sorted(report["sources"].items())
+    ]
+    subjects.append(
+        {"name": REPORT_FILE, "digest": {"sha256": hashlib.sha256(report_bytes).hexdigest()}}
+    )
+    if tests_bytes is not None:
+        subjects.append(
+            {"name": TESTS_FILE, "digest": {"sha256": hashlib.sha256(tests_bytes).hexdigest()}}
+        )
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": subjects,
+        "predicateType": PREDICATE_TYPE,
+        "predicate": dict(report),
+    }
+
+
+def dumps_report(report: Mapping[str, Any]) -> bytes:
+    """The canonical bytes of ``runtime.json``."""
+    return (json.dumps(report, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def write(
+    directory: Path,
+    facts: RunFacts,
+    *,
+    root: Path,
+    signer: dsse.Signer,
+    session_records: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Compile, sign and write the evidence of one run into ``directory``; return the report."""
+    signing = signer.describe()
+    report = compile_report(facts, root=root, signing=signing, environ=environ)
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = list(facts.records)
+    if session_records is not None:
+        lines = [session_records[0], *lines, session_records[1]]
+    tests_bytes = "".join(
+        json.dumps(line, sort_keys=True, default=str) + "\n" for line in lines
+    ).encode("utf-8")
+    report_bytes = dumps_report(report)
+    payload = json.dumps(
+        statement(report_bytes, report, tests_bytes),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
+    envelope = dsse.sign_envelope(payload, signer)
+    (directory / TESTS_FILE).write_bytes(tests_bytes)
+    (directory / REPORT_FILE).write_bytes(report_bytes)
+    (directory / ENVELOPE_FILE).write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
+    (directory / PUBLIC_KEY_FILE).write_text(signing["public_key"], encoding="ascii")
+    return report

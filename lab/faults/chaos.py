@@ -1,0 +1,775 @@
+"""The chaos run: real worker processes under random crashes and faults, then the invariants.
+
+``lab chaos`` creates and approves N workflows, runs M ``lab worker`` OS
+processes in loops, and while they work a supervisor (this process):
+
+- SIGKILLs a random worker at exponential intervals (seeded) and restarts it;
+  a target is a worker that has finished at least one item, because killing
+  a process still importing its modules tests nothing and, at a 200 ms mean,
+  would keep every incarnation from ever working on a loaded 2-core machine;
+- runs ``pg_terminate_backend`` on a random backend of this run's workers;
+- serves the credit tool, which drops replies after committing the effect and
+  answers 429 at the given rates;
+- recovers expired leases and reconciles unknown outcomes (lookup by the
+  original key; a non-idempotent one goes to manual review), as an operator's
+  recoverer would.
+
+With ``restart_every_ms`` it also SIGKILLs the PostgreSQL postmaster and
+restarts it on the same data directory (a durable server: fsync and
+synchronous commits on), and with ``partition_every_ms`` / ``latency_ms``
+every link between processes runs through a loopback fault proxy
+(``lab.faults.proxy``): workers to PostgreSQL, the tool to its ledger, workers to
+the tool. A partition blackholes or resets one link for ``partition_for_ms``.
+Every process rides these out (jittered backoff, fenced writes); the
+controller itself tolerates an unreachable database and writes its report
+before any cleanup.
+
+Kills and terminations start once a first item is done (the warm-up; the
+tool's faults are already on). The fault phase ends at ``duration`` or as
+soon as every workflow is settled (and, with restarts, ``min_restarts``
+happened); then the drain stops every fault, lets the workers finish, waits
+for leases to expire and reconciles until nothing is left to do.
+``lab.faults.invariants`` then checks the final database and the whole event history.
+
+A worker process talks to one tool endpoint, and a tool service is either
+idempotent or not, so the population is split into two schemas: idempotent
+plans with their tool and workers, non-idempotent plans with theirs. Each
+schema is a complete, independent deployment (the state machine, ledger and
+invariants are per schema), so checking each and summing loses nothing, and no
+worker can ever dispatch a plan to a tool of the wrong mode (which the checker
+verifies anyway). The chaos workers use a 1 s lease and a 0.25 s heartbeat,
+so a killed worker's claim is recovered within about a second.
+
+Fault *times* and tool faults come from RNGs seeded with ``seed``; which
+process a timer hits and what it was doing depend on OS scheduling, so two
+runs with one seed are alike, not identical.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import secrets
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from lab import errors, protocol
+from lab.faults import invariants, proxy
+from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
+from lab.runtime import backoff, plan, processes, sealing, store, tool, worker
+
+__all__ = ["Chaos", "Settings", "run", "split"]
+
+RECOVER_EVERY_S = 0.1
+WARM_UP_TIMEOUT_S = 60.0
+# How long cleanup retries a database that is still coming back before it reports failure.
+CLEANUP_PATIENCE_S = 30.0
+APPROVAL_TTL = timedelta(hours=6)  # far beyond any run: expiry is not a fault of this run
+TENANTS = ("tenant-a", "tenant-b")
+# The links a network fault can cut (each through its own proxy).
+WORKERS_POSTGRES = "workers-postgres"
+TOOL_POSTGRES = "tool-postgres"
+WORKERS_TOOL = "workers-tool"
+
+
+class _Population:
+    """One schema: its tool service, its workers, and an in-process reconciler.
+
+    ``ledger_dsn`` is how the tool reaches its ledger (through a proxy when the
+    run has network faults); the controller's own store connects directly.
+    """
+
+    def __init__(
+        self, dsn: str, token: str, keys: sealing.KeyCatalog, idempotent: bool, size: int,
+        slots: int, ledger_dsn: str | None = None,
+    ):
+        self.label = "idempotent" if idempotent else "non_idempotent"
+        self.code = "i" if idempotent else "n"
+        self.schema = f"chaos_{token}_{self.code}"
+        self.idempotent = idempotent
+        self.size = size
+        self.slots: list[processes.WorkerProcess | None] = [None] * slots
+        self.generation = 0
+        self.dsn = dsn
+        self.ledger_dsn = ledger_dsn or dsn
+        self.keys = keys
+        self.tool_proxy: proxy.Proxy | None = None
+        self.acknowledged: list[invariants.Acknowledged] = []
+        self.service: tool.ToolService | None = None
+        self.db: store.Store | None = None
+        self.client: tool.ToolClient | None = None
+        self.reconciler: worker.Worker | None = None
+        self.open = {"ready": size, "running": 0, "unreviewed_unknown": 0}
+
+    def start(self) -> None:
+        self.db = store.Store.open(
+            self.dsn, self.schema, create=True, application_name="lab-chaos", keys=self.keys
+        )
+        self.service = tool.ToolService(
+            self.ledger_dsn, self.schema, idempotent=self.idempotent
+        ).start()
+        self.client = tool.ToolClient(self.service.endpoint, self.service.token)
+        self.reconciler = worker.Worker(
+            db=self.db, client=self.client, name="chaos-recoverer",
+            lease=timedelta(seconds=LEASE_S),
+        )
+
+    @property
+    def worker_endpoint(self) -> str:
+        """Where this population's workers reach the tool (its proxy, when there is one)."""
+        assert self.service is not None
+        if self.tool_proxy is not None:
+            return f"http://127.0.0.1:{self.tool_proxy.port}"
+        return self.service.endpoint
+
+    def close(self, drop: bool) -> list[str]:
+        """Stop everything; drop the schema when asked. Returns what could not be done."""
+        problems: list[str] = []
+        for child in self.slots:
+            if child is not None:
+                child.cleanup()
+        if self.client is not None:
+            self.client.close()
+        if self.tool_proxy is not None:
+            self.tool_proxy.stop()
+        if self.service is not None:
+            self.service.stop()
+        if self.db is not None:
+            self.db.close()
+        if drop:
+            # The database may just be coming back from a restart: retry for a while.
+            patience = backoff.Backoff(base=0.1, cap=2.0, patience=CLEANUP_PATIENCE_S)
+            while True:
+                try:
+                    store.drop_schema(self.dsn, self.schema)
+                    break
+                except errors.StoreError as exc:
+                    if patience.exhausted:
+                        problems.append(f"schema {self.schema} was not dropped: {exc}")
+                        break
+                    time.sleep(patience.failed())
+        return problems
+
+    def refresh(self) -> dict[str, int]:
+        """Count what is still open: due or delayed ready work, running, unreviewed unknown.
+
+        A database that cannot be reached (restarting, partitioned) leaves the last
+        counts in place: raises ``errors.StoreError`` for the caller to count.
+        """
+        assert self.db is not None
+        self.open = self.db.open_counts()
+        return self.open
+
+
+class Chaos:
+    """One chaos run against the PostgreSQL server at ``dsn``."""
+
+    def __init__(
+        self,
+        dsn: str,
+        settings: Settings,
+        *,
+        log: Callable[[str], None] | None = None,
+        keep_schemas: bool = False,
+        restart: Callable[[], float] | None = None,
+    ):
+        settings.validate()
+        if settings.restart_every_ms > 0 and restart is None:
+            raise errors.ProvisioningError(
+                "--restart-postgres-every needs a server this run started (the embedded "
+                "provider): a given DSN's server cannot be restarted by the lab"
+            )
+        self.dsn = dsn
+        self._restart = restart
+        self.settings = settings
+        self.keep_schemas = keep_schemas
+        self._log = log or (lambda message: None)
+        # Names only need to be unique on a shared server, so they do not come from the seed.
+        self.token = f"c{secrets.token_hex(4)}"
+        root = random.Random(settings.seed)
+        self._plans = random.Random(root.getrandbits(64))
+        self._kill_rng = random.Random(root.getrandbits(64))
+        self._term_rng = random.Random(root.getrandbits(64))
+        self._tool_seeds = [root.getrandbits(32) for _ in range(2)]
+        # Drawn after the older streams, so adding database faults kept their sequences.
+        self._restart_rng = random.Random(root.getrandbits(64))
+        self._partition_rng = random.Random(root.getrandbits(64))
+        self.counts = Counts()
+        # One key catalog for the run: every process seals results the checker can open.
+        self.keys = sealing.load_catalog()
+        # Network faults: one proxy per link, each its own fault target.
+        self.proxies: dict[str, proxy.Proxy] = {}
+        if settings.proxied:
+            host, port = store.dsn_address(dsn)
+            for link in (WORKERS_POSTGRES, TOOL_POSTGRES):
+                self.proxies[link] = proxy.Proxy(host, port, link).start()
+        self.worker_dsn = self._via(WORKERS_POSTGRES)
+        self.populations = [
+            _Population(dsn, self.token, self.keys, idempotent, size, slots,
+                        ledger_dsn=self._via(TOOL_POSTGRES))
+            for idempotent, size, slots in split(settings)
+        ]
+        self._stop_recoverer = threading.Event()
+        self._recoverer_failure: BaseException | None = None
+        self._stop_restarts = threading.Event()
+        self._restart_failure: BaseException | None = None
+        self._items_done: dict[str, int] = {}
+        self._began = time.monotonic()
+        self.partitions = proxy.Partitions(
+            self.proxies, self._partition_rng, settings.partition_for_ms / 1000.0, self._began
+        )
+
+    def _via(self, link: str) -> str:
+        """The DSN a client on ``link`` uses: its proxy when the run has one."""
+        fault_proxy = self.proxies.get(link)
+        if fault_proxy is None:
+            return self.dsn
+        return store.dsn_via(self.dsn, "127.0.0.1", fault_proxy.port)
+
+    # -- the whole run -----------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Set up, inject faults, drain, check; returns the report (JSON-ready).
+
+        Cleanup is ``close()``'s, so a report is made even when cleanup fails after it.
+        """
+        began = self._began = self.partitions.origin = time.monotonic()
+        recoverer = threading.Thread(target=self._recover_loop, name="chaos-recoverer",
+                                     daemon=True)
+        restarter = threading.Thread(target=self._restart_loop, name="chaos-restarter",
+                                     daemon=True)
+        try:
+            for population in self.populations:
+                population.start()
+                assert population.service is not None
+                if self.settings.proxied:
+                    population.tool_proxy = proxy.Proxy(
+                        "127.0.0.1", int(population.service.endpoint.rsplit(":", 1)[1]),
+                        f"{WORKERS_TOOL}:{population.code}",
+                    ).start()
+                    self.proxies[population.tool_proxy.name] = population.tool_proxy
+            for fault_proxy in self.proxies.values():
+                fault_proxy.set_latency(self.settings.latency_ms / 1000.0)
+            self._create_workflows()
+            assert self.populations[0].db is not None
+            durability = self.populations[0].db.server_settings()
+            setup_s = time.monotonic() - began
+            self._log(f"{self.settings.workflows} workflows approved in {setup_s:.1f}s; "
+                      f"schemas {', '.join(p.schema for p in self.populations)}")
+            for population, seed in zip(self.populations, self._tool_seeds, strict=False):
+                assert population.service is not None
+                population.service.randomize_faults(
+                    drop_reply_rate=self.settings.drop_replies,
+                    reject_rate=self.settings.reject_429,
+                    seed=seed,
+                )
+            recoverer.start()
+            warm_up_began = time.monotonic()
+            self._warm_up()
+            faults_began = time.monotonic()
+            self._log(f"first item done after {faults_began - warm_up_began:.1f}s; "
+                      "killing and terminating")
+            restarter.start()
+            settled_in_faults = self._fault_phase()
+            self._stop_restarts.set()
+            restarter.join(timeout=120)
+            self._check_faults()
+            open_after_faults = self._open_total()
+            drain_began = time.monotonic()
+            self._log(f"fault phase over after {drain_began - faults_began:.1f}s "
+                      f"({open_after_faults} open); draining")
+            for population in self.populations:
+                assert population.service is not None
+                population.service.randomize_faults(drop_reply_rate=0.0, reject_rate=0.0, seed=0)
+            self.partitions.heal(time.monotonic(), force=True)
+            for fault_proxy in self.proxies.values():
+                fault_proxy.set_latency(0.0)
+            self._drain(recoverer)
+            check_began = time.monotonic()
+            report = self._report(durability)
+            ended = time.monotonic()
+            report["timing"] = {
+                "wall_s": round(ended - began, 2),
+                "setup_s": round(setup_s, 2),
+                "warm_up_s": round(faults_began - warm_up_began, 2),
+                "fault_phase_s": round(drain_began - faults_began, 2),
+                "drain_s": round(check_began - drain_began, 2),
+                "check_s": round(ended - check_began, 2),
+                "settled_during_faults": settled_in_faults,
+                "open_when_faults_stopped": open_after_faults,
+                "settled_before_drain": self.settings.workflows - open_after_faults,
+            }
+            return report
+        finally:
+            self._stop_recoverer.set()
+            self._stop_restarts.set()
+            if recoverer.is_alive():
+                recoverer.join(timeout=30)
+            if restarter.is_alive():
+                restarter.join(timeout=120)
+
+    def close(self) -> list[str]:
+        """Stop workers, tools and proxies; drop the schemas unless kept.
+
+        Returns what could not be done (one line each): cleanup never hides a verdict.
+        """
+        problems: list[str] = []
+        for population in self.populations:
+            try:
+                problems += population.close(drop=not self.keep_schemas)
+            except errors.LabError as exc:
+                problems.append(f"{population.label}: {exc}")
+        for fault_proxy in self.proxies.values():
+            fault_proxy.stop()
+        return problems
+
+    def _create_workflows(self) -> None:
+        for population in self.populations:
+            assert population.db is not None
+            for index in range(population.size):
+                tenant = self._plans.choice(TENANTS)
+                proposer = store.Actor(tenant, f"employee-{tenant}", "proposer")
+                approver = store.Actor(tenant, f"manager-{tenant}", "approver")
+                proposed = plan.Plan(
+                    version=plan.SUPPORTED_PLAN_VERSION,
+                    action=plan.ACTION,
+                    account=self._plans.choice(plan.ACCOUNTS),
+                    amount_minor=self._plans.randint(plan.MIN_AMOUNT_MINOR, plan.MAX_AMOUNT_MINOR),
+                    currency=plan.CURRENCY,
+                    idempotent=population.idempotent,
+                )
+                created = population.db.create(proposer, f"chaos-{population.code}-{index}",
+                                               proposed)
+                population.db.approve(approver, created.id, created.fingerprint, APPROVAL_TTL)
+
+    # -- fault phase -------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Start the workers; return once one of them finished an item (or after a minute).
+
+        The tool already drops replies and answers 429 here. Kills start only
+        afterwards, so ``duration`` measures crashes of working processes, not
+        the interpreter start-up of a loaded machine.
+        """
+        deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        self._open_total(refresh=True)
+        while time.monotonic() < deadline:
+            self._check_faults()
+            self._maintain()
+            for population, _, child in self._live():
+                self._read_lines(child, population)
+            if any(self._items_done.values()) or self._open_total(refresh=True) == 0:
+                return
+            time.sleep(0.05)
+
+    def _fault_phase(self) -> bool:
+        """Kill and terminate until ``duration`` or until all work is settled."""
+        settings = self.settings
+        now = time.monotonic()
+        deadline = now + settings.duration
+        next_kill = now + interval(self._kill_rng, settings.kill_every_ms)
+        next_term = now + interval(self._term_rng, settings.terminate_every_ms)
+        next_partition = now + spread(self._partition_rng, settings.partition_every_ms)
+        next_count = now
+        while True:
+            self._check_faults()
+            now = time.monotonic()
+            if now >= next_count:
+                # Work may settle before the database was ever killed: with restarts
+                # asked for, the phase lasts until ``min_restarts`` happened too.
+                restarted = len(self.counts.restarts) >= settings.min_restarts
+                if self._open_total(refresh=True) == 0 and restarted:
+                    return True
+                next_count = now + 0.25
+            if now >= deadline:
+                return False
+            self._maintain()
+            if now >= next_kill:
+                self._kill_one()
+                next_kill += interval(self._kill_rng, settings.kill_every_ms)
+                next_kill = max(next_kill, now)
+            if now >= next_term:
+                self._terminate_one()
+                next_term += interval(self._term_rng, settings.terminate_every_ms)
+                next_term = max(next_term, now)
+            self.partitions.heal(now)
+            if now >= next_partition:
+                self.partitions.cut(now)
+                next_partition = now + spread(self._partition_rng,
+                                                    settings.partition_every_ms)
+            wake = min(next_kill, next_term, next_partition, next_count, deadline,
+                       self.partitions.heals_at)
+            time.sleep(min(max(wake - time.monotonic(), 0.0), 0.05))
+
+    # -- database faults ---------------------------------------------------------------
+
+    def _restart_loop(self) -> None:
+        """SIGKILL and restart the postmaster every ``restart_every_ms`` (give or take half)."""
+        if self._restart is None or self.settings.restart_every_ms <= 0:
+            return
+        try:
+            while not self._stop_restarts.wait(
+                spread(self._restart_rng, self.settings.restart_every_ms)
+            ):
+                at = time.monotonic() - self._began
+                down = self._restart()
+                self.counts.restarts.append({"at_s": round(at, 2), "down_s": round(down, 3)})
+                self._log(f"PostgreSQL SIGKILLed and restarted ({down:.2f}s down)")
+        except BaseException as exc:  # surfaced by the supervisor, never swallowed
+            self._restart_failure = exc
+
+    def _live(self) -> list[tuple[_Population, int, processes.WorkerProcess]]:
+        return [
+            (population, slot, child)
+            for population in self.populations
+            for slot, child in enumerate(population.slots)
+            if child is not None and child.alive()
+        ]
+
+    def _kill_one(self) -> None:
+        """SIGKILL a random worker among those that have finished at least one item.
+
+        A process still starting (importing modules, connecting) holds no claim,
+        so killing it would only test the interpreter's start-up time, and on a
+        loaded machine no incarnation would ever do any work. Once a worker has
+        finished one item it is always in the middle of the next one (or idle),
+        so the kill lands anywhere in the claim/dispatch/complete window. A
+        timer that finds no such worker is counted as a miss.
+        """
+        live = []
+        for entry in self._live():
+            self._read_lines(entry[2], entry[0])
+            if self._items_done.get(entry[2].name, 0) > 0:
+                live.append(entry)
+        if not live:
+            self.counts.kill_misses += 1
+            return
+        population, slot, _ = self._kill_rng.choice(live)
+        self.counts.kills += 1
+        self._reap(population, slot)
+
+    def _terminate_one(self) -> None:
+        """``pg_terminate_backend`` on a random backend of a live worker of this run."""
+        db = self.populations[0].db
+        assert db is not None
+        # A reaped worker's backend may linger for a moment: it is not a target.
+        live = {child.name for _, _, child in self._live()}
+        prefix = f"{processes.WORKER_APP_PREFIX}{self.token}"
+        try:
+            pids = [pid for pid, name in db.backends(prefix)
+                    if name[len(processes.WORKER_APP_PREFIX):] in live]
+            if not pids:
+                self.counts.termination_misses += 1
+                return
+            done = db.terminate_backend(self._term_rng.choice(pids))
+        except errors.StoreError:  # the database is away: nothing to terminate now
+            self.counts.unreachable_reads += 1
+            self.counts.termination_misses += 1
+            return
+        if done:
+            self.counts.backend_terminations += 1
+        else:
+            self.counts.termination_misses += 1
+
+    def _maintain(self) -> None:
+        """Reap workers that exited; start one in each empty slot while ready work is left."""
+        for population in self.populations:
+            for slot, child in enumerate(population.slots):
+                if child is not None and not child.alive():
+                    self._reap(population, slot)
+                if population.slots[slot] is None and population.open["ready"] > 0:
+                    self._spawn(population, slot)
+
+    def _spawn(self, population: _Population, slot: int) -> None:
+        assert population.service is not None
+        population.generation += 1
+        name = f"{self.token}{population.code}{slot}-{population.generation}"
+        s = self.settings
+        population.slots[slot] = processes.spawn_worker(
+            self.worker_dsn, population.schema, population.worker_endpoint,
+            population.service.token,
+            name, "--loop", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
+            "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
+            keys=self.keys,
+        )
+        self.counts.worker_starts += 1
+
+    def _reap(self, population: _Population, slot: int) -> None:
+        child = population.slots[slot]
+        assert child is not None
+        population.slots[slot] = None
+        code = child.cleanup()  # SIGKILLs it if it still runs: -SIGKILL either way
+        if code == -signal.SIGKILL:
+            cause = "sigkill"
+        elif code == 0:
+            cause = "idle_exit"
+        else:
+            last = (child.stderr.strip().splitlines() or ["?"])[-1]
+            cause = f"exit_{code}:{last.split(':')[0]}"
+        self.counts.worker_exits[cause] += 1
+        self._read_lines(child, population)
+        self._items_done.pop(child.name, None)
+
+    def _read_lines(
+        self, child: processes.WorkerProcess, population: _Population | None = None
+    ) -> None:
+        """Count the items a worker reported so far (its stdout, read without blocking).
+
+        ``BOOK_ITEM id state fence`` is printed after the item's transaction committed:
+        each is kept as an acknowledged outcome for the ``lost_after_restart`` check.
+        """
+        if population is None:
+            population = next(p for p in self.populations if child in p.slots)
+        while True:
+            try:
+                line = child.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line and line.startswith(f"{protocol.ITEM} "):
+                _, workflow_id, state, fence = line.split()[:4]
+                population.acknowledged.append(
+                    invariants.Acknowledged(workflow_id, state, int(fence)))
+                self.counts.worker_items[state] += 1
+                self._items_done[child.name] = self._items_done.get(child.name, 0) + 1
+            elif line and line.startswith(f"{protocol.SKIP} "):
+                self.counts.worker_items[f"skip:{line.split()[1]}"] += 1
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def _recover_loop(self) -> None:
+        try:
+            while not self._stop_recoverer.wait(RECOVER_EVERY_S):
+                for population in self.populations:
+                    self._recover(population)
+        except BaseException as exc:  # surfaced by the supervisor, never swallowed
+            self._recoverer_failure = exc
+
+    def _check_faults(self) -> None:
+        """Surface a failure of the recoverer or restarter thread as the run's failure."""
+        for what, failure in (("recoverer", self._recoverer_failure),
+                              ("PostgreSQL restarter", self._restart_failure)):
+            if failure is None:
+                continue
+            if isinstance(failure, errors.LabError):
+                raise failure
+            raise errors.CheckFailed(f"the chaos {what} failed: {failure!r}") from failure
+
+    def _recover(self, population: _Population) -> None:
+        """Expired leases become unknown; unreviewed unknowns are reconciled by lookup;
+        work in review that the database proves was never dispatched leaves review."""
+        assert population.db is not None and population.reconciler is not None
+        try:
+            self.counts.leases_expired += population.db.recover_expired()
+            ids = population.db.unreviewed_unknown()
+        except errors.LabError as exc:
+            self.counts.recoverer_errors[type(exc).__name__] += 1
+            return
+        for workflow_id in ids:
+            try:
+                settled = population.reconciler.reconcile(workflow_id)
+            except errors.ManualReview as exc:
+                self.counts.reconciled[f"manual_review:{exc.reason}"] += 1
+            except errors.LabError as exc:  # a race (Stale) or a lookup that failed: next pass
+                self.counts.recoverer_errors[type(exc).__name__] += 1
+            else:
+                self.counts.reconciled[{"succeeded": "found", "ready": "requeued"}.get(
+                    settled.state, settled.state)] += 1
+        try:
+            for workflow_id in population.db.undispatched_in_review():
+                moved = population.db.settle_undispatched(workflow_id)
+                if moved is not None:
+                    self.counts.undispatched[moved.state] += 1
+        except errors.LabError as exc:
+            self.counts.recoverer_errors[type(exc).__name__] += 1
+
+    # -- drain -------------------------------------------------------------------------
+
+    def _open_total(self, refresh: bool = False) -> int:
+        """Open work in all populations; a database that is away leaves the last counts."""
+        total = 0
+        for population in self.populations:
+            counts = population.open
+            if refresh:
+                try:
+                    counts = population.refresh()
+                except errors.StoreError:
+                    self.counts.unreachable_reads += 1
+            total += sum(counts.values())
+        return total
+
+    def _drain(self, recoverer: threading.Thread) -> None:
+        """No more faults: let workers and the recoverer settle everything they can.
+
+        The recoverer's passes move here, into this thread, so that each count of
+        open work comes right after a pass: work a pass just took out of review
+        (proven undispatched, queued again) is counted, and gets a worker.
+        """
+        self._stop_recoverer.set()
+        recoverer.join(timeout=30)
+        self._check_faults()
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while True:
+            while time.monotonic() < deadline:
+                for population in self.populations:
+                    self._recover(population)
+                if self._open_total(refresh=True) == 0:
+                    break
+                self._maintain()
+                time.sleep(RECOVER_EVERY_S)
+            # Workers leave by themselves once idle; whatever is left after that is stuck.
+            wait_until = time.monotonic() + self.settings.idle_exit + 15.0
+            while self._live() and time.monotonic() < wait_until:
+                time.sleep(0.1)
+            for population in self.populations:
+                for slot, child in enumerate(population.slots):
+                    if child is None:
+                        continue
+                    if child.alive():
+                        self.counts.drain_kills += 1
+                    self._reap(population, slot)
+            # A last pass with no worker alive: leases of anything still running run out.
+            for _ in range(3):
+                if self._open_total(refresh=True) == 0:
+                    break
+                time.sleep(self.settings.lease + 0.2)
+                for population in self.populations:
+                    self._recover(population)
+            ready = sum(p.open["ready"] for p in self.populations)
+            if ready == 0 or time.monotonic() >= deadline:
+                return
+            # Recovery queued work again after the workers left: drain once more.
+
+    # -- the check and the report ----------------------------------------------------------
+
+    def _load(self, population: _Population) -> invariants.History:
+        """The population's history, waiting out a database that is still coming back."""
+        patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
+        while True:
+            try:
+                return invariants.load(self.dsn, population.schema, open_result=self.keys.open,
+                                       acknowledged=population.acknowledged)
+            except errors.StoreError:
+                if patience.exhausted:
+                    raise
+                time.sleep(patience.failed())
+
+    def _report(self, durability: dict[str, str]) -> dict[str, Any]:
+        s = self.settings
+        per_population: list[dict[str, Any]] = []
+        violations: list[dict[str, str]] = []
+        found_all: list[invariants.Violation] = []
+        states: Counter[str] = Counter()
+        reviews: Counter[str] = Counter()
+        events: Counter[str] = Counter()
+        effects = dropped = rejected = calls = lookups = 0
+        for population in self.populations:
+            assert population.service is not None
+            history = self._load(population)
+            found = invariants.check(history)
+            violations += [{"schema": population.schema, **v.to_json()} for v in found]
+            found_all += found
+            pop_states = Counter(wf.state for wf in history.workflows)
+            pop_reviews = Counter(
+                wf.review_reason for wf in history.workflows if wf.state == "unknown"
+            )
+            pop_events = Counter(e.kind for e in history.events)
+            service = population.service
+            per_population.append({
+                "label": population.label,
+                "schema": population.schema,
+                "workflows": len(history.workflows),
+                "worker_processes": len(population.slots),
+                "states": dict(sorted(pop_states.items())),
+                "effects": len(history.effects),
+                "tool_calls": service.calls,
+                "dropped_replies": service.dropped,
+                "rejected_429": service.rejected,
+                "lookups": service.lookups,
+                "manual_reviews": dict(sorted(pop_reviews.items())),
+                "events": dict(sorted(pop_events.items())),
+                "violations": len(found),
+            })
+            states += pop_states
+            reviews += pop_reviews
+            events += pop_events
+            effects += len(history.effects)
+            dropped += service.dropped
+            rejected += service.rejected
+            calls += service.calls
+            lookups += service.lookups
+        c = self.counts
+        return {
+            "run": s.describe(max_attempts=store.DEFAULT_MAX_ATTEMPTS,
+                              proxied_links=sorted(self.proxies)),
+            "database": {
+                "durable_mode_requested": s.durable,
+                "durability": durability,
+                "restarts": c.restarts,
+                "restart_count": len(c.restarts),
+                "down_s": round(sum(r["down_s"] for r in c.restarts), 3),
+                "unreachable_reads": c.unreachable_reads,
+            },
+            "states": dict(sorted(states.items())),
+            "effects": effects,
+            "faults": {
+                "kills": c.kills,
+                "kill_timer_without_target": c.kill_misses,
+                "backend_terminations": c.backend_terminations,
+                "termination_timer_without_backend": c.termination_misses,
+                "dropped_replies": dropped,
+                "rejected_429": rejected,
+                "postgres_restarts": len(c.restarts),
+                "partitions": len(self.partitions.log),
+                "partition_log": self.partitions.log,
+                "proxy_resets": sum(p.resets for p in self.proxies.values()),
+            },
+            "tool": {"calls": calls, "lookups": lookups},
+            "workers": {
+                "starts": c.worker_starts,
+                "exits": dict(sorted(c.worker_exits.items())),
+                "items_reported": dict(sorted(c.worker_items.items())),
+                "killed_in_drain": c.drain_kills,
+            },
+            "recovery": {
+                "leases_expired": c.leases_expired,
+                "reconciled": dict(sorted(c.reconciled.items())),
+                "undispatched_out_of_review": dict(sorted(c.undispatched.items())),
+                "retried_next_pass": dict(sorted(c.recoverer_errors.items())),
+            },
+            "manual_reviews": sum(reviews.values()),
+            "manual_review_reasons": dict(sorted(reviews.items())),
+            "events": dict(sorted(events.items())),
+            "populations": per_population,
+            "violations": violations,
+            "violation_count": len(violations),
+            "violations_by_kind": invariants.count_by_kind(found_all),
+        }
+
+
+def run(
+    dsn: str,
+    settings: Settings,
+    *,
+    log: Callable[[str], None] | None = None,
+    keep_schemas: bool = False,
+    restart: Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """Run one bounded chaos round against ``dsn`` and return its report.
+
+    The round creates its own schemas (``chaos_<token>_i`` / ``_n``) and drops
+    them at the end unless ``keep_schemas``; what cleanup could not do is in the
+    report's ``cleanup`` list. ``restart`` crash-restarts the server (needed for
+    ``restart_every_ms``).
+    """
+    chaos = Chaos(dsn, settings, log=log, keep_schemas=keep_schemas, restart=restart)
+    try:
+        report = chaos.run()
+    finally:
+        problems = chaos.close()
+    report["cleanup"] = problems
+    return report

@@ -1,0 +1,151 @@
+"""The chaos run as a person reads it: its tables, its summary, and ``lab chaos``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lab import errors
+from lab.faults.chaos import Chaos
+from lab.faults.chaos_settings import Settings
+
+
+def summary_tables(report: dict[str, Any]) -> list[Table]:
+    """The report as rich tables: states per population, faults, invariants."""
+    populations = report["populations"]
+    states = Table(title="final states")
+    states.add_column("state")
+    for population in populations:
+        states.add_column(population["label"], justify="right")
+    states.add_column("total", justify="right")
+    for state in sorted(report["states"]):
+        states.add_row(state, *[str(p["states"].get(state, 0)) for p in populations],
+                       str(report["states"][state]))
+    states.add_row("effects in ledger", *[str(p["effects"]) for p in populations],
+                   str(report["effects"]))
+    states.add_row("manual reviews", *[str(sum(p["manual_reviews"].values()))
+                                       for p in populations], str(report["manual_reviews"]))
+
+    faults = Table(title="faults and recovery")
+    faults.add_column("what")
+    faults.add_column("count", justify="right")
+    f, w, r = report["faults"], report["workers"], report["recovery"]
+    rows = [
+        ("worker SIGKILLs", f["kills"]),
+        ("kill timers with no working process to hit", f["kill_timer_without_target"]),
+        ("backend terminations", f["backend_terminations"]),
+        ("PostgreSQL SIGKILLs and restarts", f["postgres_restarts"]),
+        ("PostgreSQL down (s)", report["database"]["down_s"]),
+        ("network partitions", f["partitions"]),
+        ("connections reset by the proxy", f["proxy_resets"]),
+        ("controller reads that found the database away",
+         report["database"]["unreachable_reads"]),
+        ("replies dropped after commit", f["dropped_replies"]),
+        ("429 answers", f["rejected_429"]),
+        ("worker process starts", w["starts"]),
+        ("leases expired and recovered", r["leases_expired"]),
+        ("tool calls / lookups", f"{report['tool']['calls']} / {report['tool']['lookups']}"),
+    ]
+    rows += [(f"reconciled: {kind}", n) for kind, n in r["reconciled"].items()]
+    rows += [(f"proven undispatched, out of review: {state}", n)
+             for state, n in r["undispatched_out_of_review"].items()]
+    rows += [(f"manual review: {why}", n) for why, n in report["manual_review_reasons"].items()]
+    rows += [(f"worker exits: {cause}", n) for cause, n in w["exits"].items()]
+    for what, count in rows:
+        faults.add_row(what, str(count))
+
+    checks = Table(title="invariants")
+    checks.add_column("invariant")
+    checks.add_column("violations", justify="right")
+    for kind, count in report["violations_by_kind"].items():
+        checks.add_row(kind, str(count), style="red" if count else None)
+    checks.add_row("total", str(report["violation_count"]),
+                   style="bold red" if report["violation_count"] else "bold green")
+    return [states, faults, checks]
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """Print the report's tables, timing and any violations."""
+    for table in summary_tables(report):
+        console.print(table)
+    t, run_ = report["timing"], report["run"]
+    console.print(
+        f"seed {run_['seed']}; {run_['workflows']} workflows, {run_['worker_processes']} worker "
+        f"processes; lease {run_['lease_s']}s, heartbeat {run_['heartbeat_s']}s; "
+        f"wall {t['wall_s']}s (setup {t['setup_s']}s, warm-up {t['warm_up_s']}s, "
+        f"faults {t['fault_phase_s']}s, drain {t['drain_s']}s, check {t['check_s']}s); "
+        f"{t['settled_before_drain']} of {run_['workflows']} workflows settled before the drain"
+    )
+    database = report["database"]
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(database["durability"].items()))
+    console.print(f"durability: {settings}")
+    for restart in database["restarts"]:
+        console.print(f"restart at {restart['at_s']}s: down {restart['down_s']}s")
+    for cut in report["faults"]["partition_log"]:
+        console.print(f"partition at {cut['at_s']}s for {cut['for_s']}s: {cut['link']} "
+                      f"{cut['mode']}")
+    for violation in report["violations"][:20]:
+        console.print(f"[red]{violation['kind']}[/red] {violation['workflow_id']} "
+                      f"{violation['effect_key']}: {violation['detail']}")
+    console.print(f"violations: {report['violation_count']}",
+                  style="bold red" if report["violation_count"] else "bold green")
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """Body of ``lab chaos``: provision PostgreSQL, run, print, write ``--output``, clean up.
+
+    Returns 0 when every invariant held, 1 when any was violated; a run that
+    cannot be made raises (``lab.cli`` maps it to its exit code). The report is
+    written before cleanup; a cleanup failure is reported after the verdict and
+    added to the written report, never in place of it.
+    """
+    from lab.pg import cluster
+
+    console = Console()
+    progress = Console(stderr=True)
+    # The pool's reconnect warnings are this run's faults working as meant; the report
+    # counts them. Anything worse than a warning still shows.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+    settings = Settings.from_args(args)
+    settings.validate()
+    running = cluster.start(mode=args.lab_postgres, durable=settings.durable)
+    try:
+        if settings.restart_every_ms > 0 and not running.can_crash_restart:
+            raise errors.ProvisioningError(
+                f"--restart-postgres-every needs a server this run starts; provider "
+                f"{running.provisioned.provider!r} cannot be restarted by the lab"
+            )
+        database = running.provisioned.describe()
+        progress.log(f"PostgreSQL {database.get('server_version')} via "
+                     f"{database.get('provider')}")
+        chaos = Chaos(
+            running.provisioned.dsn, settings, log=progress.log,
+            restart=running.crash_restart if settings.restart_every_ms > 0 else None,
+        )
+        try:
+            report = chaos.run()
+        finally:
+            problems = chaos.close()
+        report["postgres"] = database
+        report["cleanup"] = []
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print_summary(report, console)
+        console.print(f"report written to {output}")
+        if problems:
+            report["cleanup"] = problems
+            output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n",
+                              encoding="utf-8")
+            for problem in problems:
+                print(f"lab chaos: cleanup: {problem}", file=sys.stderr)
+    finally:
+        running.stop()
+    return 0 if report["violation_count"] == 0 else 1

@@ -1,0 +1,173 @@
+"""What a chaos run is asked to do and what it counts: settings, the split, fault timing.
+
+Pure: no I/O. ``lab.faults.chaos`` runs a round with these settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from lab import errors
+
+LEASE_S = 1.0
+HEARTBEAT_S = 0.25
+BACKOFF_S = 0.1
+IDLE_EXIT_S = 2.0
+DRAIN_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One chaos run's parameters (times in seconds unless the name says ms)."""
+
+    workflows: int = 500
+    workers: int = 4
+    duration: float = 60.0
+    kill_every_ms: float = 200.0
+    drop_replies: float = 0.1
+    reject_429: float = 0.1
+    terminate_every_ms: float = 2000.0
+    non_idempotent_share: float = 0.2
+    seed: int = 42
+    restart_every_ms: float = 0.0
+    partition_every_ms: float = 0.0
+    partition_for_ms: float = 1000.0
+    latency_ms: float = 0.0
+    durable: bool = False
+    min_restarts: int = 0
+    lease: float = LEASE_S
+    heartbeat: float = HEARTBEAT_S
+    backoff: float = BACKOFF_S
+    idle_exit: float = IDLE_EXIT_S
+    drain_timeout: float = DRAIN_TIMEOUT_S
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        """Settings from ``lab chaos`` arguments."""
+        return cls(
+            workflows=args.workflows,
+            workers=args.workers,
+            duration=args.duration,
+            kill_every_ms=args.kill_every,
+            drop_replies=args.drop_replies,
+            reject_429=args.reject_429,
+            terminate_every_ms=args.terminate_backends,
+            non_idempotent_share=args.non_idempotent_share,
+            seed=args.seed,
+            restart_every_ms=args.restart_postgres_every,
+            partition_every_ms=args.partition_every,
+            partition_for_ms=args.partition_for,
+            latency_ms=args.latency,
+            durable=args.durable or args.restart_postgres_every > 0,
+            min_restarts=args.min_restarts if args.restart_postgres_every > 0 else 0,
+        )
+
+    @property
+    def proxied(self) -> bool:
+        """Whether the links run through fault proxies (partitions or latency asked for)."""
+        return self.partition_every_ms > 0 or self.latency_ms > 0
+
+    def describe(self, *, max_attempts: int, proxied_links: list[str]) -> dict[str, Any]:
+        """The ``run`` section of a chaos report: what was asked for, in its units."""
+        return {
+            "seed": self.seed,
+            "workflows": self.workflows,
+            "worker_processes": self.workers,
+            "max_fault_duration_s": self.duration,
+            "kill_every_ms_mean": self.kill_every_ms,
+            "terminate_backend_every_ms_mean": self.terminate_every_ms,
+            "drop_reply_rate": self.drop_replies,
+            "reject_429_rate": self.reject_429,
+            "non_idempotent_share": self.non_idempotent_share,
+            "lease_s": self.lease,
+            "heartbeat_s": self.heartbeat,
+            "backoff_s": self.backoff,
+            "idle_exit_s": self.idle_exit,
+            "max_attempts": max_attempts,
+            "layout": "one schema per tool mode, each with its own tool service and workers",
+            "restart_postgres_every_ms": self.restart_every_ms,
+            "partition_every_ms": self.partition_every_ms,
+            "partition_for_ms": self.partition_for_ms,
+            "latency_ms": self.latency_ms,
+            "proxied_links": proxied_links,
+        }
+
+    def validate(self) -> None:
+        """Raise ``errors.UsageError`` for settings that cannot make a bounded run."""
+        if not 1 <= self.workflows <= 100_000:
+            raise errors.UsageError("workflows must be between 1 and 100000")
+        if not 1 <= self.workers <= 64:
+            raise errors.UsageError("workers must be between 1 and 64")
+        if not 0 < self.duration <= 3600:
+            raise errors.UsageError("duration must be between 0 and 3600 seconds")
+        if min(self.kill_every_ms, self.terminate_every_ms, self.restart_every_ms,
+               self.partition_every_ms) < 0:
+            raise errors.UsageError("fault intervals must not be negative (0 means never)")
+        if self.restart_every_ms and self.restart_every_ms < 1000:
+            raise errors.UsageError("restart-postgres-every must be at least 1000 ms")
+        if not 0 <= self.min_restarts <= 100:
+            raise errors.UsageError("min-restarts must be between 0 and 100")
+        if self.min_restarts and not self.restart_every_ms:
+            raise errors.UsageError("min-restarts needs restart-postgres-every")
+        if not 0 < self.partition_for_ms <= 30_000:
+            raise errors.UsageError("partition-for must be between 0 and 30000 ms")
+        if not 0 <= self.latency_ms <= 1000:
+            raise errors.UsageError("latency must be between 0 and 1000 ms")
+        for name in ("drop_replies", "reject_429", "non_idempotent_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise errors.UsageError(f"{name} must lie between 0 and 1")
+        if not 0 < self.heartbeat < self.lease:
+            raise errors.UsageError("heartbeat must be positive and shorter than the lease")
+        sizes = split(self)
+        if any(size > 0 and slots == 0 for _, size, slots in sizes):
+            raise errors.UsageError("a mixed population needs at least two worker processes")
+
+
+def split(settings: Settings) -> list[tuple[bool, int, int]]:
+    """(idempotent, workflows, worker processes) for each non-empty population."""
+    non_idempotent = round(settings.workflows * settings.non_idempotent_share)
+    idempotent = settings.workflows - non_idempotent
+    if idempotent and non_idempotent:
+        non_slots = min(settings.workers - 1, max(1, round(settings.workers * (
+            settings.non_idempotent_share))))
+        return [(True, idempotent, settings.workers - non_slots), (False, non_idempotent,
+                                                                     non_slots)]
+    return [(bool(idempotent), settings.workflows, settings.workers)]
+
+
+def interval(rng: random.Random, mean_ms: float) -> float:
+    """Seconds to the next fault, exponential with ``mean_ms`` (0 means never)."""
+    return math.inf if mean_ms <= 0 else rng.expovariate(1000.0 / mean_ms)
+
+def spread(rng: random.Random, every_ms: float) -> float:
+    """Seconds to the next database fault: ``every_ms`` give or take half (0: never).
+
+    Bounded rather than exponential, so "every 8000 ms" means that to the reader:
+    a restart or partition comes at least every 1.5 intervals.
+    """
+    return math.inf if every_ms <= 0 else rng.uniform(0.5, 1.5) * every_ms / 1000.0
+
+
+@dataclass
+class Counts:
+    """Fault and recovery counters; written by one thread each, read at the end."""
+
+    kills: int = 0
+    kill_misses: int = 0
+    backend_terminations: int = 0
+    termination_misses: int = 0
+    worker_starts: int = 0
+    worker_exits: Counter[str] = field(default_factory=Counter)
+    worker_items: Counter[str] = field(default_factory=Counter)
+    drain_kills: int = 0
+    leases_expired: int = 0
+    reconciled: Counter[str] = field(default_factory=Counter)
+    recoverer_errors: Counter[str] = field(default_factory=Counter)
+    undispatched: Counter[str] = field(default_factory=Counter)
+    unreachable_reads: int = 0
+    restarts: list[dict[str, float]] = field(default_factory=list)

@@ -1,0 +1,110 @@
+"""The crash-point matrix as data: its file format, its verdict, and its signed digest.
+
+Pure: no database, no processes. ``lab crashpoints`` (``lab.faults.crashpoints``)
+produces the matrix; ``lab book build`` renders it from the evidence directory
+with ``lab.book.crashpoints.book_section``. The file is signed with the run when an experiment of
+the run observed its sha256 (``SIGNED_KEY``): the signed report then binds the
+file's exact bytes, and the chapter says so; any other matrix is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lab import errors
+
+FORMAT = "lab-crashpoints/1"
+OUTPUT_FILE = "crashpoints.json"
+MAX_MATRIX_BYTES = 4 * 1024 * 1024
+# The observation key an experiment records the matrix file's sha256 under.
+SIGNED_KEY = "crashpoints_sha256"
+
+AUTOMATIC = "automatic"  # settled without a person
+PERSON = "person"  # waits for a person, with the recorded reason
+VIOLATION = "violation"  # the invariant checker found a violation
+NOT_REACHED = "not_reached"  # the run never got to the boundary: the cell proves nothing
+NOT_APPLICABLE = "not_applicable"
+STATUSES = (AUTOMATIC, PERSON, VIOLATION, NOT_REACHED, NOT_APPLICABLE)
+
+
+def outcome(cell: Mapping[str, Any]) -> str:
+    """A cell's outcome in a few words: final state, effects, who settles it."""
+    status = cell.get("status")
+    if status == NOT_APPLICABLE:
+        return "n/a"
+    if status == VIOLATION:
+        kinds = sorted({str(v.get("kind")) for v in cell.get("violations", [])})
+        return f"VIOLATION {', '.join(kinds)}"
+    if status == NOT_REACHED:
+        return "boundary not reached"
+    who = f"person: {cell.get('why')}" if status == PERSON else "automatic"
+    effects = int(cell.get("effects") or 0)
+    return f"{cell.get('final_state')}, {effects} effect{'' if effects == 1 else 's'}, {who}"
+
+
+def canonical_json(matrix: Mapping[str, Any]) -> bytes:
+    """The matrix as the bytes written to the evidence directory (sorted, indented)."""
+    return (json.dumps(matrix, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def digest(data: bytes) -> str:
+    """sha256 of the matrix file's bytes, as an experiment observes it for the signature."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def load(data: bytes) -> dict[str, Any]:
+    """Parse a matrix file, refusing anything that is not one (size- and shape-checked)."""
+    if len(data) > MAX_MATRIX_BYTES:
+        raise errors.InputError(f"crash-point matrix larger than {MAX_MATRIX_BYTES} bytes")
+    try:
+        matrix = json.loads(data)
+    except ValueError as exc:
+        raise errors.InputError(f"crash-point matrix is not JSON: {exc}") from exc
+    if not isinstance(matrix, dict) or matrix.get("format") != FORMAT:
+        raise errors.InputError(f"not a {FORMAT} matrix")
+    for name in ("cells", "boundaries", "faults", "kinds"):
+        if not isinstance(matrix.get(name), list):
+            raise errors.InputError(f"crash-point matrix without a {name} list")
+    for cell in matrix["cells"]:
+        if not isinstance(cell, dict) or not all(
+            isinstance(cell.get(k), str) for k in ("boundary", "fault", "kind", "status")
+        ):
+            raise errors.InputError("crash-point matrix with a malformed cell")
+    return matrix
+
+
+def passed(matrix: Mapping[str, Any]) -> bool:
+    """True when no cell broke an invariant or missed its boundary, and coverage is full."""
+    summary = matrix["summary"]
+    coverage = matrix["coverage"]
+    return (summary[VIOLATION] == 0 and summary[NOT_REACHED] == 0
+            and matrix["violation_count"] == 0
+            and (not matrix.get("complete") or coverage["reached"] == coverage["defined"]))
+
+
+# --------------------------------------------------------------------------- the book
+
+
+def read(evidence_dir: Path) -> bytes | None:
+    """The matrix file beside the evidence, size-limited and checked; None when absent."""
+    path = evidence_dir / OUTPUT_FILE
+    if not path.is_file():
+        return None
+    with path.open("rb") as handle:
+        data = handle.read(MAX_MATRIX_BYTES + 1)
+    load(data)
+    return data
+
+
+def signed_digests(report: Mapping[str, Any]) -> set[str]:
+    """Every matrix sha256 an experiment of the signed report observed."""
+    found = set()
+    for test in report.get("tests", []):
+        for observation in test.get("observations", []) if isinstance(test, dict) else []:
+            if isinstance(observation, dict) and isinstance(observation.get(SIGNED_KEY), str):
+                found.add(observation[SIGNED_KEY])
+    return found

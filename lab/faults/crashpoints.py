@@ -1,0 +1,609 @@
+"""``lab crashpoints``: every named boundary, every fault, both tool kinds, not a sample.
+
+For each cell a fresh workflow on its own schema is driven to one boundary of
+``lab.protocol.BOUNDARIES`` by a real ``lab worker`` OS process talking to the
+credit tool running as its own OS process (``lab.runtime.toolprocess``); the fault is
+injected exactly there; recovery then runs as an operator's recoverer would,
+with the real lease on PostgreSQL's clock (expired leases become unknown,
+unknowns are reconciled through the tool's lookup, requeued work runs again);
+and ``lab.faults.invariants`` judges the schema's whole history. Faults:
+
+    worker_sigkill  the process at the boundary dies by SIGKILL: its own
+                    self-kill switch (``lab worker --crash-at``) on the worker's
+                    and the reconciler's paths; the harness's SIGKILL while the
+                    tool holds the request, for the two boundaries inside the
+                    tool's request handling
+    reply_lost      the next effect reply after the boundary is lost: the tool
+                    commits the effect and closes the connection unanswered
+    tool_restart    the tool process is SIGKILLed at the boundary (by its own
+                    self-kill switch inside request handling, else by the
+                    harness while the worker waits there), the worker carries
+                    on against the dead endpoint, then the tool restarts
+    postgres_restart  the postmaster is SIGKILLed while the process waits at the
+                    boundary and restarted on the same data (``crash_restart`` of
+                    a server this run started; left out, with the reason, for
+                    any other); these cells run one at a time, after the others
+
+``after_heartbeat`` is reached with the tool holding the request (a slow
+tool), so the worker's heartbeats run; reconciler boundaries are reached by a
+``lab worker --reconcile`` process after a prelude worker left the workflow
+``unknown`` with its effect committed (its reply lost). A cell that cannot
+happen is recorded as not applicable with the reason, never left out, so
+every boundary has a cell for every fault and tool kind (a test enforces it).
+
+Each cell is independent (own schema, tool process and workers), so cells run
+in parallel (``--jobs``). The seed picks each cell's plan and the order cells
+are scheduled in. In the first three columns a cell's outcome does not depend
+on timing (runs give the same cells apart from times). In the PostgreSQL
+column it may: whether the waiting process's next statement meets a pooled
+connection broken by the restart (it exits, its lease expires, recovery
+settles it) or a fresh one (it carries on) is up to the pool's timing; either
+way the checker judges the history, and the cell records which happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lab import errors, protocol
+from lab.faults import crashmatrix, invariants
+from lab.runtime import plan, processes, sealing, store, tool, worker
+from lab.runtime import toolprocess as toolprocesses
+
+WORKER_SIGKILL = "worker_sigkill"
+REPLY_LOST = "reply_lost"
+TOOL_RESTART = "tool_restart"
+POSTGRES_RESTART = "postgres_restart"
+FAULTS: tuple[tuple[str, str], ...] = (
+    (WORKER_SIGKILL, "the process at the boundary is SIGKILLed"),
+    (REPLY_LOST, "the next effect reply after the boundary is lost (effect committed)"),
+    (TOOL_RESTART, "the tool process is SIGKILLed at the boundary, then restarted"),
+    (POSTGRES_RESTART, "the PostgreSQL postmaster is SIGKILLed at the boundary and restarted "
+                       "on the same data (WAL recovery)"),
+)
+FAULT_NAMES: tuple[str, ...] = tuple(name for name, _ in FAULTS)
+NO_RESTART = (
+    "this run's PostgreSQL cannot be crash-restarted (only an embedded server the run "
+    "started itself can): the column is left out"
+)
+IDEMPOTENT = "idempotent"
+NON_IDEMPOTENT = "non_idempotent"
+KINDS: tuple[str, ...] = (IDEMPOTENT, NON_IDEMPOTENT)
+
+FORMAT = crashmatrix.FORMAT
+AUTOMATIC = crashmatrix.AUTOMATIC
+PERSON = crashmatrix.PERSON
+VIOLATION = crashmatrix.VIOLATION
+NOT_REACHED = crashmatrix.NOT_REACHED
+NOT_APPLICABLE = crashmatrix.NOT_APPLICABLE
+
+LEASE_S = 1.0
+HEARTBEAT_S = 0.25
+SLOW_TOOL_HEARTBEAT_S = 0.1
+BACKOFF_S = 0.05
+CELL_TIMEOUT_S = 60.0
+APPROVAL_TTL = timedelta(hours=1)
+PROPOSER = store.Actor("tenant-a", "employee-a", "proposer")
+APPROVER = store.Actor("tenant-a", "manager-a", "approver")
+
+# Steps of a cell's script. The ones marked as faults start the recovery clock.
+WORKER_STAGE = "worker_stage"  # wait for the process to report the boundary
+TOOL_STAGE = "tool_stage"  # wait for the tool to report the boundary
+KILL_WORKER = "kill_worker"  # harness SIGKILL of the process (fault)
+WORKER_KILLED_ITSELF = "worker_killed_itself"  # wait for its self-kill (fault)
+WORKER_EXIT = "worker_exit"  # wait for the process to exit
+RELEASE_WORKER = "release_worker"
+RELEASE_TOOL = "release_tool"
+DROP_NEXT_REPLY = "drop_next_reply"  # (fault)
+KILL_TOOL = "kill_tool"  # harness SIGKILL of the tool process (fault)
+TOOL_DIED = "tool_died"  # wait for the tool's self-kill (fault)
+RESTART_TOOL = "restart_tool"
+RESTART_POSTGRES = "restart_postgres"  # SIGKILL the postmaster, restart it (fault)
+FAULT_STEPS = frozenset({KILL_WORKER, WORKER_KILLED_ITSELF, DROP_NEXT_REPLY, KILL_TOOL, TOOL_DIED,
+                         RESTART_POSTGRES})
+
+
+@dataclass(frozen=True)
+class Script:
+    """How one cell is driven: the process's flags, the tool's flags, the harness's steps."""
+
+    reconciler: bool
+    worker_flags: tuple[str, ...]
+    tool_flags: tuple[str, ...]
+    steps: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class NotApplicable:
+    """A cell that cannot happen, and why."""
+
+    reason: str
+
+
+# How the harness gets a process to each boundary. A boundary added to ``lab.protocol``
+# has no entry here until someone decides how its cells run: ``script`` raises
+# ``KeyError`` for it and the coverage test fails.
+BEFORE_CALL = "before_call"  # worker path, before the effect request is sent
+IN_TOOL = "in_tool"  # inside the tool's request handling
+AFTER_REPLY = "after_reply"  # worker path, the effect reply already in hand
+SLOW_TOOL = "slow_tool"  # worker's heartbeat thread, while the tool holds the request
+RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknown workflow
+REACH: dict[str, str] = {
+    protocol.AFTER_CLAIM: BEFORE_CALL,
+    protocol.AFTER_BARRIER: BEFORE_CALL,
+    protocol.AFTER_REQUEST: IN_TOOL,
+    protocol.AFTER_EFFECT: IN_TOOL,
+    protocol.AFTER_TOOL: AFTER_REPLY,
+    protocol.AFTER_COMPLETE: AFTER_REPLY,
+    protocol.AFTER_HEARTBEAT: SLOW_TOOL,
+    protocol.AFTER_LOOKUP: RECONCILING,
+    protocol.AFTER_SETTLE: RECONCILING,
+}
+
+
+def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
+    """The script of the cell (``boundary``, ``fault``, ``kind``), or why there is none.
+
+    Raises ``KeyError`` for a boundary, fault or kind this module does not know:
+    a boundary added to ``lab.protocol`` without a cell here fails the coverage test.
+    """
+    reach = REACH[boundary]
+    if fault not in FAULT_NAMES or kind not in KINDS:
+        raise KeyError(f"{fault}/{kind}")
+    if boundary == protocol.AFTER_LOOKUP and kind == NON_IDEMPOTENT:
+        return NotApplicable(
+            "a non-idempotent tool has no authoritative lookup: the reconciler never asks, "
+            "it records a review"
+        )
+    reconciler = reach == RECONCILING
+    slow_tool = ("--pause", protocol.AFTER_REQUEST)
+    fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S))
+    pause = ("--pause", boundary)
+    if fault == WORKER_SIGKILL:
+        if reach == IN_TOOL:
+            return Script(False, (), ("--pause", boundary), (
+                (TOOL_STAGE, boundary), (KILL_WORKER,), (RELEASE_TOOL,)))
+        if reach == SLOW_TOOL:
+            return Script(False, ("--crash-at", boundary, *fast_beats), slow_tool, (
+                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_KILLED_ITSELF,), (RELEASE_TOOL,)))
+        return Script(reconciler, ("--crash-at", boundary), (), ((WORKER_KILLED_ITSELF,),))
+    if fault == REPLY_LOST:
+        if reach == BEFORE_CALL:
+            return Script(False, pause, (), (
+                (WORKER_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+        if reach == IN_TOOL:
+            return Script(False, (), ("--pause", boundary), (
+                (TOOL_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (WORKER_EXIT,)))
+        if reach == SLOW_TOOL:
+            return Script(False, (*pause, *fast_beats), slow_tool, (
+                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
+                (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+        if boundary == protocol.AFTER_TOOL:
+            return NotApplicable("the reply has already arrived at this boundary")
+        return NotApplicable("no effect reply follows this boundary")
+    if fault == POSTGRES_RESTART:
+        if reach == IN_TOOL:
+            return Script(False, (), ("--pause", boundary), (
+                (TOOL_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_TOOL,), (WORKER_EXIT,)))
+        if reach == SLOW_TOOL:
+            return Script(False, (*pause, *fast_beats), slow_tool, (
+                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
+                (RESTART_POSTGRES,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+        return Script(reconciler, pause, (), (
+            (WORKER_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+    # TOOL_RESTART
+    if reach == IN_TOOL:
+        return Script(False, (), ("--die-at", boundary), (
+            (TOOL_DIED,), (WORKER_EXIT,), (RESTART_TOOL,)))
+    if reach == SLOW_TOOL:
+        return Script(False, (*pause, *fast_beats), slow_tool, (
+            (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary), (KILL_TOOL,),
+            (RELEASE_WORKER,), (WORKER_EXIT,), (RESTART_TOOL,)))
+    return Script(reconciler, pause, (), (
+        (WORKER_STAGE, boundary), (KILL_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,),
+        (RESTART_TOOL,)))
+
+
+def missing_cells() -> list[str]:
+    """Cells of the matrix with neither a script nor a reason they cannot happen."""
+    missing = []
+    for boundary, fault, kind in cells():
+        try:
+            found = script(boundary, fault, kind)
+        except KeyError:
+            missing.append(cell_id(boundary, fault, kind))
+            continue
+        if isinstance(found, NotApplicable) and not found.reason.strip():
+            missing.append(cell_id(boundary, fault, kind))
+    return missing
+
+
+def cells() -> list[tuple[str, str, str]]:
+    """Every (boundary, fault, kind) of the matrix, in table order."""
+    return [(b, f, k) for b in protocol.NAMES for f in FAULT_NAMES for k in KINDS]
+
+
+def cell_id(boundary: str, fault: str, kind: str) -> str:
+    """The cell's name in the JSON and on the command line."""
+    return f"{boundary}/{fault}/{kind}"
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class _Run:
+    dsn: str
+    token: str
+    seed: int
+    keys: sealing.KeyCatalog
+    keep_schemas: bool
+    restart: Callable[[], float] | None
+
+
+def run(
+    dsn: str,
+    *,
+    seed: int = 17,
+    jobs: int = 2,
+    only: Sequence[str] = (),
+    log: Callable[[str], None] | None = None,
+    keep_schemas: bool = False,
+    restart: Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """Run every cell (or those whose id starts with one of ``only``) and return the matrix.
+
+    ``restart`` crash-restarts the server at ``dsn`` (``RunningPostgres.crash_restart``);
+    without it the PostgreSQL column is left out and the matrix says why. Its cells kill
+    every connection of the server, so they run one at a time after the others.
+    """
+    if not 1 <= jobs <= 16:
+        raise errors.UsageError("--jobs must be between 1 and 16")
+    missing = missing_cells()
+    if missing:
+        raise errors.CheckFailed(f"boundaries without a crash-point cell: {', '.join(missing)}")
+    say = log or (lambda message: None)
+    began = time.monotonic()
+    ctx = _Run(dsn, f"c{secrets.token_hex(3)}", seed, sealing.load_catalog(), keep_schemas,
+               restart)
+    wanted = [c for c in cells() if (restart is not None or c[1] != POSTGRES_RESTART)
+              and (not only or cell_id(*c).startswith(tuple(only)))]
+    if not wanted:
+        raise errors.UsageError(f"no cell matches {', '.join(only)}")
+    order = list(range(len(wanted)))
+    random.Random(seed).shuffle(order)
+    serial = [i for i in order if wanted[i][1] == POSTGRES_RESTART]
+    order = [i for i in order if wanted[i][1] != POSTGRES_RESTART]
+    results: dict[int, dict[str, Any]] = {}
+
+    def one(index: int) -> None:
+        boundary, fault, kind = wanted[index]
+        results[index] = _run_cell(ctx, index, boundary, fault, kind)
+        cell = results[index]
+        say(f"{cell_id(boundary, fault, kind)}: {cell['status']}"
+            + (f" ({cell['why']})" if cell.get("why") else ""))
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="crashpoint") as pool:
+        for future in [pool.submit(one, index) for index in order]:
+            future.result()
+    for index in serial:
+        one(index)
+    matrix = assemble([results[i] for i in range(len(wanted))], seed=seed, jobs=jobs,
+                      complete=not only, restartable=restart is not None)
+    matrix["timing"] = {"wall_s": round(time.monotonic() - began, 2)}
+    return matrix
+
+
+def _run_cell(ctx: _Run, index: int, boundary: str, fault: str, kind: str) -> dict[str, Any]:
+    base: dict[str, Any] = {"boundary": boundary, "fault": fault, "kind": kind,
+                            "id": cell_id(boundary, fault, kind)}
+    plan_of = script(boundary, fault, kind)
+    if isinstance(plan_of, NotApplicable):
+        return {**base, "status": NOT_APPLICABLE, "why": plan_of.reason}
+    schema = f"cp_{ctx.token}_{index:03d}"
+    idempotent = kind == IDEMPOTENT
+    db = store.Store.open(ctx.dsn, schema, create=True, keys=ctx.keys, max_connections=2,
+                          application_name="lab-crashpoints")
+    tools = toolprocesses.ToolProcess(ctx.dsn, schema, idempotent=idempotent,
+                                      token=secrets.token_urlsafe(18))
+    children: list[processes.WorkerProcess] = []
+    began = time.monotonic()
+    try:
+        cell = _drive(ctx, db, tools, children, plan_of, idempotent, base["id"])
+        return {**base, **cell, "cell_s": round(time.monotonic() - began, 2)}
+    finally:
+        for child in children:
+            child.cleanup()
+        tools.close()
+        db.close()
+        if not ctx.keep_schemas:
+            store.drop_schema(ctx.dsn, schema)
+
+
+def _drive(
+    ctx: _Run,
+    db: store.Store,
+    tools: toolprocesses.ToolProcess,
+    children: list[processes.WorkerProcess],
+    cell: Script,
+    idempotent: bool,
+    name: str,
+) -> dict[str, Any]:
+    rng = random.Random(f"{ctx.seed}:{name}")
+    proposed = plan.Plan(
+        version=plan.SUPPORTED_PLAN_VERSION, action=plan.ACTION,
+        account=rng.choice(plan.ACCOUNTS),
+        amount_minor=rng.randint(plan.MIN_AMOUNT_MINOR, plan.MAX_AMOUNT_MINOR),
+        currency=plan.CURRENCY, idempotent=idempotent,
+    )
+    created = db.create(PROPOSER, f"crashpoint-{name}", proposed)
+    job = db.approve(APPROVER, created.id, created.fingerprint, APPROVAL_TTL)
+    tools.start(*cell.tool_flags)
+
+    def spawn(label: str, *flags: str) -> processes.WorkerProcess:
+        child = processes.spawn_worker(
+            ctx.dsn, db.schema, tools.endpoint, tools.token, label,
+            "--lease", str(LEASE_S), "--heartbeat", str(HEARTBEAT_S),
+            "--backoff", str(BACKOFF_S), *flags, keys=ctx.keys,
+        )
+        children.append(child)
+        return child
+
+    if cell.reconciler:
+        # Prelude: the effect is committed, its reply lost, the workflow unknown.
+        tools.current.send(toolprocesses.DROP_COMMAND)
+        tools.current.wait_for(protocol.ARMED)
+        prelude = spawn("prelude")
+        prelude.finish(timeout=CELL_TIMEOUT_S)
+        if db.get(job.id).state != "unknown":
+            raise errors.CheckFailed(f"{name}: the prelude did not leave the workflow unknown")
+    flags = (*cell.worker_flags, "--reconcile", job.id) if cell.reconciler else cell.worker_flags
+    subject = spawn("reconciler" if cell.reconciler else "worker", *flags)
+    fault_at: float | None = None
+    exits: list[int] = []
+    for step in cell.steps:
+        verb = step[0]
+        if verb == WORKER_STAGE:
+            subject.wait_for(f"{protocol.STAGE} {step[1]} ", timeout=CELL_TIMEOUT_S)
+        elif verb == TOOL_STAGE:
+            tools.current.wait_for(f"{protocol.STAGE} {step[1]} ", timeout=CELL_TIMEOUT_S)
+        elif verb == KILL_WORKER:
+            exits.append(subject.kill())
+        elif verb in (WORKER_KILLED_ITSELF, WORKER_EXIT):
+            exits.append(_exit_code(subject))
+        elif verb == RELEASE_WORKER:
+            subject.release()
+        elif verb == RELEASE_TOOL:
+            tools.current.release()
+        elif verb == DROP_NEXT_REPLY:
+            tools.current.send(toolprocesses.DROP_COMMAND)
+            tools.current.wait_for(protocol.ARMED, timeout=CELL_TIMEOUT_S)
+        elif verb == KILL_TOOL:
+            tools.current.kill()
+        elif verb == TOOL_DIED:
+            _exit_code(tools.current)
+        elif verb == RESTART_TOOL:
+            tools.start()
+        elif verb == RESTART_POSTGRES:
+            assert ctx.restart is not None
+            ctx.restart()
+        else:  # pragma: no cover - the scripts above use only these verbs
+            raise AssertionError(verb)
+        if verb in FAULT_STEPS and fault_at is None:
+            fault_at = time.monotonic()
+    if subject.alive():
+        exits.append(_exit_code(subject))
+    recovered_from = fault_at if fault_at is not None else time.monotonic()
+    final, actions = _recover(db, tools, job.id)
+    recovery_s = time.monotonic() - recovered_from
+    reported = [line.split()[1] for child in children for line in child.all_lines()
+                if line.startswith(f"{protocol.STAGE} ")] + tools.stages()
+    boundary = name.split("/")[0]
+    history = invariants.load(ctx.dsn, db.schema, open_result=ctx.keys.open)
+    found = invariants.check(history)
+    requests = tools.requests()
+    needs_person = final.state == "unknown" and bool(final.review_reason)
+    if found:
+        status = VIOLATION
+    elif boundary not in reported:
+        status = NOT_REACHED
+    else:
+        status = PERSON if needs_person else AUTOMATIC
+    return {
+        "status": status,
+        "reached": boundary in reported,
+        "final_state": final.state,
+        "attempts": final.attempt,
+        "needs_person": needs_person,
+        "why": final.review_reason if needs_person else "",
+        "effects": len(history.effects),
+        "tool_calls": requests.get("call", 0),
+        "lookups": requests.get("lookup", 0),
+        "recovery_s": round(recovery_s, 2),
+        "recovery": actions,
+        "process_exits": exits,
+        "events": [e.kind for e in sorted(history.events, key=lambda e: e.seq)],
+        "violations": [v.to_json() for v in found],
+    }
+
+
+def _exit_code(child: processes.WorkerProcess) -> int:
+    """Wait for ``child`` to exit by itself; its code (negative: the signal)."""
+    deadline = time.monotonic() + CELL_TIMEOUT_S
+    while child.alive():
+        if time.monotonic() > deadline:
+            raise errors.CheckFailed(f"{child.name} did not exit within {CELL_TIMEOUT_S}s")
+        time.sleep(0.01)
+    return child.cleanup()
+
+
+def _recover(
+    db: store.Store, tools: toolprocesses.ToolProcess, workflow_id: str
+) -> tuple[store.Workflow, list[str]]:
+    """Recover as an operator's recoverer: expired leases, reconciliation, requeued work."""
+    actions: list[str] = []
+    deadline = time.monotonic() + CELL_TIMEOUT_S
+    with tool.ToolClient(tools.endpoint, tools.token) as client:
+        recoverer = worker.Worker(db=db, client=client, name="recoverer",
+                                  lease=timedelta(seconds=LEASE_S))
+        while True:
+            try:
+                current = db.get(workflow_id)
+            except errors.StoreError:
+                # The server is still coming back after a restart: try again shortly.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+                continue
+            settled = current.state in store.TERMINAL_STATES or (
+                current.state == "unknown" and bool(current.review_reason))
+            if settled or time.monotonic() > deadline:
+                return current, actions
+            if current.state == "running":
+                expired = db.execute(
+                    "SELECT lease_until <= clock_timestamp() AS expired FROM workflows "
+                    "WHERE id = %s", (workflow_id,))[0]["expired"]
+                if expired and db.recover_expired():
+                    actions.append("lease_expired")
+                else:
+                    time.sleep(0.02)
+            elif current.state == "unknown":
+                try:
+                    settled_as = recoverer.reconcile(workflow_id)
+                    actions.append({"succeeded": "reconciled_found",
+                                    "ready": "reconciled_requeued"}.get(
+                                        settled_as.state, f"reconciled_{settled_as.state}"))
+                except errors.ManualReview as exc:
+                    actions.append(f"review:{exc.reason}")
+                except (errors.Stale, errors.ToolError, errors.StoreError):
+                    time.sleep(0.05)
+            elif current.state == "ready":
+                due = db.execute("SELECT ready_at <= clock_timestamp() AS due FROM workflows "
+                                 "WHERE id = %s", (workflow_id,))[0]["due"]
+                try:
+                    ran = due and recoverer.run_one() is not None
+                except errors.StoreError:
+                    ran = False
+                if ran:
+                    actions.append("ran_again")
+                else:
+                    time.sleep(0.02)
+            else:
+                time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+def assemble(
+    results: list[dict[str, Any]], *, seed: int, jobs: int, complete: bool,
+    restartable: bool = True,
+) -> dict[str, Any]:
+    """The matrix document from its cells: coverage, counts by status, the fault table."""
+    reached = sorted({c["boundary"] for c in results if c.get("reached")},
+                     key=protocol.NAMES.index)
+    statuses = Counter(c["status"] for c in results)
+    return {
+        "format": FORMAT,
+        "seed": seed,
+        "jobs": jobs,
+        "complete": complete,
+        "lease_s": LEASE_S,
+        "heartbeat_s": HEARTBEAT_S,
+        "boundaries": [
+            {"name": b.name, "path": b.path, "meaning": b.meaning} for b in protocol.BOUNDARIES
+        ],
+        "faults": [{"name": n, "meaning": m} for n, m in FAULTS
+                   if restartable or n != POSTGRES_RESTART],
+        "omitted_faults": [] if restartable else [{"name": POSTGRES_RESTART, "why": NO_RESTART}],
+        "kinds": list(KINDS),
+        "cells": results,
+        "coverage": {
+            "defined": len(protocol.NAMES),
+            "reached": len(reached),
+            "missing": [n for n in protocol.NAMES if n not in reached],
+        },
+        "summary": {status: statuses.get(status, 0) for status in
+                    (AUTOMATIC, PERSON, VIOLATION, NOT_REACHED, NOT_APPLICABLE)},
+        "violation_count": sum(len(c.get("violations", [])) for c in results),
+    }
+
+
+def print_summary(matrix: Mapping[str, Any]) -> None:
+    """Print one row per cell, the coverage line and any violation."""
+    from rich.console import Console
+    from rich.table import Table
+
+    # Wide enough for one line per cell in a CI log too (rich assumes 80 columns there).
+    console = Console(width=max(Console().width, 150))
+    table = Table(title="crash points: boundary / fault / tool kind")
+    for column, justify in (("cell", "left"), ("outcome", "left"), ("effects", "right"),
+                            ("calls", "right"), ("lookups", "right"), ("recovery", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    style = {AUTOMATIC: "green", PERSON: "yellow", VIOLATION: "bold red",
+             NOT_REACHED: "bold red", NOT_APPLICABLE: "dim"}
+    for cell in matrix["cells"]:
+        text = (crashmatrix.outcome(cell) if cell["status"] != NOT_APPLICABLE
+                else f"n/a: {cell['why']}")
+        numbers = [str(cell.get(k, "")) for k in ("effects", "tool_calls", "lookups")]
+        recovery = f"{cell['recovery_s']:.2f}s" if "recovery_s" in cell else ""
+        table.add_row(cell["id"], f"[{style[cell['status']]}]{text}[/]", *numbers, recovery)
+    console.print(table)
+    coverage = matrix["coverage"]
+    console.print(f"coverage: {coverage['reached']}/{coverage['defined']} boundaries reached"
+                  + (f" (missing: {', '.join(coverage['missing'])})" if coverage["missing"]
+                     else ""))
+    for omitted in matrix.get("omitted_faults", []):
+        console.print(f"fault column left out: {omitted['name']}: {omitted['why']}")
+    for cell in matrix["cells"]:
+        for violation in cell.get("violations", []):
+            console.print(f"[red]{cell['id']}: {violation['kind']}[/red] {violation['detail']}")
+    console.print(f"cells: {dict(matrix['summary'])}; violations: {matrix['violation_count']}; "
+                  f"wall {matrix.get('timing', {}).get('wall_s')}s with {matrix['jobs']} jobs",
+                  style="bold green" if crashmatrix.passed(matrix) else "bold red")
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """Body of ``lab crashpoints``: provision PostgreSQL, run the matrix, print, write JSON.
+
+    Exit 0 when every cell reached its boundary with no violation and every
+    boundary is covered, 1 otherwise.
+    """
+    from rich.console import Console
+
+    from lab.pg import cluster
+
+    progress = Console(stderr=True)
+    if not 1 <= args.jobs <= 16:
+        raise errors.UsageError("--jobs must be between 1 and 16")
+    if not any(cell_id(*c).startswith(tuple(args.only or [""])) for c in cells()):
+        raise errors.UsageError(f"--only {' '.join(args.only)} matches no cell")
+    # Durable (fsync and synchronous commits on), as every run that crashes the server is.
+    running = cluster.start(mode=args.lab_postgres, durable=True)
+    try:
+        database = running.provisioned.describe()
+        restart = running.crash_restart if running.can_crash_restart else None
+        progress.log(f"PostgreSQL {database.get('server_version')} via "
+                     f"{database.get('provider')}; {args.jobs} jobs; server restarts "
+                     f"{'on' if restart else 'impossible: no PostgreSQL column'}")
+        matrix = run(running.provisioned.dsn, seed=args.seed, jobs=args.jobs, only=args.only,
+                     log=progress.log, restart=restart)
+    finally:
+        running.stop()
+    matrix["postgres"] = database
+    print_summary(matrix)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(crashmatrix.canonical_json(matrix))
+    progress.log(f"matrix written to {output}")
+    return 0 if crashmatrix.passed(matrix) else 1

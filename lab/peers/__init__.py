@@ -1,0 +1,1 @@
+"""The peers readers would pick instead (the `peers` dependencies): DBOS and LangGraph."""

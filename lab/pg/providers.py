@@ -1,0 +1,14 @@
+"""The names of the PostgreSQL providers, spelled once.
+
+A module of constants only, so the command line can offer the choices without
+importing psycopg or the launcher (``lab.pg.cluster`` does the providing).
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"
+DSN = "dsn"
+CONTAINER = "container"
+EMBEDDED = "embedded"
+# What a run may ask for: ``auto`` tries the other three in this order.
+MODES = (AUTO, DSN, CONTAINER, EMBEDDED)

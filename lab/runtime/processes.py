@@ -1,0 +1,337 @@
+"""Workers as real OS processes, and the handle an experiment uses to drive one.
+
+The child speaks a line protocol on stdout (the words are in ``lab.protocol``):
+``BOOK_READY`` at its start gate, ``BOOK_STAGE <boundary> <workflow> <fence>`` at
+each named boundary, ``BOOK_DONE`` at the end. A newline on stdin releases a
+pause. SIGKILL ends it mid-window, which is the point: no cleanup code runs,
+exactly as in a real crash. ``--crash-at BOUNDARY`` is the self-kill switch:
+the child SIGKILLs itself the moment it reports that boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import IO
+
+from lab import errors, protocol
+from lab.runtime import backoff, egress, sealing, store, tool, worker
+
+# Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
+WORKER_APP_PREFIX = "lab-worker:"
+# How long a worker waits for a lost database (failures in a row) before it gives up.
+DB_PATIENCE_S = 60.0
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
+    egress.install()
+    dsn = os.environ.get(protocol.DSN_ENV, "")
+    token = os.environ.get(protocol.TOKEN_ENV, "")
+    if not dsn or not token:
+        print(
+            f"lab worker needs {protocol.DSN_ENV} and {protocol.TOKEN_ENV} in its environment",
+            file=sys.stderr,
+        )
+        return 2
+    crash_at = getattr(args, "crash_at", None)
+    # The heartbeat thread reports too: one line at a time.
+    say = threading.Lock()
+
+    def wait_for_newline() -> None:
+        sys.stdin.readline()
+
+    def hook(stage: str, claim: store.Workflow) -> None:
+        with say:
+            print(protocol.stage_line(stage, claim.id, claim.fence), flush=True)
+            if crash_at == stage:
+                # Stop dead at the boundary: no other thread runs another line.
+                os.kill(os.getpid(), signal.SIGKILL)
+        if args.pause == stage:
+            wait_for_newline()
+
+    try:
+        with _open_store(dsn, args.schema, args.name) as db, tool.ToolClient(
+            args.tool, token
+        ) as client:
+            runner = worker.Worker(
+                db=db,
+                client=client,
+                name=args.name,
+                lease=timedelta(seconds=args.lease),
+                heartbeat_every=timedelta(seconds=args.heartbeat),
+                backoff=timedelta(seconds=args.backoff),
+                hook=hook,
+            )
+            if args.start_gate:
+                print(protocol.READY, flush=True)
+                wait_for_newline()
+            if args.reconcile:
+                runner.reconcile(args.reconcile)
+            if args.loop:
+                _loop(runner, idle_exit=args.idle_exit, max_items=args.max_items)
+            else:
+                runner.run_one()
+    except errors.LabError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(protocol.DONE, flush=True)
+    return 0
+
+
+def _open_store(dsn: str, schema: str, name: str) -> store.Store:
+    """Connect, riding out a database that is away (restarting) with jittered backoff."""
+    patience = backoff.Backoff(patience=DB_PATIENCE_S)
+    while True:
+        try:
+            return store.Store.open(
+                dsn, schema, max_connections=2, application_name=f"{WORKER_APP_PREFIX}{name}"
+            )
+        except errors.StoreError:
+            if patience.exhausted:
+                raise
+            time.sleep(patience.failed())
+
+
+def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
+    """Run items until none was due for ``idle_exit`` seconds (or ``max_items`` ran).
+
+    A stale fence, a manual-review decision, a tool failure or a lost database
+    connection ends one item, not the loop: the database has already refused or
+    recorded what it must, and the pool replaces a terminated backend. A database
+    that is away is waited for with bounded, jittered backoff (its outage does not
+    count as idle time) until ``DB_PATIENCE_S`` of failures in a row.
+    """
+    done = 0
+    idle_since = time.monotonic()
+    lost = backoff.Backoff(patience=DB_PATIENCE_S)
+    while max_items <= 0 or done < max_items:
+        try:
+            item = runner.run_one()
+            lost.reset()
+        except errors.StoreError as exc:
+            print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
+            if lost.exhausted:
+                raise
+            time.sleep(lost.failed())
+            idle_since = time.monotonic()
+            continue
+        except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
+            print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
+            item = None
+            idle_since = time.monotonic()
+        if item is not None:
+            done += 1
+            print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= idle_exit:
+            return
+        else:
+            time.sleep(0.02)
+
+
+class WorkerProcess:
+    """A running ``lab worker`` child, with its stdout lines in a queue."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        name: str,
+        on_event: Callable[[str, str], None] | None = None,
+    ):
+        self.name = name
+        self._on_event = on_event or (lambda actor, what: None)
+        self.started = time.monotonic()
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        self._stderr: list[str] = []
+        assert self._proc.stdout is not None
+        assert self._proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True),
+            threading.Thread(target=self._drain, args=(self._proc.stderr,), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _drain(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._stderr.append(line)
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
+
+    @property
+    def stderr(self) -> str:
+        """What the child wrote to stderr so far."""
+        return "".join(self._stderr)
+
+    def alive(self) -> bool:
+        """True while the child has not exited."""
+        return self._proc.poll() is None
+
+    def wait_for(self, prefix: str, timeout: float = 15.0) -> str:
+        """Return the next stdout line starting with ``prefix``; fail on exit or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s; {self._tail()}")
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                self._proc.wait(timeout=5)
+                raise AssertionError(
+                    f"{self.name} exited ({self._proc.returncode}) before {prefix!r}; "
+                    f"{self._tail()}"
+                )
+            self.seen.append(line)
+            if line.startswith(prefix):
+                self._on_event(self.name, line.split(" wf_")[0])
+                return line
+
+    def release(self) -> None:
+        """Write the newline that releases a start gate or a pause."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("\n")
+        self._proc.stdin.flush()
+        self._on_event("experiment", f"release {self.name}")
+
+    def all_lines(self) -> list[str]:
+        """Every stdout line so far, the ones ``wait_for`` passed over included.
+
+        Moves what is queued into ``seen``: call it once the waiting is over.
+        """
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return list(self.seen)
+            if line is not None:
+                self.seen.append(line)
+
+    def send(self, line: str) -> None:
+        """Write one command line to the child's stdin."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{line}\n")
+        self._proc.stdin.flush()
+
+    def finish(self, timeout: float = 30.0, expect_exit: int | None = 0) -> int:
+        """Wait for the child to exit and return its exit code.
+
+        Raise (with the child's stderr) unless the code is ``expect_exit``: 0 for a
+        clean run, 1 for a worker that stopped on a lab error such as ``ManualReview``
+        (its stderr names it), ``None`` to accept any code.
+        """
+        try:
+            code = self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{self.name} did not exit within {timeout}s") from exc
+        for reader in self._readers:
+            reader.join(timeout=5)
+        if expect_exit is not None and code != expect_exit:
+            raise AssertionError(
+                f"{self.name} exited {code}, expected {expect_exit}; {self._tail()}"
+            )
+        self._on_event(self.name, f"exited {code}")
+        return code
+
+    def kill(self) -> int:
+        """SIGKILL the child and reap it; returns the (negative) return code."""
+        self._on_event("experiment", f"SIGKILL {self.name}")
+        self._proc.send_signal(signal.SIGKILL)
+        code = self._proc.wait(timeout=10)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        self._on_event(self.name, f"killed (exit {code})")
+        return code
+
+    def cleanup(self) -> int:
+        """Kill the child if it is still alive, reap it, close its pipes; return its exit code.
+
+        The output readers are joined first, so every line the child wrote is read.
+        """
+        if self.alive():
+            self._proc.kill()
+        try:
+            code = self._proc.wait(timeout=10)
+            for reader in self._readers:
+                reader.join(timeout=5)
+            return code
+        finally:
+            for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+
+    def _tail(self) -> str:
+        return f"stderr: {self.stderr.strip()[-2000:] or '(empty)'}"
+
+
+def spawn_worker(
+    dsn: str,
+    schema: str,
+    endpoint: str,
+    token: str,
+    name: str,
+    *extra: str,
+    on_event: Callable[[str, str], None] | None = None,
+    keys: sealing.KeyCatalog | None = None,
+) -> WorkerProcess:
+    """Start ``lab worker`` as a child of this interpreter (not whatever is on PATH).
+
+    ``keys``: the catalog the child seals results with (else it loads its own from the
+    environment).
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "lab.cli",
+        "worker",
+        "--schema",
+        schema,
+        "--tool",
+        endpoint,
+        "--name",
+        name,
+        *extra,
+    ]
+    env = {**child_env(dsn, keys), protocol.TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    return WorkerProcess(argv, env, name, on_event)
+
+
+def child_env(dsn: str, keys: sealing.KeyCatalog | None = None) -> dict[str, str]:
+    """The environment of a ``lab`` child process: ours, plus the database and, when
+    given, the key catalog to seal and open results with (never argv: both are secrets)."""
+    env = {**os.environ, protocol.DSN_ENV: dsn}
+    if keys is not None:
+        env[sealing.KEYS_ENV] = keys.to_env()
+    return env

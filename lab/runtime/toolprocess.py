@@ -1,0 +1,175 @@
+"""The credit tool as its own OS process, so a fault can kill it and a restart can follow.
+
+``python -m lab.runtime.toolprocess --schema S [--port P] [--non-idempotent] [--pause B]
+[--die-at B]``
+serves ``tool.ToolService`` on loopback with the DSN and the token from the
+environment (``protocol.DSN_ENV``, ``protocol.TOKEN_ENV``). On stdout it says
+``BOOK_READY <port>`` once serving, ``BOOK_REQUEST call|lookup`` for every
+authenticated request and ``BOOK_STAGE <boundary> <effect key> 0`` at the
+boundaries inside its request handling (``protocol.TOOL_STAGES``).
+
+Fault switches, each for the first time the boundary is reached:
+
+- ``--pause B`` holds the request at ``B`` until an empty line arrives on stdin;
+- ``--die-at B`` is the self-kill switch: the process SIGKILLs itself at ``B``,
+  inside the request handling (before the effect commits, or after it and
+  before the reply);
+- a line ``drop`` on stdin arms the loss of the next effect reply (the effect
+  is committed, the connection closed without an answer); ``BOOK_ARMED drop``
+  confirms it.
+
+A restart is a new process on the same port with the same token, so a worker
+that was given the endpoint before the crash reaches the new incarnation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from lab import errors, protocol
+from lab.runtime import egress, processes, tool
+
+DROP_COMMAND = "drop"
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Body of ``python -m lab.runtime.toolprocess``: serve until killed or stdin closes."""
+    parser = argparse.ArgumentParser(prog="python -m lab.runtime.toolprocess")
+    parser.add_argument("--schema", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--non-idempotent", action="store_true")
+    parser.add_argument("--pause", choices=protocol.TOOL_STAGES, default=None)
+    parser.add_argument("--die-at", choices=protocol.TOOL_STAGES, default=None)
+    args = parser.parse_args(argv)
+    egress.install()
+    dsn = os.environ.get(protocol.DSN_ENV, "")
+    token = os.environ.get(protocol.TOKEN_ENV, "")
+    if not dsn or not token:
+        print(f"the tool process needs {protocol.DSN_ENV} and {protocol.TOKEN_ENV}",
+              file=sys.stderr)
+        return 2
+    say = threading.Lock()
+    released = threading.Event()
+    done: set[str] = set()
+
+    def line(text: str) -> None:
+        with say:
+            print(text, flush=True)
+
+    def commands() -> None:
+        for raw in sys.stdin:
+            if raw.strip() == DROP_COMMAND:
+                service.drop_next_reply()
+                line(f"{protocol.ARMED} {DROP_COMMAND}")
+            else:
+                released.set()
+        released.set()  # stdin closed: never hold a request forever
+
+    service = tool.ToolService(dsn, args.schema, idempotent=not args.non_idempotent, token=token)
+
+    def on_stage(stage: str, effect_key: str) -> None:
+        if stage == protocol.AFTER_REQUEST:
+            line(f"{protocol.REQUEST} call")
+        line(protocol.stage_line(stage, effect_key, 0))
+        first = stage not in done
+        done.add(stage)
+        if first and args.die_at == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if first and args.pause == stage:
+            released.wait()
+
+    def on_lookup(effect_key: str) -> None:
+        line(f"{protocol.REQUEST} lookup")
+
+    service.on_stage = on_stage
+    service.on_lookup = on_lookup
+    threading.Thread(target=commands, name="tool-commands", daemon=True).start()
+    try:
+        service.start(port=args.port)
+    except (errors.LabError, OSError) as exc:
+        print(f"tool process: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
+    port = service.endpoint.rsplit(":", 1)[1]
+    line(f"{protocol.READY} {port}")
+    try:
+        threading.Event().wait()
+    finally:
+        service.stop()
+    return 0
+
+
+class ToolProcess:
+    """Handle of a tool process and its restarts; counts requests across incarnations."""
+
+    def __init__(
+        self,
+        dsn: str,
+        schema: str,
+        *,
+        idempotent: bool,
+        token: str,
+        name: str = "tool",
+        on_event: Callable[[str, str], None] | None = None,
+    ):
+        self.dsn = dsn
+        self.schema = schema
+        self.idempotent = idempotent
+        self.token = token
+        self.name = name
+        self._on_event = on_event
+        self.port = 0
+        self.incarnations: list[processes.WorkerProcess] = []
+
+    @property
+    def current(self) -> processes.WorkerProcess:
+        """The latest incarnation."""
+        return self.incarnations[-1]
+
+    @property
+    def endpoint(self) -> str:
+        """``http://127.0.0.1:PORT``, the same across restarts."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *flags: str, timeout: float = 30.0) -> ToolProcess:
+        """Start an incarnation (on the previous port, if any) and wait until it serves."""
+        argv = [sys.executable, "-m", "lab.runtime.toolprocess", "--schema", self.schema,
+                "--port", str(self.port)]
+        if not self.idempotent:
+            argv.append("--non-idempotent")
+        env = {**processes.child_env(self.dsn), protocol.TOKEN_ENV: self.token,
+               "PYTHONUNBUFFERED": "1"}
+        name = f"{self.name}-{len(self.incarnations) + 1}"
+        child = processes.WorkerProcess([*argv, *flags], env, name, self._on_event)
+        self.incarnations.append(child)
+        ready = child.wait_for(protocol.READY, timeout=timeout)
+        self.port = int(ready.split()[1])
+        return self
+
+    def requests(self) -> dict[str, int]:
+        """``{"call": n, "lookup": m}`` over every incarnation (read what each has written)."""
+        counts = {"call": 0, "lookup": 0}
+        for child in self.incarnations:
+            for text in child.all_lines():
+                if text.startswith(f"{protocol.REQUEST} "):
+                    kind = text.split()[1]
+                    counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def stages(self) -> list[str]:
+        """Every boundary the tool's incarnations reported so far."""
+        return [text.split()[1] for child in self.incarnations for text in child.all_lines()
+                if text.startswith(f"{protocol.STAGE} ")]
+
+    def close(self) -> None:
+        """Kill every incarnation still alive and reap it."""
+        for child in self.incarnations:
+            child.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

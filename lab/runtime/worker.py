@@ -1,0 +1,149 @@
+"""The worker: claim, check, dispatch, complete; and reconcile unknown outcomes.
+
+The worker makes no decision the database does not confirm: every step goes
+through a fenced transition in ``store``, and every tool failure is sorted
+into "nothing happened" (retry later), "it may have happened" (unknown, to
+be reconciled by lookup) or "refused" (failed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from lab import errors, protocol
+from lab.runtime import store, tool
+
+Hook = Callable[[str, store.Workflow], None]
+
+
+@dataclass
+class Worker:
+    """One worker identity with its lease, heartbeat and backoff settings.
+
+    ``hook`` is called at each named boundary of ``lab.protocol`` this worker
+    passes (claim, start barrier, reply, completion, heartbeat, lookup,
+    settlement); experiments use it to inject a cancellation, an expiry or a
+    pause, and ``lab crashpoints`` to stop the process dead there.
+    """
+
+    db: store.Store
+    client: tool.ToolClient
+    name: str = "worker"
+    lease: timedelta = timedelta(seconds=3)
+    heartbeat_every: timedelta | None = None
+    backoff: timedelta = timedelta(milliseconds=20)
+    hook: Hook | None = None
+    log: list[str] = field(default_factory=list)
+
+    def _stage(self, stage: str, claim: store.Workflow) -> None:
+        if self.hook is not None:
+            self.hook(stage, claim)
+
+    def run_one(self) -> store.Workflow | None:
+        """Recover expired leases, then claim and carry out at most one workflow.
+
+        Returns the workflow's final snapshot for this attempt, or None when no
+        work was due.
+        """
+        self.db.recover_expired()
+        claim = self.db.claim(self.name, self.lease)
+        if claim is None:
+            return None
+        self._stage(protocol.AFTER_CLAIM, claim)
+        try:
+            with self._heartbeats(claim):
+                barrier = self.db.pre_dispatch(claim)
+                if barrier is None:
+                    return self.db.get(claim.id)
+                self._stage(protocol.AFTER_BARRIER, claim)
+                try:
+                    receipt = self.client.call(claim, barrier)
+                except (errors.RateLimited, errors.ToolUnavailable) as exc:
+                    return self.db.retry_later(claim, self.backoff, _cause(exc))
+                except errors.OutcomeUnknown:
+                    return self.db.unknown(claim)
+                except errors.ToolRefused:
+                    return self.db.fail(claim, "tool_refused")
+            self._stage(protocol.AFTER_TOOL, claim)
+            completed = self.db.complete(claim, receipt)
+            self._stage(protocol.AFTER_COMPLETE, completed)
+            return completed
+        except errors.IntegrityFailure:
+            # A stored record failed its digest or binding: never act on it.
+            return self.db.quarantine(claim, "integrity")
+
+    def reconcile(self, workflow_id: str) -> store.Workflow:
+        """Settle an ``unknown`` workflow through the tool's authoritative lookup.
+
+        The lookup uses the workflow's original effect key. A found effect
+        completes it; an absent one requeues it when that is safe; a
+        non-idempotent tool is never looked up nor replayed: ``ManualReview``.
+        Work in any other state is returned as it is.
+        """
+        current = self.db.get(workflow_id)
+        if current.state != "unknown":
+            return current
+        if current.review_reason == "integrity":
+            raise errors.ManualReview("manual review required: integrity", reason="integrity")
+        try:
+            self.db.barrier_for(current.id, current.fence)
+        except errors.IntegrityFailure:
+            self.db.quarantine(current, "integrity")
+            raise errors.ManualReview(
+                "manual review required: integrity", reason="integrity"
+            ) from None
+        try:
+            if not current.idempotent:
+                settled = self.db.require_review(current, "non_idempotent")
+            else:
+                receipt = self.client.lookup(current.effect_key)
+                self._stage(protocol.AFTER_LOOKUP, current)
+                if receipt is not None:
+                    settled = self.db.settle_found(current, receipt)
+                else:
+                    settled = self.db.settle_absent(current)
+        except errors.ManualReview:
+            # The review itself is the committed settlement.
+            self._stage(protocol.AFTER_SETTLE, current)
+            raise
+        self._stage(protocol.AFTER_SETTLE, settled)
+        return settled
+
+    @contextmanager
+    def _heartbeats(self, claim: store.Workflow) -> Iterator[None]:
+        if self.heartbeat_every is None:
+            yield
+            return
+        every = self.heartbeat_every.total_seconds()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                try:
+                    self.db.heartbeat(claim, self.lease)
+                except errors.StoreError:
+                    # The database is away, not refusing: keep beating, the lease
+                    # may still be live when it is back (the fence decides).
+                    continue
+                except errors.LabError as exc:
+                    # A refused heartbeat means the claim is gone; the fenced
+                    # transitions will refuse this worker's writes as well.
+                    self.log.append(f"heartbeat stopped: {exc}")
+                    return
+                self._stage(protocol.AFTER_HEARTBEAT, claim)
+
+        thread = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+
+def _cause(exc: errors.ToolError) -> str:
+    return "rate_limited" if isinstance(exc, errors.RateLimited) else "tool_unreachable"
