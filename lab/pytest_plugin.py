@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from lab import errors, names, protocol, recorder
+from lab.pg import providers
 from lab.runtime import egress
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lab", "durable-agent lab")
     group.addoption(
         "--lab-postgres",
-        choices=["auto", "dsn", "container", "embedded", "none"],
+        choices=providers.PLUGIN_MODES,
         default=None,
         help="how to provide PostgreSQL for the run (default: ini lab_postgres or auto)",
     )
@@ -55,7 +57,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="keep a failed test's schema for inspection instead of dropping it",
     )
-    parser.addini("lab_postgres", "default for --lab-postgres", default="auto")
+    parser.addini("lab_postgres", "default for --lab-postgres", default=providers.AUTO)
     recorder.addoption(parser)
 
 
@@ -101,7 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
         problem = workerinput.get("lab_problem")
     else:
         mode = config.getoption("--lab-postgres") or config.getini("lab_postgres")
-        if mode == "none":
+        if mode == providers.NONE:
             problem = "PostgreSQL disabled with --lab-postgres=none"
         else:
             from lab.pg import cluster
@@ -172,6 +174,7 @@ def lab_dsn(pytestconfig: pytest.Config) -> str:
 @pytest.fixture
 def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     """A fresh schema holding every table of the lab, dropped after the test."""
+    from lab.pg import edge
     from lab.runtime import store
 
     schema = names.new_id("t").lower()[:30]
@@ -182,7 +185,7 @@ def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     if failed and request.config.getoption("--lab-keep-schemas"):
         log.warning("kept schema %s of failed test %s", schema, request.node.nodeid)
         return
-    store.drop_schema(lab_dsn, schema)
+    edge.drop_schema(lab_dsn, schema)
 
 
 def reached_database(node: pytest.Item) -> None:
@@ -237,6 +240,24 @@ def observe(request: pytest.FixtureRequest) -> Any:
         request.node.user_properties.append(("lab_observation", json.loads(text)))
 
     return record
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    # Restarts of a database server during the test body, read from the launcher only if
+    # this process has loaded it (a test that restarts a server has): the limits the
+    # evidence signs are derived from them.
+    launcher = sys.modules.get("lab.pg.cluster")
+    before = launcher.restarts() if launcher is not None else 0
+    try:
+        return (yield)
+    finally:
+        launcher = sys.modules.get("lab.pg.cluster")
+        after = launcher.restarts() if launcher is not None else 0
+        if after > before:
+            from lab.evidence import compiler
+
+            item.user_properties.append((compiler.DATABASE_RESTARTS, after - before))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -23,7 +23,7 @@ import pytest
 
 from lab import errors, harness, names, pytest_plugin
 from lab.faults import chaos, invariants, proxy
-from lab.pg import cluster
+from lab.pg import cluster, edge
 from lab.runtime import backoff, processes, store
 
 T = TypeVar("T")
@@ -58,7 +58,7 @@ def crashable(
     finally:
         rig.close()
         db.close()
-        _retrying(lambda: store.drop_schema(dsn, schema))
+        _retrying(lambda: edge.drop_schema(dsn, schema))
 
 
 def _retrying(action: Callable[[], T], within: float = 30.0) -> T:
