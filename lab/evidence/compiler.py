@@ -80,7 +80,7 @@ LIMITS = (
     "about multi-cluster availability or a real provider's authentication.",
     "An ephemeral signing key proves the evidence was not altered after signing, not who "
     "produced it; publications are signed with a key given in LAB_EVIDENCE_KEY.",
-    "Experiments run on one machine against one PostgreSQL server; they measure "
+    "Experiments run on one machine against PostgreSQL servers on loopback; they measure "
     "correctness under faults, not throughput or availability.",
     "Trace ids are random and times (durations, event and timeline times) are measured, "
     "so both differ between runs of one commit; random identifiers inside event details "
