@@ -346,6 +346,17 @@ class Harness:
         )
         self.mark("experiment", "approval expired (SQL-injected)")
 
+    def approval_lapsed(self, workflow_id: str) -> bool:
+        """Whether the workflow's approval has expired, on PostgreSQL's clock."""
+        rows = self.store.execute(
+            "SELECT approval_expires IS NULL OR approval_expires <= clock_timestamp() AS lapsed "
+            "FROM workflows WHERE id = %s",
+            (workflow_id,),
+        )
+        if not rows:
+            raise errors.NotFound(f"no workflow {workflow_id!r}")
+        return bool(rows[0]["lapsed"])
+
     def make_due(self, workflow_id: str) -> None:
         """Make queued work due now."""
         self.store.execute(

@@ -187,8 +187,8 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     ``lab run`` and ``lab run --chapter`` refuse it as ``tests/test_observations.py`` does."""
     found = item.stash.get(_CONSTANT_KEY, None)
     if found:
-        pytest.fail("constant observation (observe() must record what was read back, "
-                    "not a literal): " + "; ".join(found), pytrace=False)
+        pytest.fail("constant observation: " + "; ".join(found)
+                    + "; observe() must record what was read back", pytrace=False)
 
 
 def _constant(node: ast.expr) -> bool:
@@ -240,13 +240,13 @@ def _judge(call: ast.Call, filename: str) -> list[str]:
     if _constant(value):
         keys = [k.value for k in getattr(value, "keys", []) if isinstance(k, ast.Constant)]
         named = f" ({', '.join(map(str, keys))})" if keys else ""
-        return [f"{where}: every value of the observation is a constant{named}"]
+        return [f"every value{named} is a literal ({where})"]
     problems = []
     if isinstance(value, ast.Dict):
         for key, item in zip(value.keys, value.values, strict=True):
             if isinstance(item, ast.Constant) and isinstance(item.value, bool):
                 name = key.value if isinstance(key, ast.Constant) else "?"
-                problems.append(f"{where}: {name!s} is the literal {item.value}")
+                problems.append(f"key {name!r} is the literal {item.value} ({where})")
     return problems
 
 
