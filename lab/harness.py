@@ -8,7 +8,7 @@ to its processes, for the book's figures.
 
 What an author uses, all documented with examples in ``docs/authoring.md``:
 
-* ``lab.approved(...)``, ``sample_plan(...)``, ``lab.actor(tenant, role)``;
+* ``lab.approved(..., approval_ttl=...)``, ``sample_plan(...)``, ``lab.actor(tenant, role)``;
 * ``lab.credit_tool()`` -> ``Rig`` (``rig.service`` has the fault switches of
   ``lab.runtime.tool``: ``fail_next``, ``hold_next``, ``drop_next_reply``,
   ``reject_next``, ``slow_next`` and the counters);
@@ -16,7 +16,10 @@ What an author uses, all documented with examples in ``docs/authoring.md``:
   ``release``, ``kill``, ``finish(expect_exit=...)``);
 * ``lab.state``, ``lab.effects``, ``lab.count_events``, ``lab.claims``;
 * ``lab.expire_lease``, ``lab.expire_approval``, ``lab.make_due``,
-  ``lab.recover_by_elapsed_lease``, ``lab.wait_until``.
+  ``lab.recover_by_elapsed_lease``, ``lab.wait_until``, ``lab.approval_lapsed``;
+* ``retrying(action)`` while a killed database comes back; ``PUBLIC_MODULES`` (what an
+  experiment may import), ``EVENT_KINDS``, ``REVIEW_REASONS`` and ``reference()`` (the
+  guide's generated reference section).
 
 Admission limits a plan must respect: ``amount_minor`` from
 ``plan.MIN_AMOUNT_MINOR`` to ``plan.MAX_AMOUNT_MINOR`` (1..10000), ``currency``

@@ -327,3 +327,34 @@ def test_the_review_reasons_are_those_the_code_records():
     source = STORE.read_text(encoding="utf-8") + WORKER.read_text(encoding="utf-8")
     for reason in harness.REVIEW_REASONS:
         assert f'"{reason}"' in source or f"'{reason}'" in source, f"{reason} is not recorded"
+
+
+def test_a_chapter_run_prints_one_verdict_per_chapter_and_one_not_run_line():
+    """A narrowed run's summary lists only the chapter's rows, its verdict line ("chapter
+    X: N of M passed; a chapter run is never publishable") and a single "not run" line for
+    the rest of the manifest, never a row per missing experiment; a full run keeps every
+    row and prints no chapter verdict."""
+    import io
+
+    from rich.console import Console
+
+    from lab.evidence import summary
+
+    rows = [{"chapter": "ch20_outsider", "name": f"test_{i}", "outcome": "passed"}
+            for i in range(4)]
+    rows += [{"chapter": "ch20_outsider", "name": "test_4", "outcome": "failed"}]
+    rows += [{"chapter": f"ch0{c}_other", "name": f"test_missing_{c}_{i}",
+              "outcome": "missing"} for c in (1, 2) for i in range(3)]
+    report = {"experiments": rows, "status": "PARTIAL", "gate": {"narrowed": ["--chapter"]}}
+
+    def printed(given: dict) -> str:
+        out = io.StringIO()
+        summary.print_summary(given, Path("evidence"), Console(file=out, width=200))
+        return out.getvalue()
+
+    text = printed(report)
+    assert "chapter ch20_outsider: 4 of 5 passed; a chapter run is never publishable" in text
+    assert "not run: 6 experiments of 2 other chapters" in text
+    assert "test_missing" not in text
+    full = printed({**report, "status": "FAIL", "gate": {"narrowed": []}})
+    assert "test_missing_1_0" in full and "chapter ch20_outsider:" not in full
