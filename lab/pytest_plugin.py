@@ -237,16 +237,16 @@ def constant_observations_by_function(
 def _judge(call: ast.Call, filename: str) -> list[str]:
     value = call.args[0]
     where = f"{filename}:{call.lineno}"
-    if _constant(value):
-        keys = [k.value for k in getattr(value, "keys", []) if isinstance(k, ast.Constant)]
-        named = f" ({', '.join(map(str, keys))})" if keys else ""
-        return [f"every value{named} is a literal ({where})"]
     problems = []
     if isinstance(value, ast.Dict):
         for key, item in zip(value.keys, value.values, strict=True):
             if isinstance(item, ast.Constant) and isinstance(item.value, bool):
                 name = key.value if isinstance(key, ast.Constant) else "?"
                 problems.append(f"key {name!r} is the literal {item.value} ({where})")
+    if _constant(value):
+        keys = [k.value for k in getattr(value, "keys", []) if isinstance(k, ast.Constant)]
+        named = f" ({', '.join(map(str, keys))})" if keys else ""
+        problems.append(f"every value{named} is a literal ({where})")
     return problems
 
 

@@ -17,6 +17,7 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
     [
         ('observe({"rejected": True, "state": s})', 1),
         ('observe({"a": 1, "b": "x"})', 1),
+        ('observe({"effects": 1, "replayed": False})', 2),
         ('observe({"a": [1, 2], "b": -1})', 1),
         ('observe({"error": type(exc).__name__, "label": "SQL-injected"})', 0),
         ('observe({"state": lab.state(j).state, "done": s == "succeeded"})', 0),
