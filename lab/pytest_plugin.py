@@ -6,6 +6,12 @@ time and hands the DSN to pytest-xdist workers through ``workerinput``. Each
 test that needs the database gets its own schema, dropped afterwards. The
 evidence (collection, report, signature, gate) lives in ``lab.recorder``.
 
+Fixtures for experiments (docs/authoring.md): ``lab``, ``observe``, ``lab_dsn``,
+``reached_database`` and ``evidence_artifact``; ``harness_on`` builds a ``lab`` on
+another server (the top-level conftest.py's ``killable_lab``). At collection, an
+experiment whose ``observe(...)`` records only literals (or a literal boolean) is
+marked, and fails before it runs, naming the key.
+
 Introspection (``--help``, ``--version``, ``--fixtures``, ``--fixtures-per-test``,
 ``--markers``, ``--collect-only``, ``--setup-plan``) starts no PostgreSQL, writes no
 evidence and prints no gate. Every pytest process loads this module, so it imports
