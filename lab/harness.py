@@ -381,13 +381,7 @@ class Harness:
     def recover_by_elapsed_lease(self, workflow_id: str) -> int:
         """Let the real lease run out on PostgreSQL's clock, then recover it to unknown."""
         self.wait_until(
-            lambda: bool(
-                self.store.execute(
-                    "SELECT lease_until <= clock_timestamp() AS expired FROM workflows "
-                    "WHERE id = %s",
-                    (workflow_id,),
-                )[0]["expired"]
-            ),
+            lambda: self.store.lease_expired(workflow_id),
             within=5.0,
             what="the lease to expire on the PostgreSQL clock",
         )

@@ -24,6 +24,7 @@ import ast
 import contextlib
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from lab import errors, names, protocol, recorder
+from lab.pg import providers
 from lab.runtime import egress
 
 if TYPE_CHECKING:
@@ -49,7 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lab", "durable-agent lab")
     group.addoption(
         "--lab-postgres",
-        choices=["auto", "dsn", "container", "embedded", "none"],
+        choices=providers.PLUGIN_MODES,
         default=None,
         help="how to provide PostgreSQL for the run (default: ini lab_postgres or auto)",
     )
@@ -64,7 +66,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="keep a failed test's schema for inspection instead of dropping it",
     )
-    parser.addini("lab_postgres", "default for --lab-postgres", default="auto")
+    parser.addini("lab_postgres", "default for --lab-postgres", default=providers.AUTO)
     recorder.addoption(parser)
 
 
@@ -110,7 +112,7 @@ def pytest_configure(config: pytest.Config) -> None:
         problem = workerinput.get("lab_problem")
     else:
         mode = config.getoption("--lab-postgres") or config.getini("lab_postgres")
-        if mode == "none":
+        if mode == providers.NONE:
             problem = "PostgreSQL disabled with --lab-postgres=none"
         else:
             from lab.pg import cluster
@@ -185,16 +187,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         ]
         if found:
             item.stash[_CONSTANT_KEY] = found
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> None:
-    """An experiment with a constant observation fails before it runs, naming the key:
-    ``lab run`` and ``lab run --chapter`` refuse it as ``tests/test_observations.py`` does."""
-    found = item.stash.get(_CONSTANT_KEY, None)
-    if found:
-        pytest.fail("constant observation: " + "; ".join(found)
-                    + "; observe() must record what was read back", pytrace=False)
 
 
 def _constant(node: ast.expr) -> bool:
@@ -275,6 +267,7 @@ def lab_dsn(pytestconfig: pytest.Config) -> str:
 @pytest.fixture
 def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     """A fresh schema holding every table of the lab, dropped after the test."""
+    from lab.pg import edge
     from lab.runtime import store
 
     schema = names.new_id("t").lower()[:30]
@@ -285,7 +278,7 @@ def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     if failed and request.config.getoption("--lab-keep-schemas"):
         log.warning("kept schema %s of failed test %s", schema, request.node.nodeid)
         return
-    store.drop_schema(lab_dsn, schema)
+    edge.drop_schema(lab_dsn, schema)
 
 
 def reached_database(node: pytest.Item) -> None:
@@ -345,6 +338,7 @@ def harness_on(
     schema is retried for ``drop_within`` seconds.
     """
     from lab import harness as lab_harness
+    from lab.pg import edge
     from lab.runtime import store
 
     schema = names.new_id("t").lower()[:30]
@@ -357,7 +351,7 @@ def harness_on(
     finally:
         _close_and_record(request, rig)
         db.close()
-        lab_harness.retrying(lambda: store.drop_schema(dsn, schema), within=drop_within)
+        lab_harness.retrying(lambda: edge.drop_schema(dsn, schema), within=drop_within)
 
 
 @pytest.fixture(name="reached_database")
@@ -415,6 +409,30 @@ def observe(request: pytest.FixtureRequest) -> Any:
         request.node.user_properties.append(("lab_observation", json.loads(text)))
 
     return record
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    # An experiment with a constant observation fails before it runs, naming the key:
+    # ``lab run`` and ``lab run --chapter`` refuse it as tests/test_observations.py does.
+    found = item.stash.get(_CONSTANT_KEY, None)
+    if found:
+        pytest.fail("constant observation: " + "; ".join(found)
+                    + "; observe() must record what was read back", pytrace=False)
+    # Restarts of a database server during the test body, read from the launcher only if
+    # this process has loaded it (a test that restarts a server has): the limits the
+    # evidence signs are derived from them.
+    launcher = sys.modules.get("lab.pg.cluster")
+    before = launcher.restarts() if launcher is not None else 0
+    try:
+        return (yield)
+    finally:
+        launcher = sys.modules.get("lab.pg.cluster")
+        after = launcher.restarts() if launcher is not None else 0
+        if after > before:
+            from lab.evidence import compiler
+
+            item.user_properties.append((compiler.DATABASE_RESTARTS, after - before))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -25,6 +25,7 @@ from conftest import KeyFiles
 from psycopg import conninfo
 
 import lab
+from lab import files
 from lab.evidence import compiler, dsse, gate, verification
 from lab.evidence.seed import SEED_EXPERIMENTS
 
@@ -541,7 +542,7 @@ def test_untracked_root_conftest_that_fakes_passes_fails_naming_it(
     assert report["gate"]["failures"] == ["conftest conftest.py is not a file tracked by git"]
     root_conftest = next(m for m in report["provenance"]["modules"] if m["kind"] == "conftest")
     assert root_conftest["tracked"] is False
-    assert root_conftest["sha256"] == compiler.sha256_file(tree.path / "conftest.py")
+    assert root_conftest["sha256"] == files.sha256_file(tree.path / "conftest.py")
 
 
 def test_pytest_plugins_module_from_elsewhere_fails_naming_it(

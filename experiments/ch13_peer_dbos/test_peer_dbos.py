@@ -1,4 +1,4 @@
-"""Chapter 12: DBOS Transact in the lab's windows, as real OS processes, with DBOS's own state.
+"""Chapter 13: DBOS Transact in the lab's windows, as real OS processes, with DBOS's own state.
 
 Each experiment runs ``python -m lab.peers.dbos_peer``: a DBOS workflow whose one step calls
 the lab's credit tool over HTTP under the lab's effect key, against the run's

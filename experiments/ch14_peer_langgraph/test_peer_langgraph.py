@@ -1,4 +1,4 @@
-"""Chapter 13: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
+"""Chapter 14: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
 
 Each experiment runs ``python -m lab.peers.langgraph_peer`` processes on one ``thread_id``: a
 plan → approval ``interrupt()`` → credit graph whose credit node calls the lab's credit

@@ -24,6 +24,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lab import files
+from lab.errors import InputError
+
 # Modules without a file that pytest-xdist's workers legitimately register.
 _FILELESS = frozenset({"__channelexec__"})
 CONFTEST = "conftest"
@@ -81,11 +84,10 @@ def loaded_plugins(plugins: Iterable[tuple[str, object]]) -> list[Loaded]:
 
 
 def sha256_file(path: Path) -> str | None:
-    """Hex sha256 of a file's bytes, or None when it cannot be read."""
+    """``files.sha256_file``, or None when the file cannot be read (recorded as such)."""
     try:
-        with path.open("rb") as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
-    except OSError:
+        return files.sha256_file(path)
+    except InputError:
         return None
 
 

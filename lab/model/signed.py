@@ -244,8 +244,8 @@ def verify(
         problems.append(f"statement: predicateType {statement_.get('predicateType')!r} unknown")
     subjects = verification.subjects(statement_, problems)
     models = {n: d for n, d in subjects.items() if n.startswith(MODEL_SUBJECT_PREFIX)}
-    files = {n: d for n, d in subjects.items() if n not in models}
-    data = _check_files(directory, files, problems)
+    named = {n: d for n, d in subjects.items() if n not in models}
+    data = _check_files(directory, named, problems)
     if len(models) != 1:
         problems.append(f"statement: {len(models)} model subjects, expected one")
     _check_public_key(directory, key, problems)
@@ -253,14 +253,14 @@ def verify(
     if report is None:
         return verdict
     verdict.report = report
-    _check_report(report, predicate, files, models, data, problems)
+    _check_report(report, predicate, named, models, data, problems)
     if model_path is not None and models:
         (model_digest,) = models.values()
         try:
-            if compiler.sha256_file(model_path) != model_digest:
+            if files.sha256_file(model_path) != model_digest:
                 problems.append(f"model {model_path}: its sha256 is not the signed model digest")
-        except OSError as exc:
-            problems.append(f"model {model_path}: cannot read: {exc.strerror or exc}")
+        except InputError as exc:
+            problems.append(str(exc))
     return verdict
 
 
