@@ -374,12 +374,12 @@ def _real_tree(pytester: pytest.Pytester) -> pytest.Pytester:
         '''
 def test_pure(observe):
     """Pure."""
-    observe({"pure": True})
+    observe({"pure": callable(observe)})
 
 
 def test_db(lab_schema, observe):
     """Reaches the run's PostgreSQL through the plugin's schema fixture."""
-    observe({"schema": "made"})
+    observe({"schema": lab_schema and "made"})
 '''
     )
     labtree.publishable(pytester.path, entries)
