@@ -761,6 +761,7 @@ def _small_records(nodeid: str) -> list[dict[str, Any]]:
         ["lab_needs_database", True],
         ["lab_database", True],
         ["lab_observation", {"state": "succeeded"}],
+        ["lab_observation_kinds", {"state": "fact"}],
         ["lab_events", [
             {"t": 0.01, "workflow": "w1", "kind": "created", "fence": 0,
              "detail": "plan_version=1"},
