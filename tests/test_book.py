@@ -890,6 +890,7 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
         for test in data["tests"]:
             test["claim"] = f"[click](javascript:alert(1)) {image}"
             test["observations"] = [{"html": script, "md": "![x](http://evil/x.png)"}]
+            test["observation_kinds"] = [{"html": "fact", "md": "fact"}]
             test["trace_ids"] = [f"`{script}"]
         for row in data["experiments"]:
             row["claim"] = f"| {image} |"
