@@ -1,7 +1,7 @@
 """``lab reproduce EVIDENCE_DIR``: re-run a signed result's commit and compare it fact by fact.
 
-1. Verify the evidence (signature, trust, statement, gate); refuse it unverified, dirty or
-   without a commit, naming why.
+1. Verify the evidence (signature, trust, statement, gate: only a PASS verifies); refuse
+   it unverified, dirty or without a commit, naming why.
 2. Check that its commit is here and that the lock digest it records (if any) is the
    commit's ``uv.lock``; refuse with exit 3 naming the cause otherwise.
 3. Re-run the commit ``--runs K`` times through ``rerun_hermetic`` (``lab run --hermetic
@@ -48,13 +48,14 @@ from lab.evidence import (
 
 DEFAULT_OUT = "reproduction"
 LOCK_FILE = "uv.lock"
-# A re-run: (commit, evidence directory to write, chapters or [] for all) -> None.
-Rerun = Callable[[str, Path, Sequence[str]], None]
+# A re-run of the whole suite: (commit, evidence directory to write) -> None. Only a
+# verified PASS is reproduced, and a narrowed run is never one, so there is no selection.
+Rerun = Callable[[str, Path], None]
 _MAX_MEASUREMENTS = 4
 _WIDTH = 40
 
 
-def rerun_hermetic(commit: str, evidence: Path, chapters: Sequence[str]) -> None:
+def rerun_hermetic(commit: str, evidence: Path) -> None:
     """Run ``commit`` hermetically into ``evidence`` with ``lab run --hermetic`` (issue 27).
 
     The hermetic run clones the commit into a fresh directory and installs its locked
@@ -63,8 +64,6 @@ def rerun_hermetic(commit: str, evidence: Path, chapters: Sequence[str]) -> None
     """
     command = [sys.executable, "-m", "lab.cli", "run", "--hermetic", "--commit", commit,
                "--evidence", str(evidence)]
-    for chapter in chapters:
-        command += ["--chapter", chapter]
     completed = subprocess.run(command, check=False)
     if not (evidence / compiler.ENVELOPE_FILE).is_file():
         raise errors.ProvisioningError(
@@ -138,15 +137,6 @@ def _verified_original(
     return report, envelope
 
 
-def _chapters(report: Mapping[str, Any]) -> list[str]:
-    """The chapters a narrowed original ran (re-run the same selection), else [] (all)."""
-    section = report.get("gate")
-    narrowed = section.get("narrowed") if isinstance(section, Mapping) else None
-    if not narrowed:
-        return []
-    return sorted({str(t["chapter"]) for t in report.get("tests", []) if t.get("chapter")})
-
-
 def _target(out: Path, evidence: Path) -> None:
     """Refuse an ``--out`` that would overwrite the evidence or an unrelated directory."""
     if out.resolve() == evidence.resolve() or evidence.resolve().is_relative_to(out.resolve()):
@@ -179,7 +169,6 @@ def reproduce(
     original, envelope = _verified_original(evidence, public_key, trusted, tree)
     lock = check_environment(original, tree)
     commit = str(original["commit"])
-    chapters = _chapters(original)
     signer = dsse.load_signer()
     started = time.monotonic()
     wall_s = 0.0
@@ -191,7 +180,7 @@ def reproduce(
             relative = f"{reproduction_evidence.RUNS_DIR}/run-{number}"
             began = time.monotonic()
             show.print(f"[dim]re-run {number} of {runs}: commit {commit[:12]}[/dim]")
-            rerun(commit, staging / relative, chapters)
+            rerun(commit, staging / relative)
             report, run_envelope = _verified_rerun(staging / relative, trusted, commit, tree)
             reports.append(report)
             entries.append({"evidence": relative, "envelope_sha256":
