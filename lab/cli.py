@@ -150,6 +150,12 @@ def _review(args: argparse.Namespace) -> int:
     return review.cli_main(args)
 
 
+def _reproduce(args: argparse.Namespace) -> int:
+    from lab import reproduce
+
+    return reproduce.cli_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lab`` command."""
     parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
@@ -184,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--evidence", default="evidence", help="evidence directory")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest arguments")
     run.set_defaults(handler=_run)
+
+    again = commands.add_parser(
+        "reproduce", help="re-run signed evidence's commit hermetically, compare its facts")
+    again.add_argument("evidence", help="the evidence directory to reproduce")
+    again.add_argument("--runs", type=int, default=1, help="re-run K times; count each fact")
+    again.add_argument("--out", default="reproduction", help="the reproduction's evidence")
+    again.add_argument("--public-key", default=None,
+                       help="PEM of the expected signer of the evidence (the only key accepted)")
+    again.set_defaults(handler=_reproduce)
 
     ev = commands.add_parser("evidence", help="verify or show signed evidence")
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)

@@ -401,12 +401,20 @@ def evidence_artifact(request: pytest.FixtureRequest) -> Callable[[str, bytes], 
 
 @pytest.fixture
 def observe(request: pytest.FixtureRequest) -> Any:
-    """Record a fact for the evidence: ``observe({"state": "succeeded", ...})``."""
+    """Record what a test read back: ``observe({"state": "succeeded", "elapsed_s": 0.4})``.
 
-    def record(value: dict[str, Any]) -> None:
-        text = json.dumps(value, sort_keys=True)
-        print(f"{protocol.OBSERVATION} {text}")
-        request.node.user_properties.append(("lab_observation", json.loads(text)))
+    Each key is a fact or a measurement (``lab.evidence.observations``): by default by its
+    name and value, or as declared with ``facts=("key", ...)`` / ``measurements=(...)``.
+    """
+
+    def record(
+        value: dict[str, Any], *, facts: tuple[str, ...] = (), measurements: tuple[str, ...] = ()
+    ) -> None:
+        properties = recorder.observation_properties(
+            value, facts=facts, measurements=measurements
+        )
+        print(f"{protocol.OBSERVATION} {json.dumps(properties[0][1], sort_keys=True)}")
+        request.node.user_properties.extend(properties)
 
     return record
 

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from lab import errors
-from lab.evidence import gate, provenance
+from lab.evidence import gate, observations, provenance
 
 ANNOTATOR = "lab-recorder-annotator"
 COLLECTOR = "lab-recorder-collector"
@@ -46,7 +46,27 @@ NEEDS_DATABASE = "lab_needs_database"
 # Where an xdist worker puts the modules it loaded, for the controller's provenance.
 LOADED_KEY = "lab_loaded"
 
+# The test properties one ``observe`` call leaves: the values, then each key's kind.
+OBSERVATION = "lab_observation"
+OBSERVATION_KINDS = "lab_observation_kinds"
+
 _annotated = pytest.StashKey[bool]()
+
+
+def observation_properties(
+    value: Mapping[str, Any],
+    *,
+    facts: Sequence[str] = (),
+    measurements: Sequence[str] = (),
+) -> list[tuple[str, Any]]:
+    """The two test properties of one observation: its JSON values and their kinds.
+
+    Classified here, when recorded (``lab.evidence.observations``); always appended
+    together, so the report pairs the n-th observation with the n-th kinds.
+    """
+    loaded = json.loads(json.dumps(dict(value), sort_keys=True))
+    kinds = observations.classify(loaded, facts=facts, measurements=measurements)
+    return [(OBSERVATION, loaded), (OBSERVATION_KINDS, kinds)]
 
 
 def addoption(parser: pytest.Parser) -> None:

@@ -761,6 +761,7 @@ def _small_records(nodeid: str) -> list[dict[str, Any]]:
         ["lab_needs_database", True],
         ["lab_database", True],
         ["lab_observation", {"state": "succeeded"}],
+        ["lab_observation_kinds", {"state": "fact"}],
         ["lab_events", [
             {"t": 0.01, "workflow": "w1", "kind": "created", "fence": 0,
              "detail": "plan_version=1"},
@@ -889,6 +890,7 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
         for test in data["tests"]:
             test["claim"] = f"[click](javascript:alert(1)) {image}"
             test["observations"] = [{"html": script, "md": "![x](http://evil/x.png)"}]
+            test["observation_kinds"] = [{"html": "fact", "md": "fact"}]
             test["trace_ids"] = [f"`{script}"]
         for row in data["experiments"]:
             row["claim"] = f"| {image} |"

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from lab import cli, errors, files
+from lab import cli, errors, files, recorder
 from lab.evidence import compiler, dsse, gate, report, verification
 
 DATABASE = {"provider": "dsn", "server_version": "15.8", "details": {"host": "127.0.0.1"}}
@@ -50,7 +50,7 @@ def _passing(nodeid: str, observation: dict[str, Any] | None = None) -> list[dic
         ["lab_database", True],
     ]
     if observation is not None:
-        props.append(["lab_observation", observation])
+        props += [list(p) for p in recorder.observation_properties(observation)]
     return [_record(nodeid, when, props=props) for when in ("setup", "call", "teardown")]
 
 
@@ -428,7 +428,9 @@ def test_report_lists_expected_missing_skips_and_observations(repo: Path) -> Non
     assert report["schema_version"] == 1
     assert report["missing"] == ["ch02_y/test_c"]
     assert report["skips"] == [{"nodeid": NODE_B, "outcome": "skipped", "reason": "Skipped: why"}]
-    assert report["observations"] == [{"nodeid": NODE_A, "observation": {"kept": 1}}]
+    assert report["observations"] == [
+        {"nodeid": NODE_A, "observation": {"kept": 1}, "kinds": {"kept": "fact"}}
+    ]
     own = [t for t in report["tests"] if t["chapter"] == "ch01_x"]
     assert [t["claim"] for t in own] == ["A claim.", None]
     assert len(report["limits"]) >= 6

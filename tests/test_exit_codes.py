@@ -45,6 +45,10 @@ COMMANDS: list[tuple[str, list[str], str, int]] = [
     ("bench-usage", ["bench", "bogus"], "", USAGE),
     ("review-usage", ["review", "--bogus"], "", USAGE),
     ("review-no-dsn", ["review", "--schema", "s", "list"], "", USAGE),
+    ("reproduce-usage", ["reproduce", "--bogus"], "", USAGE),
+    ("reproduce-missing", ["reproduce", "absent"], "", USAGE),
+    ("reproduce-bad-runs", ["reproduce", ".", "--runs", "0"], "", USAGE),
+    ("reproduce-unverified", ["reproduce", "."], "", USAGE),
     ("book-usage", ["book", "build", "--bogus"], "", USAGE),
     ("book-missing-evidence", ["book", "build", "--evidence", "absent", "--out", "b"], "", USAGE),
 ]

@@ -56,8 +56,8 @@ def lab_dsn(request):
 
 @pytest.fixture
 def observe(request):
-    def record(value):
-        request.node.user_properties.append(("lab_observation", value))
+    def record(value, **declared):
+        request.node.user_properties.extend(recorder.observation_properties(value, **declared))
     return record
 """
 
@@ -153,6 +153,7 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     assert pure["nodeid"] == "experiments/ch01_x/test_a.py::test_pure"
     assert pure["claim"] == "A pure claim over two lines."
     assert pure["observations"] == [{"count": 3, "pure": True}]
+    assert pure["observation_kinds"] == [{"count": "fact", "pure": "fact"}]
     assert report["postgresql"]["server_version"] == "15.0 (stand-in)"
     rows = {r["name"]: r for r in report["experiments"]}
     assert rows["test_windows"]["results"] == 2
@@ -201,6 +202,20 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
             "def test_db(lab_dsn, observe, broken):",
             "experiments/ch01_x/test_a.py::test_db error",
             id="error",
+        ),
+        pytest.param(
+            '    observe({"state": "succeeded"})',
+            '    observe({"state": "succeeded", "ratio": 0.5})',
+            "experiments/ch01_x/test_a.py::test_db: observation key 'ratio' is neither a fact "
+            "nor a measurement (declare it: observe(..., facts=(...)) or measurements=(...))",
+            id="unclassified-float",
+        ),
+        pytest.param(
+            '    observe({"state": "succeeded"})',
+            '    observe({"state": "succeeded"}, facts=("state",), measurements=("state",))',
+            "experiments/ch01_x/test_a.py::test_db: observation key 'state' is neither a fact "
+            "nor a measurement (declare it: observe(..., facts=(...)) or measurements=(...))",
+            id="declared-both",
         ),
     ],
 )

@@ -146,7 +146,10 @@ def test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant
         "effects": report["effects"],
         "manual_review_reasons": report["manual_review_reasons"],
         "violations": report["violation_count"],
-    })
+    }, measurements=(
+        # Restarts, partitions and how the round ends vary run to run; violations are the fact.
+        "restarts", "partitions", "states", "effects", "manual_review_reasons",
+    ))
     assert report["violations"] == [], report["violations"][:10]
     assert sum(report["states"].values()) == settings.workflows
     assert database["durability"]["fsync"] == "on"

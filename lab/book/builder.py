@@ -43,8 +43,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
-from lab.book import crashpoint_chapter, figures, model_chapter, sidebyside
-from lab.evidence import compiler, dsse, verification
+from lab.book import crashpoint_chapter, figures, model_chapter, reproduction, sidebyside
+from lab.evidence import compiler, dsse, reproduction_evidence, verification
 from lab.evidence.report import Report
 from lab.faults import crashmatrix
 
@@ -126,6 +126,11 @@ def build(
     )
     for name, data in model_chapter.verified_files(
         evidence_dir, public_key=public_key, trusted=trusted
+    ).items():
+        copies[f"{EVIDENCE_DIR}/{name}"] = data
+    for name, data in reproduction_evidence.book_files(
+        evidence_dir, copies[f"{EVIDENCE_DIR}/{compiler.ENVELOPE_FILE}"], public_key=public_key,
+        trusted=trusted,
     ).items():
         copies[f"{EVIDENCE_DIR}/{name}"] = data
     try:
@@ -242,6 +247,8 @@ def _render(
         copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None
     )
     lines += model_lines
+    lines += reproduction.lines(copies.get(f"{EVIDENCE_DIR}/{reproduction_evidence.BOOK_DIR}/"
+                                           f"{reproduction_evidence.RECORD_FILE}"))
     rendered.update(model_figures)
     lines += ["## Limits", ""]
     lines += [f"- {_md(limit)}" for limit in report["limits"]]

@@ -238,6 +238,8 @@ def _tests(facts: RunFacts) -> list[dict[str, Any]]:
         props = max((_props(r) for r in records), key=len, default=[])
         first = {key: value for key, value in reversed(props)}
         observations = [v for k, v in props if k == "lab_observation"]
+        # One kinds table per observation, recorded with it (lab.evidence.observations).
+        kinds = [v for k, v in props if k == "lab_observation_kinds"]
         events, timeline, trace_ids = _history(first)
         outcome = _fold(records)
         where = experiment_of(nodeid, facts.experiments_prefix)
@@ -251,6 +253,7 @@ def _tests(facts: RunFacts) -> list[dict[str, Any]]:
             "database": any(k == REACHED_DATABASE and v is True for k, v in props),
             "needs_database": any(k == NEEDS_DATABASE and v is True for k, v in props),
             "observations": observations,
+            "observation_kinds": kinds,
             "events": events,
             "timeline": timeline,
             "trace_ids": trace_ids,
@@ -439,7 +442,9 @@ def compile_report(
         "experiments": rows,
         "tests": tests,
         "observations": [
-            {"nodeid": t["nodeid"], "observation": o} for t in tests for o in t["observations"]
+            {"nodeid": t["nodeid"], "observation": o,
+             "kinds": kinds[i] if i < len(kinds := t["observation_kinds"]) else {}}
+            for t in tests for i, o in enumerate(t["observations"])
         ],
         "sources": sources,
         "limits": limits(facts.database, tests, restarts=_restarts(facts)),

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lab.evidence import observations
 from lab.evidence.seed import SEED_EXPERIMENTS
 
 PASS = "PASS"  # noqa: S105 - a verdict, not a password
@@ -69,7 +70,8 @@ def decide(report: Mapping[str, Any]) -> Gate:
     PASS only when every declared experiment produced exactly its declared results,
     all passed against a real database, the seed's 26 experiments are among them,
     nothing was skipped anywhere (tests as well as experiments), nothing failed, no
-    problem was recorded, the selection was not narrowed, the expected set came from
+    problem was recorded, every observation key is classified as a fact or a
+    measurement, the selection was not narrowed, the expected set came from
     the committed manifest, and the code that ran is the hashed, committed code of a
     clean tree (see ``_provenance_failures``).
     """
@@ -115,6 +117,10 @@ def decide(report: Mapping[str, Any]) -> Gate:
         for t in tests.values()
         if t.get("experiment") is None and t.get("outcome") != PASSED
     ]
+    # Every observation key is a fact or a measurement, so ``lab reproduce`` knows what
+    # must come out the same; an undecided key is named with its test.
+    for test in tests.values():
+        failures += observations.gate_failures(test)
     if not report.get("postgresql"):
         failures.append("no real PostgreSQL database was provisioned for the run")
     seed_failures, seed_passed = _seed_floor(rows, tests, narrowed=bool(narrowed))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 from importlib import resources
-from typing import Any, Literal, TypedDict, cast
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 import jsonschema
 
@@ -109,6 +109,8 @@ class Test(_TestRequired, total=False):
     """One pytest result, folded from its phases."""
 
     message: str | None
+    # Per observation, each key's kind: "fact", "measurement" or "unclassified".
+    observation_kinds: list[dict[str, str]]
 
 
 class Experiment(TypedDict):
@@ -131,6 +133,7 @@ class Observation(TypedDict):
 
     nodeid: str
     observation: Any
+    kinds: NotRequired[dict[str, str]]
 
 
 class Report(TypedDict):

@@ -1,0 +1,294 @@
+"""``lab reproduce EVIDENCE_DIR``: re-run a signed result's commit and compare it fact by fact.
+
+1. Verify the evidence (signature, trust, statement, gate: only a PASS verifies); refuse
+   it unverified, dirty or without a commit, naming why.
+2. Check that its commit is here and that the lock digest it records (if any) is the
+   commit's ``uv.lock``; refuse with exit 3 naming the cause otherwise.
+3. Re-run the commit ``--runs K`` times through ``rerun_hermetic`` (``lab run --hermetic
+   --commit SHA --evidence DIR``), the one place that knows how a faithful re-run is made.
+4. Verify each re-run's evidence and compare it with the original
+   (``lab.evidence.reproduction``): a table, same or differs per experiment, the differing
+   facts with both values, the measurements side by side; with K > 1, how often each
+   fact held.
+5. Sign the reproduction (``lab.evidence.reproduction_evidence``), naming the original's
+   envelope digest as its input, into ``--out`` (written whole at the end, or not at all).
+
+Exit 0 only when every fact held in every re-run and every experiment passed in the
+original and in every re-run; 1 otherwise; 2 for bad input; 3 when the environment
+cannot re-run the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from lab import errors, files
+from lab.evidence import (
+    compiler,
+    dsse,
+    reproduction,
+    reproduction_evidence,
+    summary,
+    verification,
+)
+
+DEFAULT_OUT = "reproduction"
+LOCK_FILE = "uv.lock"
+# A re-run of the whole suite: (commit, evidence directory to write) -> None. Only a
+# verified PASS is reproduced, and a narrowed run is never one, so there is no selection.
+Rerun = Callable[[str, Path], None]
+_MAX_MEASUREMENTS = 4
+_WIDTH = 40
+
+
+def rerun_hermetic(commit: str, evidence: Path) -> None:
+    """Run ``commit`` hermetically into ``evidence`` with ``lab run --hermetic`` (issue 27).
+
+    The hermetic run clones the commit into a fresh directory and installs its locked
+    environment; this function only asks for it. A ``lab`` without ``--hermetic`` writes
+    no evidence and says so: that is an environment that cannot reproduce (exit 3).
+    """
+    command = [sys.executable, "-m", "lab.cli", "run", "--hermetic", "--commit", commit,
+               "--evidence", str(evidence)]
+    completed = subprocess.run(command, check=False)
+    if not (evidence / compiler.ENVELOPE_FILE).is_file():
+        raise errors.ProvisioningError(
+            f"`lab run --hermetic --commit {commit[:12]}` exited {completed.returncode} "
+            "without writing evidence: this lab cannot re-run a commit hermetically"
+        )
+
+
+def recorded_lock(report: Mapping[str, Any]) -> str | None:
+    """The lock digest a report records: ``hermetic.lock_sha256`` or ``environment.lock_sha256``.
+
+    The hermetic and lock issues put it there; older evidence records none.
+    """
+    for section in ("hermetic", "environment"):
+        value = report.get(section)
+        digest = value.get("lock_sha256") if isinstance(value, Mapping) else None
+        if isinstance(digest, str):
+            return digest
+    return None
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=False,
+                          timeout=60)
+
+
+def check_environment(report: Mapping[str, Any], root: Path) -> str | None:
+    """Refuse (``ProvisioningError``) when the commit or its recorded lock is not available.
+
+    Returns the lock digest that will be used, or None when the evidence records none.
+    """
+    commit = str(report.get("commit"))
+    if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        raise errors.ProvisioningError(
+            f"commit {commit[:12]} of the evidence is not in the repository at {root}: "
+            "fetch it first"
+        )
+    wanted = recorded_lock(report)
+    if wanted is None:
+        return None
+    shown = _git(root, "show", f"{commit}:{LOCK_FILE}")
+    if shown.returncode != 0:
+        raise errors.ProvisioningError(
+            f"the evidence's lock sha256 {wanted[:12]} cannot be satisfied here: commit "
+            f"{commit[:12]} has no {LOCK_FILE}"
+        )
+    have = reproduction_evidence.sha256(shown.stdout)
+    if have != wanted:
+        raise errors.ProvisioningError(
+            f"the evidence's lock sha256 {wanted[:12]} cannot be satisfied here: commit "
+            f"{commit[:12]}'s {LOCK_FILE} is {have[:12]}"
+        )
+    return wanted
+
+
+def _verified_original(
+    path: Path, public_key: Any, trusted: Sequence[verification.TrustedKey], root: Path
+) -> tuple[dict[str, Any], bytes]:
+    verdict = verification.verify(path, public_key=public_key, trusted=trusted, root=root)
+    if verdict.unreadable is not None:
+        raise errors.InputError(verification.printable(verdict.unreadable))
+    if not verdict.ok or verdict.report is None:
+        first = verdict.problems[0] if verdict.problems else "no report"
+        raise errors.Refused(verification.printable(f"{path}: not verified: {first}"))
+    report: dict[str, Any] = dict(verdict.report)
+    if report.get("dirty") is not False or not report.get("commit"):
+        raise errors.Refused(
+            f"{path}: the run was not of a clean commit: there is nothing to re-run"
+        )
+    envelope = files.read_bytes(verdict.envelope, files.ENVELOPE_LIMIT, "envelope")
+    return report, envelope
+
+
+def _target(out: Path, evidence: Path) -> None:
+    """Refuse an ``--out`` that would overwrite the evidence or an unrelated directory."""
+    if out.resolve() == evidence.resolve() or evidence.resolve().is_relative_to(out.resolve()):
+        raise errors.UsageError(f"--out {out} would overwrite the evidence it reproduces")
+    if out.exists() and (not out.is_dir() or (
+            any(out.iterdir()) and not reproduction_evidence.is_reproduction(out))):
+        raise errors.UsageError(
+            f"refusing to replace {out}: it is not empty and holds no "
+            f"{reproduction_evidence.ENVELOPE_FILE}"
+        )
+
+
+def reproduce(
+    evidence: Path,
+    *,
+    runs: int = 1,
+    out: Path,
+    rerun: Rerun = rerun_hermetic,
+    root: Path | None = None,
+    public_key: Any = None,
+    console: Console | None = None,
+) -> int:
+    """Verify, re-run ``runs`` times, compare, sign; the exit code (0 identical, else 1)."""
+    if runs < 1:
+        raise errors.UsageError(f"--runs must be at least 1, not {runs}")
+    tree = root or Path.cwd()
+    show = console or summary.console_for_output()
+    _target(out, evidence)
+    trusted = [] if public_key is not None else verification.trusted_keys(tree)
+    original, envelope = _verified_original(evidence, public_key, trusted, tree)
+    lock = check_environment(original, tree)
+    commit = str(original["commit"])
+    signer = dsse.load_signer()
+    started = time.monotonic()
+    wall_s = 0.0
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.resolve().parent))
+    try:
+        reports, entries = [], []
+        for number in range(1, runs + 1):
+            relative = f"{reproduction_evidence.RUNS_DIR}/run-{number}"
+            began = time.monotonic()
+            show.print(f"[dim]re-run {number} of {runs}: commit {commit[:12]}[/dim]")
+            rerun(commit, staging / relative)
+            report, run_envelope = _verified_rerun(staging / relative, trusted, commit, tree)
+            reports.append(report)
+            entries.append({"evidence": relative, "envelope_sha256":
+                            reproduction_evidence.sha256(run_envelope),
+                            "status": report["status"], "commit": report["commit"],
+                            "wall_s": round(time.monotonic() - began, 3)})
+        comparison = reproduction.compare(original, reports)
+        record = {
+            "schema_version": reproduction_evidence.SCHEMA_VERSION,
+            "reproduced_at_utc": datetime.datetime.now(datetime.UTC).isoformat(
+                timespec="seconds").replace("+00:00", "Z"),
+            "inputs": [{"name": f"original {compiler.ENVELOPE_FILE}",
+                        "digest": {"sha256": reproduction_evidence.sha256(envelope)}}],
+            "original": {"envelope_sha256": reproduction_evidence.sha256(envelope),
+                         "commit": commit, "status": original["status"],
+                         "timestamp_utc": original.get("timestamp_utc"),
+                         "lock_sha256": lock},
+            "rerun": getattr(rerun, "__name__", type(rerun).__name__),
+            "runs": entries,
+            "comparison": reproduction.to_json(comparison),
+        }
+        record["wall_s"] = wall_s = round(time.monotonic() - started, 3)
+        reproduction_evidence.write(staging, record, signer)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    show.print(table(comparison))
+    show.print(Text(closing_line(comparison, wall_s, out)))
+    return 0 if comparison.identical else 1
+
+
+def _verified_rerun(
+    directory: Path, trusted: Sequence[verification.TrustedKey], commit: str, root: Path
+) -> tuple[dict[str, Any], bytes]:
+    verdict = verification.verify(directory, trusted=trusted, root=root)
+    if not verdict.ok or verdict.report is None:
+        first = verdict.problems[0] if verdict.problems else "no report"
+        raise errors.CheckFailed(verification.printable(f"re-run evidence: {first}"))
+    if verdict.report["commit"] != commit:
+        raise errors.CheckFailed(
+            f"the re-run ran commit {verdict.report['commit']}, not the evidence's {commit}"
+        )
+    data = files.read_bytes(verdict.envelope, files.ENVELOPE_LIMIT, "re-run envelope")
+    return dict(verdict.report), data
+
+
+def _short(value: Any) -> str:
+    return summary.shorten(value, _WIDTH)
+
+
+def _where(nodeid: str) -> str:
+    """The parameter part of a node id (``[...]``), to tell results of one experiment apart."""
+    start = nodeid.find("[")
+    return nodeid[start:] + " " if start >= 0 else ""
+
+
+def table(comparison: reproduction.Comparison) -> Table:
+    """Same or differs per experiment, differing facts with both values, measurements."""
+    runs = comparison.runs
+    grid = Table(title=f"Reproduction: {runs} re-run(s)", show_lines=False)
+    for column in ("Experiment", "Outcome", "Facts", "Differing facts", "Measurements"):
+        grid.add_column(column, overflow="fold")
+    for e in comparison.experiments:
+        outcomes = " ".join(e.outcomes)
+        facts = f"same ({len(e.facts)})" if e.same else f"DIFFERS ({len(e.differing)})"
+        differing = []
+        for fact in e.differing:
+            held = f" (held {fact.held} of {runs}: unreliable)" if runs > 1 else ""
+            values = " | ".join(_short(v) for v in fact.values)
+            differing.append(
+                f"{_where(fact.nodeid)}{fact.key}: {_short(fact.original)} -> {values}{held}")
+        measured = [
+            f"{_where(m.nodeid)}{m.key}: {_short(m.original)} | "
+            + " | ".join(_short(v) for v in m.values)
+            for m in e.measurements[:_MAX_MEASUREMENTS]
+        ]
+        if len(e.measurements) > _MAX_MEASUREMENTS:
+            measured.append(f"... {len(e.measurements) - _MAX_MEASUREMENTS} more")
+        grid.add_row(Text(e.label), Text(f"{e.original_outcome} -> {outcomes}"), Text(facts),
+                     Text("\n".join(differing)), Text("\n".join(measured)))
+    return grid
+
+
+def closing_line(comparison: reproduction.Comparison, wall_s: float, out: Path) -> str:
+    """The verdict in one line: how many experiments were identical in their facts."""
+    total = len(comparison.experiments)
+    same = sum(1 for e in comparison.experiments if e.same)
+    failed = [e.label for e in comparison.experiments if not e.passed]
+    differing = [e.label for e in comparison.experiments if not e.same]
+    parts = [f"reproduction {comparison.verdict.upper()}: {same} of {total} experiments "
+             f"identical in their facts over {comparison.runs} re-run(s)"]
+    if differing:
+        parts.append(f"differing: {', '.join(differing)}")
+    if failed:
+        parts.append(f"not passed everywhere: {', '.join(failed)}")
+    parts.append(f"wall time {wall_s:.1f} s; signed evidence in {out}")
+    return "; ".join(parts)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """``lab reproduce``: parse, pin, reproduce."""
+    pinned = None
+    if args.public_key:
+        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    evidence = Path(args.evidence)
+    if not evidence.exists():
+        raise errors.InputError(f"evidence {evidence}: no such file or directory")
+    return reproduce(evidence, runs=args.runs, out=Path(args.out), public_key=pinned)
