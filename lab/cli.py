@@ -150,6 +150,22 @@ def _review(args: argparse.Namespace) -> int:
     return review.cli_main(args)
 
 
+def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """The disk-full and clock-step flags, shared by ``lab chaos`` and ``lab soak``."""
+    parser.add_argument("--disk-full-every", type=float, default=0.0, metavar="MS",
+                        help="fill the data directory's filesystem about every MS (0: never)")
+    parser.add_argument("--disk-full-for", type=float, default=2000.0, metavar="MS",
+                        help="how long each disk-full fault holds the filesystem full")
+    parser.add_argument("--disk-full-mb", type=int, default=96, metavar="MB",
+                        help="size of the filesystem the data directory is mounted on")
+    parser.add_argument("--disk-full-fs", default="auto", choices=("auto", "tmpfs", "loop"),
+                        help="tmpfs (RAM), loop (an ext4 image on disk), auto: tmpfs, else loop")
+    parser.add_argument("--clock-step-every", type=float, default=0.0, metavar="MS",
+                        help="step the server's clock about every MS (0: never)")
+    parser.add_argument("--clock-step-max", type=int, default=60, metavar="S",
+                        help="largest clock offset, forward or back, in seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lab`` command."""
     parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
@@ -256,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="delay on every proxied link")
     chaos.add_argument("--durable", action="store_true",
                        help="run PostgreSQL with fsync=on and synchronous_commit=on")
+    _database_fault_arguments(chaos)
     chaos.add_argument("--output", default="evidence/chaos.json")
     chaos.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
     chaos.set_defaults(handler=_chaos)
