@@ -81,8 +81,11 @@ class ClockSteps:
                 return offset
 
     def step(self, at_s: float) -> dict[str, Any]:
-        """Count the leases the step moves, then step; returns its record."""
-        offset = self.next_offset()
+        """Count the leases the step moves, then step to a new seeded offset; its record."""
+        return self.step_to(at_s, self.next_offset())
+
+    def step_to(self, at_s: float, offset: int) -> dict[str, Any]:
+        """Count the leases a step to ``offset`` moves, then step; returns its record."""
         step = offset - self.offset_s
         try:
             moved: int | None = moved_leases(self.dsn, self.schemas, step)

@@ -528,10 +528,11 @@ class _Embedded:
         _root_command("mkfs.ext4", "-q", "-F", "-m", "0", str(self.image))
         _root_command("mount", "-o", "loop", str(self.image), str(self.mount))
 
-    def fill_ballast(self) -> int:
-        """Write zeros into the volume's ballast file until it is full; the bytes written.
+    def fill_ballast(self, leave: int = 0) -> int:
+        """Write zeros into the volume's ballast file until it is full, or until only
+        ``leave`` bytes are free; the bytes written.
 
-        The chunk halves at each ``ENOSPC`` down to 512 bytes, so the filesystem is left
+        The chunk halves at each ``ENOSPC`` down to 512 bytes, so a full filesystem is left
         with less free space than one PostgreSQL page.
         """
         assert self.mount is not None
@@ -540,6 +541,11 @@ class _Embedded:
         fd = os.open(self.mount / BALLAST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             while True:
+                if leave:
+                    room = self.volume_free() - leave
+                    if room <= 0:
+                        break
+                    chunk = chunk[: min(len(chunk), room)]
                 try:
                     written += os.write(fd, chunk)
                 except OSError as exc:
@@ -911,9 +917,10 @@ class Server:
         """Whether the server runs under libfaketime (its clock can be stepped)."""
         return self.cluster.faketime is not None
 
-    def fill_disk(self) -> int:
-        """Fill the data directory's filesystem with ballast; the bytes written."""
-        return self.cluster.fill_ballast()
+    def fill_disk(self, leave: int = 0) -> int:
+        """Fill the data directory's filesystem with ballast (to ``leave`` bytes free);
+        the bytes written."""
+        return self.cluster.fill_ballast(leave)
 
     def free_disk(self) -> None:
         """Delete the ballast."""
@@ -939,21 +946,23 @@ class Server:
         """Server log text written since ``offset``, and the next offset."""
         return self.cluster.log_from(offset)
 
-    def push_wal(self, switches: int = 8) -> str:
-        """Make the server need new WAL segments now: a WAL message and a segment switch,
-        ``switches`` times, as a busy server crossing segment boundaries would.
+    def prime_wal(self, switches: int = 3) -> str:
+        """Leave the server at the start of a WAL segment that does not exist yet.
 
-        Returns '' when every switch went through, else the server's error (one line):
-        on a full disk, PostgreSQL PANICs when it cannot create a WAL segment.
+        A WAL message and a segment switch, ``switches`` times, while there is room: the
+        segments kept ahead are used up and the last switch moves the insert position
+        into a new segment no one has written. Filled after this, the disk meets the
+        next WAL record, whoever writes it, as a busy server crossing a segment boundary
+        on a full disk would. Returns '' or the server's error (one line).
         """
         try:
             with psycopg.connect(self.dsn, connect_timeout=5, autocommit=True) as conn:
                 for _ in range(switches):
-                    conn.execute("SELECT pg_logical_emit_message(false, 'lab', 'disk full'), "
-                                 "pg_switch_wal()")
+                    conn.execute("SELECT pg_logical_emit_message(false, 'lab', 'disk full')")
+                    conn.execute("SELECT pg_switch_wal()")
         except psycopg.Error as exc:
-            return _redact(str(exc).strip().splitlines()[0] if str(exc).strip() else
-                           type(exc).__name__, self.dsn)
+            text = str(exc).strip()
+            return _redact(text.splitlines()[0] if text else type(exc).__name__, self.dsn)
         return ""
 
     @property
@@ -969,7 +978,9 @@ def _volume_args(volume: Volume | None) -> list[str]:
     only after the recycled segments a fresh cluster carries run out."""
     if volume is None:
         return []
-    return ["-c", "wal_recycle=off", "-c", "min_wal_size=2MB", "-c", "max_wal_size=32MB"]
+    # The log names each line's application, so a report can say who met the full disk.
+    return ["-c", "wal_recycle=off", "-c", "min_wal_size=2MB", "-c", "max_wal_size=32MB",
+            "-c", "log_line_prefix=%m [%p] %a: "]
 
 
 def _durability_args(durable: bool) -> list[str]:
