@@ -24,12 +24,21 @@ Every process rides these out (jittered backoff, fenced writes); the
 controller itself tolerates an unreachable database and writes its report
 before any cleanup.
 
+With ``disk_full_every_ms`` the embedded server's data directory sits on a
+size-limited filesystem and ``lab.faults.diskfull`` fills it with ballast, holds and
+frees it (restarting a postmaster that gave up); with ``clock_step_every_ms`` the
+server runs under libfaketime and ``lab.faults.clocksteps`` steps its clock forward
+and back, counting the leases each step moves. Both need the server itself
+(``server``), so a given DSN's server cannot take them.
+
 Kills and terminations start once a first item is done (the warm-up; the
 tool's faults are already on). The fault phase ends at ``duration`` or as
 soon as every workflow is settled (and, with restarts, ``min_restarts``
 happened); then the drain stops every fault, lets the workers finish, waits
 for leases to expire and reconciles until nothing is left to do.
-``lab.faults.invariants`` then checks the final database and the whole event history.
+``lab.faults.invariants`` then checks the final database and the whole event history,
+and ``lab.faults.audit`` checks the same tables again in plain SQL; the report says
+whether the two flag the same effect keys (``checkers_agree``).
 
 A worker process talks to one tool endpoint, and a tool service is either
 idempotent or not, so the population is split into two schemas: idempotent

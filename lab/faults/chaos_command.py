@@ -44,9 +44,10 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
         ("PostgreSQL SIGKILLs and restarts", f["postgres_restarts"]),
         ("PostgreSQL down (s)", report["database"]["down_s"]),
         ("network partitions", f["partitions"]),
-        ("disk-full faults (data / wal)", "{} ({} / {})".format(
+        ("disk-full faults (data / wal; met by a write)", "{} ({} / {}; {})".format(
             f["disk_full"]["count"], f["disk_full"].get("by_target", {}).get("data", 0),
-            f["disk_full"].get("by_target", {}).get("wal", 0))),
+            f["disk_full"].get("by_target", {}).get("wal", 0),
+            f["disk_full"].get("met_by_a_write", 0))),
         ("postmaster restarted by the lab after a full disk",
          f["disk_full"].get("postmaster_restarted_by_lab", 0)),
         ("clock steps (forward / backward)", "{} ({} / {})".format(
