@@ -126,6 +126,12 @@ def _chaos(args: argparse.Namespace) -> int:
     return chaos_command.cli_main(args)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from lab.faults import soak
+
+    return soak.cli_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from lab.bench import command as bench_command
 
@@ -154,6 +160,22 @@ def _reproduce(args: argparse.Namespace) -> int:
     from lab import reproduce
 
     return reproduce.cli_main(args)
+
+
+def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """The disk-full and clock-step flags, shared by ``lab chaos`` and ``lab soak``."""
+    parser.add_argument("--disk-full-every", type=float, default=0.0, metavar="MS",
+                        help="fill the data directory's filesystem about every MS (0: never)")
+    parser.add_argument("--disk-full-for", type=float, default=2000.0, metavar="MS",
+                        help="how long each disk-full fault holds the filesystem full")
+    parser.add_argument("--disk-full-mb", type=int, default=96, metavar="MB",
+                        help="size of the filesystem the data directory is mounted on")
+    parser.add_argument("--disk-full-fs", default="auto", choices=("auto", "tmpfs", "loop"),
+                        help="tmpfs (RAM), loop (an ext4 image on disk), auto: tmpfs, else loop")
+    parser.add_argument("--clock-step-every", type=float, default=0.0, metavar="MS",
+                        help="step the server's clock about every MS (0: never)")
+    parser.add_argument("--clock-step-max", type=int, default=60, metavar="S",
+                        help="largest clock offset, forward or back, in seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,9 +293,35 @@ def build_parser() -> argparse.ArgumentParser:
                        help="delay on every proxied link")
     chaos.add_argument("--durable", action="store_true",
                        help="run PostgreSQL with fsync=on and synchronous_commit=on")
+    _database_fault_arguments(chaos)
     chaos.add_argument("--output", default="evidence/chaos.json")
     chaos.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
     chaos.set_defaults(handler=_chaos)
+
+    soak = commands.add_parser("soak", help="a long run mixing every fault, memory sampled")
+    soak.add_argument("--workflows", type=int, default=100_000)
+    soak.add_argument("--round", type=int, default=2_000, metavar="N",
+                      help="workflows per chaos round (each checked, then dropped)")
+    soak.add_argument("--workers", type=int, default=4)
+    soak.add_argument("--kill-every", type=float, default=1000.0, metavar="MS")
+    soak.add_argument("--drop-replies", type=float, default=0.05)
+    soak.add_argument("--reject-429", type=float, default=0.05)
+    soak.add_argument("--terminate-backends", type=float, default=3000.0, metavar="MS")
+    soak.add_argument("--non-idempotent-share", type=float, default=0.2)
+    soak.add_argument("--seed", type=int, default=42)
+    soak.add_argument("--restart-postgres-every", type=float, default=30_000.0, metavar="MS")
+    soak.add_argument("--partition-every", type=float, default=15_000.0, metavar="MS")
+    soak.add_argument("--partition-for", type=float, default=800.0, metavar="MS")
+    _database_fault_arguments(soak)
+    soak.add_argument("--fault-phase", type=float, default=60.0, metavar="S",
+                      help="seconds of faults per round at most; the drain settles the rest")
+    soak.set_defaults(disk_full_every=30_000.0, disk_full_mb=256, clock_step_every=20_000.0,
+                      clock_step_max=10)
+    soak.add_argument("--sample-every", type=float, default=2.0, metavar="S")
+    soak.add_argument("--output", default="evidence/soak.json")
+    soak.add_argument("--figure", default="evidence/soak.svg")
+    soak.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
+    soak.set_defaults(handler=_soak)
 
     crash = commands.add_parser(
         "crashpoints", help="every named boundary, fault and tool kind, then the invariants"

@@ -60,3 +60,29 @@ def test_a_failed_cleanup_is_reported_after_the_verdict(
     assert sum(report["states"].values()) == 12
     assert len(report["cleanup"]) == len(set(dropped)) == 2
     assert all("was not dropped" in problem for problem in report["cleanup"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-full-every", "10"], "disk-full-every must be at least 1000 ms"),
+        (["--disk-full-for", "0"], "disk-full-for"),
+        (["--disk-full-mb", "8"], "disk-full-mb"),
+        (["--clock-step-every", "5"], "clock-step-every must be at least 1000 ms"),
+        (["--clock-step-max", "0"], "clock-step-max"),
+    ],
+)
+def test_bad_disk_and_clock_settings_exit_2_with_one_line(args: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "chaos", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_disk_and_clock_faults_need_a_server_this_run_started(lab_dsn: str) -> None:
+    with pytest.raises(errors.ProvisioningError, match="size-limited"):
+        chaos.Chaos(lab_dsn, chaos.Settings(workflows=4, workers=2, disk_full_every_ms=2000))
+    with pytest.raises(errors.ProvisioningError, match="libfaketime"):
+        chaos.Chaos(lab_dsn, chaos.Settings(workflows=4, workers=2, clock_step_every_ms=2000))

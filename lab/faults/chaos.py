@@ -24,12 +24,21 @@ Every process rides these out (jittered backoff, fenced writes); the
 controller itself tolerates an unreachable database and writes its report
 before any cleanup.
 
+With ``disk_full_every_ms`` the embedded server's data directory sits on a
+size-limited filesystem and ``lab.faults.diskfull`` fills it with ballast, holds and
+frees it (restarting a postmaster that gave up); with ``clock_step_every_ms`` the
+server runs under libfaketime and ``lab.faults.clocksteps`` steps its clock forward
+and back, counting the leases each step moves. Both need the server itself
+(``server``), so a given DSN's server cannot take them.
+
 Kills and terminations start once a first item is done (the warm-up; the
 tool's faults are already on). The fault phase ends at ``duration`` or as
 soon as every workflow is settled (and, with restarts, ``min_restarts``
 happened); then the drain stops every fault, lets the workers finish, waits
 for leases to expire and reconciles until nothing is left to do.
-``lab.faults.invariants`` then checks the final database and the whole event history.
+``lab.faults.invariants`` then checks the final database and the whole event history,
+and ``lab.faults.audit`` checks the same tables again in plain SQL; the report says
+whether the two flag the same effect keys (``checkers_agree``).
 
 A worker process talks to one tool endpoint, and a tool service is either
 idempotent or not, so the population is split into two schemas: idempotent
@@ -59,9 +68,9 @@ from datetime import timedelta
 from typing import Any
 
 from lab import errors, protocol
-from lab.faults import invariants, proxy
+from lab.faults import audit, clocksteps, diskfull, invariants, proxy
 from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
-from lab.pg import edge
+from lab.pg import edge, embedded
 from lab.runtime import backoff, plan, processes, sealing, store, tool, worker
 
 __all__ = ["Chaos", "Settings", "run", "split"]
@@ -178,12 +187,23 @@ class Chaos:
         log: Callable[[str], None] | None = None,
         keep_schemas: bool = False,
         restart: Callable[[], float] | None = None,
+        server: embedded.Server | None = None,
     ):
         settings.validate()
         if settings.restart_every_ms > 0 and restart is None:
             raise errors.ProvisioningError(
                 "--restart-postgres-every needs a server this run started (the embedded "
                 "provider): a given DSN's server cannot be restarted by the lab"
+            )
+        if settings.disk_full_every_ms > 0 and (server is None or not server.volume):
+            raise errors.ProvisioningError(
+                "--disk-full-every needs an embedded server on a size-limited filesystem "
+                "this run mounted (lab chaos starts one; a given DSN's server cannot be filled)"
+            )
+        if settings.clock_step_every_ms > 0 and (server is None or not server.steppable):
+            raise errors.ProvisioningError(
+                "--clock-step-every needs an embedded server under libfaketime this run "
+                "started (a given DSN's server clock cannot be stepped)"
             )
         self.dsn = dsn
         self._restart = restart
@@ -200,6 +220,9 @@ class Chaos:
         # Drawn after the older streams, so adding database faults kept their sequences.
         self._restart_rng = random.Random(root.getrandbits(64))
         self._partition_rng = random.Random(root.getrandbits(64))
+        # Drawn after those, so adding disk and clock faults kept every older sequence.
+        self._disk_rng = random.Random(root.getrandbits(64))
+        self._clock_rng = random.Random(root.getrandbits(64))
         self.counts = Counts()
         # One key catalog for the run: every process seals results the checker can open.
         self.keys = sealing.load_catalog()
@@ -224,6 +247,16 @@ class Chaos:
         self.partitions = proxy.Partitions(
             self.proxies, self._partition_rng, settings.partition_for_ms / 1000.0, self._began
         )
+        self.disk: diskfull.DiskFull | None = None
+        self.clock: clocksteps.ClockSteps | None = None
+        if server is not None and settings.disk_full_every_ms > 0:
+            self.disk = diskfull.DiskFull(server, random.Random(self._disk_rng.getrandbits(64)),
+                                          settings.disk_full_for_ms / 1000.0)
+        if server is not None and settings.clock_step_every_ms > 0:
+            self.clock = clocksteps.ClockSteps(
+                server, dsn, [p.schema for p in self.populations],
+                random.Random(self._clock_rng.getrandbits(64)), settings.clock_step_max_s)
+        self._fault_threads: list[threading.Thread] = []
 
     def _via(self, link: str) -> str:
         """The DSN a client on ``link`` uses: its proxy when the run has one."""
@@ -276,9 +309,12 @@ class Chaos:
             self._log(f"first item done after {faults_began - warm_up_began:.1f}s; "
                       "killing and terminating")
             restarter.start()
+            self._start_database_faults()
             settled_in_faults = self._fault_phase()
             self._stop_restarts.set()
             restarter.join(timeout=120)
+            for thread in self._fault_threads:
+                thread.join(timeout=120)
             self._check_faults()
             open_after_faults = self._open_total()
             drain_began = time.monotonic()
@@ -313,6 +349,9 @@ class Chaos:
                 recoverer.join(timeout=30)
             if restarter.is_alive():
                 restarter.join(timeout=120)
+            for thread in self._fault_threads:
+                if thread.is_alive():
+                    thread.join(timeout=120)
 
     def close(self) -> list[str]:
         """Stop workers, tools and proxies; drop the schemas unless kept.
@@ -383,7 +422,9 @@ class Chaos:
             if now >= next_count:
                 # Work may settle before the database was ever killed: with restarts
                 # asked for, the phase lasts until ``min_restarts`` happened too.
-                restarted = len(self.counts.restarts) >= settings.min_restarts
+                restarted = (len(self.counts.restarts) >= settings.min_restarts
+                             and (self.disk is None or bool(self.disk.log))
+                             and (self.clock is None or bool(self.clock.log)))
                 if self._open_total(refresh=True) == 0 and restarted:
                     return True
                 next_count = now + 0.25
@@ -421,6 +462,34 @@ class Chaos:
                 down = self._restart()
                 self.counts.restarts.append({"at_s": round(at, 2), "down_s": round(down, 3)})
                 self._log(f"PostgreSQL SIGKILLed and restarted ({down:.2f}s down)")
+        except BaseException as exc:  # surfaced by the supervisor, never swallowed
+            self._restart_failure = exc
+
+    def _start_database_faults(self) -> None:
+        """Start the disk-full and clock-step threads, each on its own seeded timer."""
+        s = self.settings
+        if self.disk is not None:
+            disk = self.disk
+            disk.start()
+            self._fault_threads.append(threading.Thread(
+                target=self._fault_loop, name="chaos-disk-full", daemon=True,
+                args=(s.disk_full_every_ms, self._disk_rng,
+                      lambda at: disk.strike(at, self._stop_restarts), "disk full")))
+        if self.clock is not None:
+            clock = self.clock
+            self._fault_threads.append(threading.Thread(
+                target=self._fault_loop, name="chaos-clock-steps", daemon=True,
+                args=(s.clock_step_every_ms, self._clock_rng, clock.step, "clock step")))
+        for thread in self._fault_threads:
+            thread.start()
+
+    def _fault_loop(self, every_ms: float, rng: random.Random,
+                    strike: Callable[[float], dict[str, Any]], what: str) -> None:
+        """Strike every ``every_ms`` (give or take half) until the fault phase ends."""
+        try:
+            while not self._stop_restarts.wait(spread(rng, every_ms)):
+                record = strike(time.monotonic() - self._began)
+                self._log(f"{what}: {record}")
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
             self._restart_failure = exc
 
@@ -659,11 +728,23 @@ class Chaos:
                     raise
                 time.sleep(patience.failed())
 
+    def _audit(self, population: _Population) -> list[audit.Finding]:
+        """The independent SQL audit of one population, waiting out a database coming back."""
+        patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
+        while True:
+            try:
+                return audit.run(self.dsn, population.schema, expected_workflows=population.size)
+            except errors.StoreError:
+                if patience.exhausted:
+                    raise
+                time.sleep(patience.failed())
+
     def _report(self, durability: dict[str, str]) -> dict[str, Any]:
         s = self.settings
         per_population: list[dict[str, Any]] = []
         violations: list[dict[str, str]] = []
         found_all: list[invariants.Violation] = []
+        findings: list[audit.Finding] = []
         states: Counter[str] = Counter()
         reviews: Counter[str] = Counter()
         events: Counter[str] = Counter()
@@ -674,6 +755,7 @@ class Chaos:
             found = invariants.check(history)
             violations += [{"schema": population.schema, **v.to_json()} for v in found]
             found_all += found
+            findings += self._audit(population)
             pop_states = Counter(wf.state for wf in history.workflows)
             pop_reviews = Counter(
                 wf.review_reason for wf in history.workflows if wf.state == "unknown"
@@ -704,7 +786,10 @@ class Chaos:
             calls += service.calls
             lookups += service.lookups
         c = self.counts
+        comparison = audit.compare(findings, [(v.kind, v.effect_key) for v in found_all])
         return {
+            "audit": {**comparison, "findings": [vars(f) for f in findings[:20]]},
+            "checkers_agree": comparison["agree"],
             "run": s.describe(max_attempts=store.DEFAULT_MAX_ATTEMPTS,
                               proxied_links=sorted(self.proxies)),
             "database": {
@@ -728,6 +813,8 @@ class Chaos:
                 "partitions": len(self.partitions.log),
                 "partition_log": self.partitions.log,
                 "proxy_resets": sum(p.resets for p in self.proxies.values()),
+                "disk_full": self.disk.report() if self.disk is not None else {"count": 0},
+                "clock_steps": self.clock.report() if self.clock is not None else {"count": 0},
             },
             "tool": {"calls": calls, "lookups": lookups},
             "workers": {
@@ -759,6 +846,7 @@ def run(
     log: Callable[[str], None] | None = None,
     keep_schemas: bool = False,
     restart: Callable[[], float] | None = None,
+    server: embedded.Server | None = None,
 ) -> dict[str, Any]:
     """Run one bounded chaos round against ``dsn`` and return its report.
 
@@ -767,7 +855,8 @@ def run(
     report's ``cleanup`` list. ``restart`` crash-restarts the server (needed for
     ``restart_every_ms``).
     """
-    chaos = Chaos(dsn, settings, log=log, keep_schemas=keep_schemas, restart=restart)
+    chaos = Chaos(dsn, settings, log=log, keep_schemas=keep_schemas, restart=restart,
+                  server=server)
     try:
         report = chaos.run()
     finally:

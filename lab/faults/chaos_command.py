@@ -44,6 +44,18 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
         ("PostgreSQL SIGKILLs and restarts", f["postgres_restarts"]),
         ("PostgreSQL down (s)", report["database"]["down_s"]),
         ("network partitions", f["partitions"]),
+        ("disk-full faults (data / wal; met by a write)", "{} ({} / {}; {})".format(
+            f["disk_full"]["count"], f["disk_full"].get("by_target", {}).get("data", 0),
+            f["disk_full"].get("by_target", {}).get("wal", 0),
+            f["disk_full"].get("met_by_a_write", 0))),
+        ("postmaster restarted by the lab after a full disk",
+         f["disk_full"].get("postmaster_restarted_by_lab", 0)),
+        ("clock steps (forward / backward)", "{} ({} / {})".format(
+            f["clock_steps"]["count"], f["clock_steps"].get("forward", 0),
+            f["clock_steps"].get("backward", 0))),
+        ("leases a step expired early / late", "{} / {}".format(
+            f["clock_steps"].get("leases_expired_early", 0),
+            f["clock_steps"].get("leases_expired_late", 0))),
         ("connections reset by the proxy", f["proxy_resets"]),
         ("controller reads that found the database away",
          report["database"]["unreachable_reads"]),
@@ -68,6 +80,10 @@ def summary_tables(report: dict[str, Any]) -> list[Table]:
         checks.add_row(kind, str(count), style="red" if count else None)
     checks.add_row("total", str(report["violation_count"]),
                    style="bold red" if report["violation_count"] else "bold green")
+    checks.add_row("independent SQL audit: findings", str(report["audit"]["audit_findings"]),
+                   style="red" if report["audit"]["audit_findings"] else None)
+    checks.add_row("the two checkers agree", "yes" if report["checkers_agree"] else "NO",
+                   style="bold green" if report["checkers_agree"] else "bold red")
     return [states, faults, checks]
 
 
@@ -91,11 +107,22 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     for cut in report["faults"]["partition_log"]:
         console.print(f"partition at {cut['at_s']}s for {cut['for_s']}s: {cut['link']} "
                       f"{cut['mode']}")
+    disk = report["faults"]["disk_full"]
+    if disk["count"]:
+        console.print(f"disk full ({disk_fs(report)}): server log {disk['server_log']}")
+        for name, line in disk["server_log_examples"].items():
+            console.print(f"  {name}: {line}")
     for violation in report["violations"][:20]:
         console.print(f"[red]{violation['kind']}[/red] {violation['workflow_id']} "
                       f"{violation['effect_key']}: {violation['detail']}")
     console.print(f"violations: {report['violation_count']}",
                   style="bold red" if report["violation_count"] else "bold green")
+
+
+def disk_fs(report: dict[str, Any]) -> str:
+    """The bounded filesystem the run's data directory was on, as the server described it."""
+    details = report.get("postgres", {}).get("details", {})
+    return str(details.get("volume", "?"))
 
 
 def cli_main(args: argparse.Namespace) -> int:
@@ -106,7 +133,7 @@ def cli_main(args: argparse.Namespace) -> int:
     written before cleanup; a cleanup failure is reported after the verdict and
     added to the written report, never in place of it.
     """
-    from lab.pg import cluster
+    from lab.pg import cluster, embedded
 
     console = Console()
     progress = Console(stderr=True)
@@ -115,7 +142,10 @@ def cli_main(args: argparse.Namespace) -> int:
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     settings = Settings.from_args(args)
     settings.validate()
-    running = cluster.start(mode=args.lab_postgres, durable=settings.durable)
+    volume = (embedded.Volume(settings.disk_full_mb, settings.disk_full_fs)
+              if settings.disk_full_every_ms > 0 else None)
+    running = cluster.start(mode=args.lab_postgres, durable=settings.durable, volume=volume,
+                            faketime=settings.clock_step_every_ms > 0)
     try:
         if settings.restart_every_ms > 0 and not running.can_crash_restart:
             raise errors.ProvisioningError(
@@ -128,6 +158,7 @@ def cli_main(args: argparse.Namespace) -> int:
         chaos = Chaos(
             running.provisioned.dsn, settings, log=progress.log,
             restart=running.crash_restart if settings.restart_every_ms > 0 else None,
+            server=running.server,
         )
         try:
             report = chaos.run()
@@ -148,4 +179,4 @@ def cli_main(args: argparse.Namespace) -> int:
                 print(f"lab chaos: cleanup: {problem}", file=sys.stderr)
     finally:
         running.stop()
-    return 0 if report["violation_count"] == 0 else 1
+    return 0 if report["violation_count"] == 0 and report["checkers_agree"] else 1

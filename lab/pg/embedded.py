@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -65,6 +66,56 @@ _START_TIMEOUT = 60.0
 RAM_DIR = "/dev/shm"  # noqa: S108
 DISK_DIR = "/tmp"  # noqa: S108
 _MIN_RAM_FREE = 1 << 30  # below this much free in /dev/shm (64 MB in Docker), use /tmp
+VOLUME_KINDS = ("auto", "tmpfs", "loop")
+BALLAST = "lab-ballast"  # the disk-full fault's file, beside (not in) the data directory
+# Debian's libfaketime (apt-get install libfaketime); LAB_FAKETIME_LIB names another.
+FAKETIME_ENV = "LAB_FAKETIME_LIB"
+FAKETIME_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+)
+
+
+@dataclass(frozen=True)
+class Volume:
+    """A size-limited filesystem for the data directory: ``kind`` auto, tmpfs or loop."""
+
+    size_mb: int
+    kind: str = "auto"
+
+    def validate(self) -> None:
+        """Raise ``errors.UsageError`` for a volume that cannot hold a cluster or a kind
+        that does not exist."""
+        if self.kind not in VOLUME_KINDS:
+            raise errors.UsageError(f"volume kind must be one of {', '.join(VOLUME_KINDS)}")
+        if not 48 <= self.size_mb <= 4096:
+            raise errors.UsageError("volume size must be between 48 and 4096 MB")
+
+
+def find_faketime(environ: Mapping[str, str] | None = None) -> Path:
+    """libfaketime's preload library, or ``errors.ProvisioningError`` naming the install."""
+    env = os.environ if environ is None else environ
+    candidates = [env[FAKETIME_ENV]] if env.get(FAKETIME_ENV) else list(FAKETIME_PATHS)
+    for candidate in candidates:
+        if os.access(candidate, os.R_OK):
+            return Path(candidate)
+    raise errors.ProvisioningError(
+        "clock-step faults need libfaketime (apt-get install faketime libfaketime, or "
+        f"{FAKETIME_ENV}=path/to/libfaketime.so.1)"
+    )
+
+
+def _root_command(*argv: str) -> None:
+    """Run a mount/mkfs command; its failure is a one-line ``errors.ProvisioningError``."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=60,
+                              check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise errors.ProvisioningError(f"{argv[0]} could not run: {exc}") from None
+    if done.returncode != 0:
+        message = (done.stderr or done.stdout).strip().splitlines() or ["?"]
+        raise errors.ProvisioningError(f"{argv[0]} failed: {message[-1]}")
 
 
 # --- the binaries --------------------------------------------------------------------------
@@ -318,11 +369,13 @@ def _copy_tree(runner: _Runner, source: Path, target: Path) -> None:
     if cp is None:
         if runner.uid is not None:
             raise errors.ProvisioningError("copying the template as the server user needs cp")
-        shutil.copytree(source, target, symlinks=True)
+        shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
         return
+    # A target that exists (a mounted volume's data directory) receives the contents.
+    arguments = [f"{source}/.", str(target)] if target.exists() else [str(source), str(target)]
     try:
         subprocess.run(
-            [cp, "-a", str(source), str(target)],
+            [cp, "-a", *arguments],
             check=True,
             capture_output=True,
             timeout=120,
@@ -346,6 +399,7 @@ _REAPER = r"""
 import os, shutil, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 data, base = sys.argv[1:3]
+extra = sys.argv[3:]  # optional: a mount point to detach and a loop image to remove
 sys.stdin.buffer.read()
 pidfile = os.path.join(data, "postmaster.pid")
 pid = None
@@ -369,22 +423,49 @@ for sig, patience in ((signal.SIGQUIT, 30.0), (signal.SIGKILL, 0.2)):
     deadline = time.monotonic() + patience
     while os.path.exists(pidfile) and time.monotonic() < deadline:
         time.sleep(0.005)
+if extra and extra[0]:
+    import subprocess
+    subprocess.run(["umount", "-l", extra[0]], capture_output=True, check=False)
+if len(extra) > 1 and extra[1]:
+    try:
+        os.unlink(extra[1])
+    except OSError:
+        pass
 shutil.rmtree(base, ignore_errors=True)
 """
 
 
 class _Embedded:
-    """One running embedded cluster: its directory, postmaster and reaper."""
+    """One running embedded cluster: its directory, postmaster and reaper.
 
-    def __init__(self, runner: _Runner, base: Path, durable: bool = False) -> None:
+    With a ``volume`` the data directory (WAL included) lives on a size-limited
+    filesystem mounted at ``base/vol`` (see ``Volume``), next to a ballast file a
+    disk-full fault fills it with. With ``faketime`` the server runs under
+    libfaketime, its wall clock offset by what ``base/faketime`` says.
+    """
+
+    def __init__(
+        self, runner: _Runner, base: Path, durable: bool = False,
+        volume: Volume | None = None, faketime: Path | None = None,
+    ) -> None:
         self.runner = runner
         self.base = base
         self.durable = durable
         self.port = 0
         self._restart_lock = threading.Lock()
-        self.data = base / "data"
+        self.volume = volume
+        self.volume_used = ""
+        self.mount = base / "vol" if volume is not None else None
+        # A loop image lives on disk beside the run's directory, never in RAM.
+        self.image = (Path(DISK_DIR) / f"{base.name}-vol.img") if volume is not None else None
+        self.data = self.mount / "data" if self.mount is not None else base / "data"
+        self.faketime = faketime
+        self.clock_file = base / "faketime"
+        self.clock_offset_s = 0
         self.postmaster: subprocess.Popen[bytes] | None = None
         self._reaper_args = [sys.executable, "-I", "-S", "-c", _REAPER, str(self.data), str(base)]
+        if self.mount is not None and self.image is not None:
+            self._reaper_args += [str(self.mount), str(self.image)]
         self.reaper: subprocess.Popen[bytes] | None = subprocess.Popen(
             self._reaper_args,
             stdin=subprocess.PIPE,
@@ -392,6 +473,163 @@ class _Embedded:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+    # -- the bounded volume ----------------------------------------------------------------
+
+    def mount_volume(self) -> None:
+        """Mount the size-limited filesystem and create the (empty) data directory on it.
+
+        tmpfs first (``mount -t tmpfs -o size=``), a loop-mounted ext4 image on disk as
+        the fallback (or when asked for: its fsync reaches a disk). Refuses, in one
+        line, where neither can be had.
+        """
+        assert self.volume is not None and self.mount is not None
+        if os.geteuid() != 0:
+            raise errors.ProvisioningError(
+                "a size-limited data directory (disk-full faults) needs root to mount a "
+                "tmpfs or a loop device; run as root or leave the disk-full fault off"
+            )
+        self.mount.mkdir(mode=0o755)
+        kinds = ("tmpfs", "loop") if self.volume.kind == "auto" else (self.volume.kind,)
+        failures: list[str] = []
+        for kind in kinds:
+            try:
+                self._mount_tmpfs() if kind == "tmpfs" else self._mount_loop()
+            except errors.ProvisioningError as exc:
+                failures.append(f"{kind}: {exc}")
+                continue
+            self.volume_used = kind
+            break
+        else:
+            raise errors.ProvisioningError(
+                "could not mount a size-limited filesystem for the data directory ("
+                + "; ".join(failures) + ")"
+            )
+        self.data.mkdir(mode=0o700)
+        self.runner.give(self.data)
+
+    def _mount_tmpfs(self) -> None:
+        assert self.volume is not None and self.mount is not None
+        _root_command("mount", "-t", "tmpfs", "-o", f"size={self.volume.size_mb}m,mode=0755",
+                      "lab-pg-volume", str(self.mount))
+
+    def _mount_loop(self) -> None:
+        assert self.volume is not None and self.mount is not None and self.image is not None
+        try:
+            fd = os.open(self.image, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.volume.size_mb << 20)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise errors.ProvisioningError(f"could not create the image {self.image}: "
+                                           f"{exc.strerror or exc}") from None
+        # -m 0: no blocks reserved for root, so the server and the ballast see one limit.
+        _root_command("mkfs.ext4", "-q", "-F", "-m", "0", str(self.image))
+        _root_command("mount", "-o", "loop", str(self.image), str(self.mount))
+
+    def fill_ballast(self, leave: int = 0) -> int:
+        """Write zeros into the volume's ballast file until it is full, or until only
+        ``leave`` bytes are free; the bytes written.
+
+        The chunk halves at each ``ENOSPC`` down to 512 bytes, so a full filesystem is left
+        with less free space than one PostgreSQL page.
+        """
+        assert self.mount is not None
+        written = 0
+        chunk = bytes(1 << 20)
+        fd = os.open(self.mount / BALLAST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            while True:
+                if leave:
+                    room = self.volume_free() - leave
+                    if room <= 0:
+                        break
+                    chunk = chunk[: min(len(chunk), room)]
+                try:
+                    written += os.write(fd, chunk)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    if len(chunk) <= 512:
+                        break
+                    chunk = chunk[: len(chunk) // 2]
+        finally:
+            os.close(fd)
+        return written
+
+    def free_ballast(self) -> None:
+        """Delete the ballast: the volume has its space back."""
+        assert self.mount is not None
+        with contextlib.suppress(FileNotFoundError):
+            (self.mount / BALLAST).unlink()
+
+    def volume_free(self) -> int:
+        """Bytes free on the volume (what an unprivileged writer could still use)."""
+        assert self.mount is not None
+        st = os.statvfs(self.mount)
+        return st.f_bavail * st.f_frsize
+
+    # -- the stepped clock ---------------------------------------------------------------
+
+    def set_clock_offset(self, seconds: int) -> None:
+        """Step the server's wall clock to ``seconds`` off the real one (libfaketime).
+
+        Written to a new file and renamed over the old, so a backend never reads half.
+        """
+        if self.faketime is None:
+            raise errors.ProvisioningError("this server does not run under libfaketime")
+        staged = self.clock_file.with_name(f".faketime-{secrets.token_hex(4)}")
+        staged.write_text(f"{seconds:+d}\n", encoding="ascii")
+        staged.chmod(0o644)
+        staged.replace(self.clock_file)
+        self.clock_offset_s = seconds
+
+    def _launch_env(self) -> dict[str, str]:
+        env = self.runner.env()
+        if self.faketime is not None:
+            env.update({
+                "LD_PRELOAD": str(self.faketime),
+                "FAKETIME_TIMESTAMP_FILE": str(self.clock_file),
+                # Re-read the file every second: a step takes effect within one.
+                "FAKETIME_CACHE_DURATION": "1",
+                # An NTP step moves the wall clock only; timeouts keep real time.
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            })
+        return env
+
+    def log_from(self, offset: int, limit: int = 4 << 20) -> tuple[str, int]:
+        """Whole lines of the server log written since byte ``offset`` (at most ``limit``
+        bytes), and the offset to read from next time. Bounded: a long run's log is
+        never read whole, and a line still being written waits for the next call."""
+        try:
+            with open(self.base / "postgres.log", "rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read(limit)
+        except OSError:
+            return "", offset
+        cut = chunk.rfind(b"\n") + 1
+        return chunk[:cut].decode("utf-8", errors="replace"), offset + cut
+
+    def alive(self) -> bool:
+        """Whether the postmaster process is still running."""
+        return self.postmaster is not None and self.postmaster.poll() is None
+
+    def revive(self, patience: float = 60.0) -> bool:
+        """Start the postmaster again if it exited by itself (a failed crash recovery);
+        True when it had to. A postmaster that is up is left alone."""
+        with self._restart_lock:
+            if self.postmaster is None or self.port == 0 or self.alive():
+                return False
+            deadline = time.monotonic() + patience
+            while True:
+                try:
+                    self.launch(self.port)
+                    return True
+                except errors.ProvisioningError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
 
     def launch(self, port: int) -> None:
         """Start the postmaster and wait until it accepts connections.
@@ -408,6 +646,7 @@ class _Embedded:
                     "-D",
                     str(self.data),
                     *_durability_args(self.durable),
+                    *_volume_args(self.volume),
                     "-p",
                     str(port),
                     "-k",
@@ -420,7 +659,7 @@ class _Embedded:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=self.runner.env(),
+                env=self._launch_env(),
                 start_new_session=True,  # a Ctrl-C at the terminal is for pytest, not for it
                 **self.runner.user_kwargs(),
             )
@@ -498,10 +737,14 @@ def start_embedded(
     cache_dir: Path | None = None,
     environ: Mapping[str, str] | None = None,
     durable: bool = False,
+    volume: Volume | None = None,
+    faketime: bool = False,
 ) -> Server:
     """Start a throwaway cluster on 127.0.0.1 from the server binaries in ``bindir``.
 
     ``durable``: fsync and synchronous commits on, data on disk (see the module).
+    ``volume``: the data directory on a size-limited filesystem (disk-full faults; root).
+    ``faketime``: the server under libfaketime, its clock steppable (``Server.set_clock``).
 
     ``method``: ``"cached-copy"`` copies a cached initialised template (built on first use),
     ``"initdb"`` initialises afresh, ``"auto"`` copies when the cache is usable and falls
@@ -512,6 +755,14 @@ def start_embedded(
     if method not in METHODS:
         raise errors.ProvisioningError(f"unknown method {method!r}; choose one of {METHODS}")
     env = os.environ if environ is None else environ
+    options = _Options(volume, find_faketime(env) if faketime else None)
+    if volume is not None:
+        volume.validate()
+        if os.geteuid() != 0:
+            raise errors.ProvisioningError(
+                "a size-limited data directory (disk-full faults) needs root to mount a "
+                "tmpfs or a loop device; run as root or leave the disk-full fault off"
+            )
     root = _cache_root(cache_dir, env)
     runner, version = _runner_for(bindir, root)
     if method == "cached-copy" and root is None:
@@ -525,13 +776,13 @@ def start_embedded(
                 raise errors.ProvisioningError(f"cannot use the template cache: {exc}") from exc
             log.warning("template cache unusable, using initdb: %s", exc)
     try:
-        return _start_cluster(runner, version, template, durable)
+        return _start_cluster(runner, version, template, durable, options)
     except errors.ProvisioningError as exc:
-        if template is None or method == "cached-copy":
+        if template is None or method == "cached-copy" or "mount" in str(exc):
             raise
         log.warning("a copy of %s failed (%s): discarding it, using initdb", template, exc)
         _discard(template)
-        return _start_cluster(runner, version, None, durable)
+        return _start_cluster(runner, version, None, durable, options)
 
 
 def _runner_for(bindir: Path, root: Path | None) -> tuple[_Runner, str]:
@@ -656,6 +907,81 @@ class Server:
         """SIGKILL the postmaster and restart it on the same data; the seconds it was down."""
         return self.cluster.crash_restart()
 
+    @property
+    def volume(self) -> str:
+        """The bounded filesystem the data directory is on (tmpfs, loop), or ''."""
+        return self.cluster.volume_used
+
+    @property
+    def steppable(self) -> bool:
+        """Whether the server runs under libfaketime (its clock can be stepped)."""
+        return self.cluster.faketime is not None
+
+    def fill_disk(self, leave: int = 0) -> int:
+        """Fill the data directory's filesystem with ballast (to ``leave`` bytes free);
+        the bytes written."""
+        return self.cluster.fill_ballast(leave)
+
+    def free_disk(self) -> None:
+        """Delete the ballast."""
+        self.cluster.free_ballast()
+
+    def disk_free(self) -> int:
+        """Bytes free on the data directory's filesystem."""
+        return self.cluster.volume_free()
+
+    def set_clock(self, offset_s: int) -> None:
+        """Step the server's wall clock to ``offset_s`` seconds off the real one."""
+        self.cluster.set_clock_offset(offset_s)
+
+    def revive(self) -> bool:
+        """Restart a postmaster that exited by itself; True when it had to."""
+        return self.cluster.revive()
+
+    def alive(self) -> bool:
+        """Whether the postmaster runs."""
+        return self.cluster.alive()
+
+    def log_from(self, offset: int) -> tuple[str, int]:
+        """Server log text written since ``offset``, and the next offset."""
+        return self.cluster.log_from(offset)
+
+    def prime_wal(self, switches: int = 3) -> str:
+        """Leave the server at the start of a WAL segment that does not exist yet.
+
+        A WAL message and a segment switch, ``switches`` times, while there is room: the
+        segments kept ahead are used up and the last switch moves the insert position
+        into a new segment no one has written. Filled after this, the disk meets the
+        next WAL record, whoever writes it, as a busy server crossing a segment boundary
+        on a full disk would. Returns '' or the server's error (one line).
+        """
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=5, autocommit=True) as conn:
+                for _ in range(switches):
+                    conn.execute("SELECT pg_logical_emit_message(false, 'lab', 'disk full')")
+                    conn.execute("SELECT pg_switch_wal()")
+        except psycopg.Error as exc:
+            text = str(exc).strip()
+            return _redact(text.splitlines()[0] if text else type(exc).__name__, self.dsn)
+        return ""
+
+    @property
+    def postmaster_pid(self) -> int | None:
+        """The running postmaster's pid (its backends are its children)."""
+        postmaster = self.cluster.postmaster
+        return postmaster.pid if postmaster is not None else None
+
+
+def _volume_args(volume: Volume | None) -> list[str]:
+    """On a bounded volume, WAL segments are made new rather than recycled or kept ahead,
+    so a full disk meets WAL as it would on a busy server that outgrew its disk, not
+    only after the recycled segments a fresh cluster carries run out."""
+    if volume is None:
+        return []
+    # The log names each line's application, so a report can say who met the full disk.
+    return ["-c", "wal_recycle=off", "-c", "min_wal_size=2MB", "-c", "max_wal_size=32MB",
+            "-c", "log_line_prefix=%m [%p] %a: "]
+
 
 def _durability_args(durable: bool) -> list[str]:
     if durable:
@@ -663,19 +989,31 @@ def _durability_args(durable: bool) -> list[str]:
     return ["-F"]  # fsync off: a throwaway cluster's files need not survive the machine
 
 
+@dataclass(frozen=True)
+class _Options:
+    volume: Volume | None = None
+    faketime: Path | None = None
+
+
 def _start_cluster(
-    runner: _Runner, version: str, template: Path | None, durable: bool = False
+    runner: _Runner, version: str, template: Path | None, durable: bool = False,
+    options: _Options | None = None,
 ) -> Server:
+    options = options or _Options()
     # A durable cluster keeps its WAL on disk: in RAM, fsync would promise nothing.
     parent = DISK_DIR if durable else run_parent()
     base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir=parent))
     runner.give(base)
     try:
-        cluster = _Embedded(runner, base, durable)
+        cluster = _Embedded(runner, base, durable, options.volume, options.faketime)
     except BaseException:
         shutil.rmtree(base, ignore_errors=True)
         raise
     try:
+        if options.faketime is not None:
+            cluster.set_clock_offset(0)
+        if options.volume is not None:
+            cluster.mount_volume()
         if template is not None:
             _copy_tree(runner, template / "data", cluster.data)
         else:
@@ -689,6 +1027,8 @@ def _start_cluster(
             host="127.0.0.1", port=str(port), user=_SUPERUSER, password=password, dbname="postgres"
         )
         version_seen = server_version(dsn, "the embedded cluster")
+        if options.volume is not None:
+            _checkpoint(dsn)  # drops the WAL segments the template carried ahead
     except BaseException:
         cluster.stop()
         raise
@@ -702,6 +1042,10 @@ def _start_cluster(
     if runner.origin is not None:
         details["binaries_copy"] = str(runner.bindir)
     details["durability"] = "fsync=on synchronous_commit=on" if durable else "fsync=off"
+    if options.volume is not None:
+        details["volume"] = f"{cluster.volume_used} {options.volume.size_mb} MB"
+    if options.faketime is not None:
+        details["clock"] = f"libfaketime {options.faketime}"
     return Server(dsn, version_seen, details, cluster)
 
 
@@ -719,6 +1063,16 @@ def _launch_on_free_port(cluster: _Embedded) -> int:
             last = exc
     assert last is not None
     raise last
+
+
+def _checkpoint(dsn: str) -> None:
+    try:
+        with psycopg.connect(dsn, connect_timeout=10, autocommit=True) as conn:
+            conn.execute("CHECKPOINT")
+    except psycopg.Error as exc:
+        raise errors.ProvisioningError(
+            f"could not checkpoint the embedded cluster: {_redact(str(exc).strip(), dsn)}"
+        ) from None
 
 
 def _set_password(socket_dir: Path, port: int, password: str) -> None:

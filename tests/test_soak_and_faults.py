@@ -1,0 +1,93 @@
+"""The soak's pure parts, the disk-full log reading and the clock step's offsets."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from lab import errors
+from lab.faults import clocksteps, diskfull, soak
+from lab.faults.chaos_settings import Settings
+from lab.pg import embedded
+
+
+def test_rounds_cover_exactly_the_asked_workflows() -> None:
+    assert soak.SoakSettings(workflows=4500, round_size=2000).rounds() == [2000, 2000, 500]
+    assert soak.SoakSettings(workflows=10, round_size=10).rounds() == [10]
+
+
+@pytest.mark.parametrize("bad", [dict(workflows=0), dict(round_size=5), dict(sample_every=0.0)])
+def test_bad_soak_settings_are_usage_errors(bad: dict[str, float]) -> None:
+    with pytest.raises(errors.UsageError):
+        soak.SoakSettings(**bad).validate()  # type: ignore[arg-type]
+
+
+def _samples() -> list[dict[str, object]]:
+    return [{"t": float(t), "rss_mb": {"controller": 40.0 + t, "postgres": 80.0,
+                                       "workers": 120.0, "other": 4.0},
+             "processes": {}, "connections": None if t == 2 else 10 + t} for t in range(5)]
+
+
+def test_the_figure_is_valid_svg_and_deterministic() -> None:
+    first = soak.figure_svg(_samples(), "soak <test>")
+    assert first == soak.figure_svg(_samples(), "soak <test>")
+    root = ET.fromstring(first)  # noqa: S314 -- our own output, parsed to check its shape
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == len(soak.ROLES) + 1  # one per role, and the connections
+    assert "soak &lt;test&gt;" in first
+
+
+def test_a_sample_sees_a_child_process_and_its_memory() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in soak.descendants(os.getpid())
+        assert soak.rss_anon_kib(child.pid) > 0
+        taken = soak.sample("postgresql://nobody@127.0.0.1:1/none", 0.0)
+        assert taken["processes"]["other"] >= 1 and taken["connections"] is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_server_log_is_counted_by_kind() -> None:
+    text = (
+        '2026-12-01 UTC [7] lab-tool: ERROR:  could not extend file "base/5/1": '
+        "No space left on device\n"
+        '2026-12-01 UTC [8] lab-worker-x: PANIC:  could not write to file "pg_wal/xlogtemp.8": '
+        "No space left on device\n"
+        "2026-12-01 UTC [1] : LOG:  all server processes terminated; reinitializing\n"
+    )
+    counted = diskfull.count_log(text)
+    assert counted == {"no_space_left": 2, "could_not_extend_file": 1, "error": 1,
+                       "could_not_write_wal": 1, "panic": 1, "crash_reinitialize": 1}
+
+
+def test_clock_offsets_stay_within_the_bound_and_always_move() -> None:
+    steps = clocksteps.ClockSteps(server=None, dsn="", schemas=[],  # type: ignore[arg-type]
+                                  rng=random.Random(3), max_s=5)
+    seen = []
+    for _ in range(50):
+        offset = steps.next_offset()
+        assert -5 <= offset <= 5 and offset != steps.offset_s
+        steps.offset_s = offset
+        seen.append(offset)
+    assert min(seen) < 0 < max(seen)
+
+
+def test_a_volume_of_an_unknown_kind_or_size_is_refused() -> None:
+    with pytest.raises(errors.UsageError):
+        embedded.Volume(64, "nfs").validate()
+    with pytest.raises(errors.UsageError):
+        embedded.Volume(8).validate()
+
+
+def test_settings_describe_the_new_faults() -> None:
+    described = Settings(disk_full_every_ms=5000, clock_step_every_ms=4000).describe(
+        max_attempts=3, proxied_links=[])
+    assert described["disk_full_every_ms"] == 5000 and described["clock_step_every_ms"] == 4000
+    assert described["disk_full_volume_mb"] == 96 and described["clock_step_max_s"] == 60
