@@ -1,4 +1,5 @@
-"""The experiments' shared fixtures: a PostgreSQL of a chapter's own that it may kill.
+"""The experiments' shared fixtures: a PostgreSQL of a chapter's own that it may kill, fill
+or step the clock of.
 
 The lab's pytest plugin (``lab.pytest_plugin``) provides ``lab``, ``observe``,
 ``reached_database`` and ``evidence_artifact`` everywhere; this file adds what
@@ -46,3 +47,45 @@ def killable_lab(
     server coming back."""
     with pytest_plugin.harness_on(request, killable_postgres.provisioned.dsn) as rig:
         yield rig
+
+
+@pytest.fixture(scope="module")
+def faulty_server() -> Iterator[cluster.RunningPostgres]:
+    """A durable embedded PostgreSQL of this module's own whose data directory (WAL
+    included) sits on a 64 MB filesystem the run mounts (tmpfs, else a loop device) and
+    whose clock runs under libfaketime: ``server.fill_disk``/``set_clock`` and the
+    ``lab.faults`` disk-full and clock-step faults act on it. Needs root and libfaketime."""
+    from lab import errors
+    from lab.pg import cluster, embedded
+
+    bindir = cluster.find_binaries()
+    if bindir is None:
+        pytest.fail("this chapter needs PostgreSQL server binaries to start a server it may "
+                    "fill and step (apt-get install postgresql)", pytrace=False)
+    try:
+        running = cluster.start_embedded(bindir, durable=True,
+                                         volume=embedded.Volume(64), faketime=True)
+    except errors.ProvisioningError as exc:
+        pytest.fail(f"disk and clock faults cannot run here: {exc}", pytrace=False)
+    with running:
+        yield running
+
+
+@pytest.fixture
+def rig_on_faulty(
+    request: pytest.FixtureRequest, faulty_server: cluster.RunningPostgres
+) -> Iterator[harness.Harness]:
+    """The ``lab`` fixture on a fresh schema of ``faulty_server``, its clock set back to
+    true time before and after (every backend re-reads the clock file within ~2 s)."""
+    import time
+
+    server = faulty_server.server
+    assert server is not None
+    server.set_clock(0)
+    time.sleep(2.2)
+    try:
+        with pytest_plugin.harness_on(request, faulty_server.provisioned.dsn,
+                                      drop_within=60.0) as rig:
+            yield rig
+    finally:
+        server.set_clock(0)

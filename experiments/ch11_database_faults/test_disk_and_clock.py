@@ -32,18 +32,14 @@ import contextlib
 import queue
 import random
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any
 
 import pytest
 
-from lab import errors, harness, names, pytest_plugin
+from lab import errors, harness, names
 from lab.faults import audit, chaos, clocksteps, diskfull, invariants, proxy
-from lab.pg import cluster, embedded
-from lab.runtime import backoff, processes, store
-
-T = TypeVar("T")
+from lab.runtime import store
 
 WINDOWS = ("after_claim", "after_barrier", "after_tool")
 # Which write meets the full disk first in each window (the one the worker or tool makes next).
@@ -56,59 +52,10 @@ STEP_BACK_TO_S = -60
 HOLD_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def faulty_server() -> Iterator[cluster.RunningPostgres]:
-    bindir = cluster.find_binaries()
-    if bindir is None:
-        pytest.fail("chapter 11 needs PostgreSQL server binaries to start a server it may "
-                    "fill and step (apt-get install postgresql)", pytrace=False)
-    try:
-        running = cluster.start_embedded(bindir, durable=True,
-                                         volume=embedded.Volume(64), faketime=True)
-    except errors.ProvisioningError as exc:
-        pytest.fail(f"chapter 11's disk and clock faults cannot run here: {exc}",
-                    pytrace=False)
-    with running:
-        yield running
-
-
-def _server(running: cluster.RunningPostgres) -> embedded.Server:
+def _server(running: Any) -> Any:
+    """The embedded server behind ``faulty_server``: its disk and its clock."""
     assert running.server is not None
     return running.server
-
-
-@pytest.fixture
-def rig_on_faulty(
-    request: pytest.FixtureRequest, faulty_server: cluster.RunningPostgres
-) -> Iterator[harness.Harness]:
-    """A harness on a fresh schema of the chapter's fillable, steppable server."""
-    dsn = faulty_server.provisioned.dsn
-    _server(faulty_server).set_clock(0)
-    time.sleep(2.2)  # every backend has re-read its clock file
-    schema = names.new_id("t").lower()[:30]
-    _retrying(lambda: store.create_schema(dsn, schema))
-    pytest_plugin.reached_database(request.node)
-    db = _retrying(lambda: store.Store.open(dsn, schema))
-    rig = harness.Harness(dsn, schema, db)
-    try:
-        yield rig
-    finally:
-        rig.close()
-        db.close()
-        _server(faulty_server).set_clock(0)
-        _retrying(lambda: store.drop_schema(dsn, schema))
-
-
-def _retrying(action: Callable[[], T], within: float = 60.0) -> T:
-    """``action()``, retried with jittered backoff while the database is coming back."""
-    patience = backoff.Backoff(base=0.1, cap=1.0, patience=within)
-    while True:
-        try:
-            return action()
-        except errors.StoreError:
-            if patience.exhausted:
-                raise
-            time.sleep(patience.failed())
 
 
 def _approved_for_hours(lab: harness.Harness) -> store.Workflow:
@@ -122,15 +69,13 @@ def _approved_for_hours(lab: harness.Harness) -> store.Workflow:
 
 def _start_worker(
     lab: harness.Harness, rig: harness.Rig, link: proxy.Proxy, window: str, *extra: str
-) -> processes.WorkerProcess:
+) -> harness.WorkerProcess:
     pause = () if window == "after_barrier" else ("--pause", window)
-    return processes.spawn_worker(
-        lab.dsn, lab.schema, f"http://127.0.0.1:{link.port}", rig.service.token, "faulted",
-        "--loop", "--idle-exit", "60", *extra, *pause, on_event=lab.mark, keys=lab.store.keys,
-    )
+    return lab.spawn_worker(rig, "faulted", "--loop", "--idle-exit", "60", *extra, *pause,
+                            endpoint=f"http://127.0.0.1:{link.port}")
 
 
-def _to_window(lab: harness.Harness, job: store.Workflow, child: processes.WorkerProcess,
+def _to_window(lab: harness.Harness, job: store.Workflow, child: harness.WorkerProcess,
                link: proxy.Proxy, window: str) -> None:
     """Wait until the worker is in ``window`` (the tool call blackholed for after_barrier)."""
     if window == "after_barrier":
@@ -142,7 +87,7 @@ def _to_window(lab: harness.Harness, job: store.Workflow, child: processes.Worke
         child.wait_for(f"BOOK_STAGE {window}", timeout=60)
 
 
-def _go_on(child: processes.WorkerProcess, link: proxy.Proxy, window: str) -> None:
+def _go_on(child: harness.WorkerProcess, link: proxy.Proxy, window: str) -> None:
     """Let the worker make its next write: heal the link or release the pause."""
     if window == "after_barrier":
         link.heal()
@@ -151,7 +96,7 @@ def _go_on(child: processes.WorkerProcess, link: proxy.Proxy, window: str) -> No
 
 
 def _settle(lab: harness.Harness, rig: harness.Rig, workflow_id: str,
-            child: processes.WorkerProcess, window: str, within: float = 90.0) -> store.Workflow:
+            child: harness.WorkerProcess, window: str, within: float = 90.0) -> store.Workflow:
     """Play the operator's recoverer until the workflow is finished or awaits a person."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -177,14 +122,14 @@ def _settle(lab: harness.Harness, rig: harness.Rig, workflow_id: str,
 
 def _both_checkers(lab: harness.Harness) -> tuple[list[invariants.Violation],
                                                   list[audit.Finding]]:
-    history = _retrying(lambda: invariants.load(lab.dsn, lab.schema,
+    history = harness.retrying(lambda: invariants.load(lab.dsn, lab.schema,
                                                 open_result=lab.store.keys.open))
-    return invariants.check(history), _retrying(lambda: audit.run(lab.dsn, lab.schema))
+    return invariants.check(history), harness.retrying(lambda: audit.run(lab.dsn, lab.schema))
 
 
 @pytest.mark.parametrize("window", WINDOWS)
 def test_disk_full_mid_window_fails_writes_and_recovers_without_violation(
-    rig_on_faulty: harness.Harness, faulty_server: cluster.RunningPostgres, observe,
+    rig_on_faulty: harness.Harness, faulty_server: Any, observe,
     window: str,
 ) -> None:
     """The data directory's filesystem fills while a worker process is after its claim,
@@ -250,7 +195,7 @@ def test_disk_full_mid_window_fails_writes_and_recovers_without_violation(
 
 @pytest.mark.parametrize("window", WINDOWS)
 def test_clock_steps_mid_window_keep_one_owner_per_fence(
-    rig_on_faulty: harness.Harness, faulty_server: cluster.RunningPostgres, observe,
+    rig_on_faulty: harness.Harness, faulty_server: Any, observe,
     window: str,
 ) -> None:
     """While a worker process holds a 30 s lease after its claim, after its start
@@ -318,7 +263,7 @@ def test_clock_steps_mid_window_keep_one_owner_per_fence(
 
 
 def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
-    request: pytest.FixtureRequest, faulty_server: cluster.RunningPostgres, observe
+    faulty_server: Any, observe, reached_database
 ) -> None:
     """A chaos round on top of worker SIGKILLs, backend kills, lost replies and 429s,
     with the data directory's filesystem filled every few seconds (alternately until a
@@ -336,7 +281,7 @@ def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
         report = chaos.run(faulty_server.provisioned.dsn, settings, server=server)
     finally:
         server.set_clock(0)
-    pytest_plugin.reached_database(request.node)
+    reached_database()
     disk, clock = report["faults"]["disk_full"], report["faults"]["clock_steps"]
     observe({
         "seed": settings.seed,
