@@ -31,7 +31,7 @@ _MD_SPECIAL = re.compile(r"([\\`*\[\]!|~])")
 # identifiers like ``postgres_restart`` stay readable in the Markdown).
 _MD_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 # At a line's (or a cell's) start these begin a heading, a list, a quote or a rule.
-_MD_LEADING = re.compile(r"^(?:\d+(?=[.)])|(?=[#+\-=>]))")
+_MD_LEADING = re.compile(r"^(?:\d+(?=[.)](?:\s|$))|(?=[#+\-=>]))")
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
 
 

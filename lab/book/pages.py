@@ -459,6 +459,8 @@ def _figure(test: Mapping[str, Any], evidence: Evidence) -> list[str]:
     lines = [
         f"#### Sequence: {escape.code(name)}",
         "",
+        escape.md(test["claim"] or ""),
+        "",
         f"![Sequence of {escape.md(name)}]({path})",
         "",
     ]
