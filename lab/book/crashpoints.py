@@ -21,7 +21,9 @@ from lab.faults.crashmatrix import (
     VIOLATION,
 )
 
-_MARK = {AUTOMATIC: "🟩", PERSON: "🟨", VIOLATION: "🟥", NOT_REACHED: "🟥", NOT_APPLICABLE: "⬜"}
+# Marks in DejaVu Sans (the site's first font), not emoji: a browser without a colour
+# emoji font drew the squares as empty boxes.
+_MARK = {AUTOMATIC: "✓", PERSON: "◐", VIOLATION: "✗", NOT_REACHED: "✗", NOT_APPLICABLE: "·"}
 
 
 def _compact(cell: Mapping[str, Any] | None) -> str:
