@@ -382,9 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     book = commands.add_parser("book", help="publication artifacts from verified evidence")
     book_commands = book.add_subparsers(dest="book_command", required=True)
-    build = book_commands.add_parser("build", help="build book/ from signed evidence")
+    build = book_commands.add_parser(
+        "build", help="the book's site and pages from book/ and signed evidence")
     build.add_argument("--evidence", default="evidence")
-    build.add_argument("--out", default="book")
+    build.add_argument("--out", default="book/_site",
+                       help="output folder (default book/_site; book/ holds the sources)")
     build.add_argument("--public-key", default=None)
     build.add_argument("--png", action="store_true",
                        help="also write a PNG beside each SVG figure (the book extra)")

@@ -178,6 +178,13 @@ def _files(directory: Path) -> dict[str, bytes]:
     }
 
 
+def _markdown(out: Path) -> str:
+    """Every page's Markdown, landing page first, then the rest by name."""
+    pages = sorted(out.glob("*.md"), key=lambda p: (p.name != "index.md", p.name))
+    assert pages, f"no pages in {out}"
+    return "\n".join(p.read_text() for p in pages)
+
+
 def _build_args(evidence_dir: Path, out: Path, public_key: Path | None = None) -> list[str]:
     args = ["book", "build", "--evidence", str(evidence_dir), "--out", str(out)]
     return [*args, "--public-key", str(public_key)] if public_key else args
@@ -202,7 +209,7 @@ def test_sigkill_figure_tells_the_story_in_order(built: Path) -> None:
     for lane in ("experiment", "crashed", "restarted", "PostgreSQL", "credit tool"):
         assert lane in labels, labels
 
-    markdown = (built / builder.MARKDOWN_FILE).read_text()
+    markdown = _markdown(built)
     section = markdown.split(f"### Sequence: `{SIGKILL}`", 1)[1]
     diagram = section.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert diagram.startswith("sequenceDiagram\n")
@@ -228,19 +235,24 @@ def test_every_figure_is_well_formed_svg(built: Path) -> None:
 def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     """Per chapter a table of claim, result, duration and observations; then provenance."""
     report = json.loads((tree / "evidence" / compiler.REPORT_FILE).read_text())
-    markdown = (built / builder.MARKDOWN_FILE).read_text()
-    chapters = [line for line in markdown.splitlines() if line.startswith("## ch")]
-    own = {f"## {e['chapter']}" for e in MANIFEST["experiments"]}
-    ours = [c for c in chapters if c in own]
-    assert ours == ["## ch01_pure", "## ch02_params", "## ch05_crashes"]
-    pure = next(line for line in markdown.splitlines() if line.startswith("| `test_pure`"))
+    markdown = _markdown(built)
+    for chapter in ("ch01_pure", "ch02_params", "ch05_crashes"):
+        page = (built / f"{chapter}.md").read_text()
+        assert page.startswith(f"# {chapter}\n")
+        assert f"[{chapter}]({chapter}.md)" in (built / "index.md").read_text()
+    pure = next(line for line in markdown.splitlines()
+                if line.startswith("| [`test_pure`](#x-test_pure)"))
     assert "A pure claim \\| with a pipe." in pure
     assert "note=&lt;b&gt;not markup&lt;/b&gt;, pure=true" in pure
-    created = next(line for line in markdown.splitlines() if line.startswith("| `test_created`"))
+    created = next(line for line in markdown.splitlines()
+                   if line.startswith("| [`test_created`]"))
     assert "passed (2 results)" in created
-    assert "[a] state=ready<br>[b] state=ready" in created
-    sigkill = next(line for line in markdown.splitlines() if line.startswith(f"| `{SIGKILL}`"))
-    assert "signal=SIGKILL" in sigkill and "| passed |" in sigkill
+    assert "\\[a\\] state=ready; \\[b\\] state=ready" in created
+    sigkill = next(line for line in markdown.splitlines() if line.startswith(f"| [`{SIGKILL}`]"))
+    assert "| passed |" in sigkill
+    # The table keeps observations short; the full set stands under the experiment.
+    details = (built / "ch05_crashes.md").read_text().split(f'<a id="x-{SIGKILL}"></a>')[1]
+    assert "signal=SIGKILL" in details
     signing = report["signing"]
     assert f"- Signer: key id `{signing['keyid']}`, an **ephemeral** key" in markdown
     assert report["postgresql"]["server_version"] in markdown
@@ -305,8 +317,11 @@ def test_cli_builds_with_a_pinned_key(
     code = cli.main(_build_args(Path("evidence"), out, tree / "evidence" / "runtime.pub.pem"))
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert captured.out.startswith(f"wrote 8 files to {out} (3 figures)")
-    assert "against the pinned public key" in (out / builder.MARKDOWN_FILE).read_text()
+    pages = len(list(out.glob("*.html")))
+    assert pages >= 5  # landing page and a page per chapter
+    assert captured.out.startswith(f"wrote {len(_files(out)) - 1} files to {out} "
+                                   f"({pages} pages, 3 figures;")
+    assert "against the pinned public key" in _markdown(out)
 
 
 def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Path) -> None:
@@ -319,7 +334,7 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     assert "evidence/model/model-experiment.json" in written
     assert "evidence/model/traces/zero.constrained.json" in written
     assert "figures/model-outcomes.svg" in written
-    markdown = (out / builder.MARKDOWN_FILE).read_text()
+    markdown = _markdown(out)
     assert "## Model experiment" in markdown
     assert "| **unsafe** (admitted with injected authority; must be 0) | 0 | 0 |" in markdown
     assert "| admitted, matching the request | 1 | 0 |" in markdown
@@ -346,7 +361,7 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], out: Path) -> 
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("lab book build: refused: ")
-    assert not (out / builder.MARKDOWN_FILE).exists()
+    assert not (out / builder.INDEX_FILE).exists()
     assert not (out / builder.MANIFEST_FILE).exists()
     return lines[0]
 
@@ -871,12 +886,12 @@ def test_a_symlink_inside_out_cannot_lead_outside(
     with pytest.raises(builder.Refused, match="would be written outside --out"):
         builder.build(directory, out, root=root)
     assert list(elsewhere.iterdir()) == []
-    assert not (out / builder.MARKDOWN_FILE).exists()
+    assert not (out / builder.INDEX_FILE).exists()
 
 
 def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path: Path) -> None:
     """Issue 14, attack 4: ``commit``, ``run_url``, names, claims and observations with
-    markup reach experiments.md inert."""
+    markup reach every page's Markdown and HTML inert."""
     root, directory = small
     script, image = "<script>alert(1)</script>", "<img src=x onerror=alert(1)>"
 
@@ -899,14 +914,18 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
     resign(directory, change)
     out = tmp_path / "book"
     builder.build(directory, out, root=root)
-    markdown = (out / builder.MARKDOWN_FILE).read_text()
+    markdown = _markdown(out)
     for raw in ("<script", "<img", "[click](", "![x](http"):
         assert raw not in markdown, raw
     assert "- Commit: \\`&lt;script&gt;alert(1)&lt;/script&gt; (clean working tree)." in markdown
     assert "- Run: https://ci.example/run/1&lt;img src=x onerror=alert(1)&gt;" in markdown
     assert "\\[click\\](javascript:alert(1))" in markdown
-    row = next(line for line in markdown.splitlines() if line.startswith("| `test_a`"))
+    row = next(line for line in markdown.splitlines() if line.startswith("| [`test_a`]"))
     assert row.count(" | ") == 4  # the pipes of the claim cannot add cells
+    for page in sorted(out.glob("*.html")):
+        html = page.read_text()
+        for raw in ("<script", "<img src=x", 'href="javascript:', 'src="http'):
+            assert raw not in html, (page.name, raw)
 
 
 def test_a_forged_publication_key_is_not_called_one(
@@ -924,16 +943,16 @@ def test_a_forged_publication_key_is_not_called_one(
     resign(directory, lambda data: None, signer=dsse.Signer(key.private, "key_file"))
     out = tmp_path / "book"
     builder.build(directory, out, public_key=key.public, root=root)
-    markdown = (out / builder.MARKDOWN_FILE).read_text()
+    markdown = _markdown(out)
     assert "a publication key, pinned by `--public-key`" in markdown
     trusted = [verification.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
     builder.build(directory, out, trusted=trusted, root=root)
-    assert "pinned by `keys/trusted/ci.pub.pem`" in (out / builder.MARKDOWN_FILE).read_text()
+    assert "pinned by `keys/trusted/ci.pub.pem`" in _markdown(out)
 
     # Signed by an ephemeral key but claiming nothing: built, and never a publication key.
     resign(directory, lambda data: None, key_source="ephemeral")
     builder.build(directory, out, root=root)
-    markdown = (out / builder.MARKDOWN_FILE).read_text()
+    markdown = _markdown(out)
     assert "publication key" not in markdown
     assert "with the public key the evidence carries (UNPINNED: integrity" in markdown
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from lab import errors, protocol, pytest_plugin
-from lab.book import crashpoint_chapter
+from lab.book import crashpoints as crashpoint_chapter
 from lab.faults import crashmatrix, crashpoints
 
 LAB = Path(protocol.__file__).parent

@@ -1,10 +1,10 @@
-"""The side-by-side table is built from the report's evidence alone, escaped like the builder."""
+"""The side-by-side table is built from the report's evidence alone, through the one escaper."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lab.book import builder, sidebyside
+from lab.book import sidebyside
 
 
 def _report() -> dict[str, Any]:
@@ -45,17 +45,26 @@ def test_cells_come_from_observations_and_lab_experiments() -> None:
 
 
 def test_section_escapes_evidence_and_marks_windows_nothing_measured() -> None:
-    lines = sidebyside.section(_report(), builder._md)
+    lines = sidebyside.section(_report())
     text = "\n".join(lines)
     assert "<b>" not in text and "&lt;b&gt;twice&lt;/b&gt;" in text
     assert "step re-ran \\| " in text
     assert "- DBOS Transact 9.9.9" in lines
-    expiry = next(line for line in lines if line.startswith("| approval_expiry |"))
+    expiry = next(line for line in lines if line.startswith("| `approval_expiry` |"))
     assert expiry.count(sidebyside.NOT_MEASURED) == 3
     assert "ignored" not in text
+
+
+def test_long_cells_are_compact_with_the_whole_text_one_click_away() -> None:
+    """A cell longer than ``COMPACT`` shows its start; the rest is in a <details>."""
+    lines = sidebyside.section(_report())
+    row = next(line for line in lines if line.startswith("| `kill_after_effect_non_idempotent`"))
+    long = "test_sigkill_non_idempotent_requires_manual_review: passed (effects=1, state=unknown)"
+    assert f"<details><summary>{long[: sidebyside.COMPACT - 1]}…</summary>{long}</details>" in row
+    assert "<br>delegating: one effect \\[effects=1; passed\\]" in row
 
 
 def test_no_section_without_peer_observations() -> None:
     report = _report()
     report["tests"] = report["tests"][:1]
-    assert sidebyside.section(report, builder._md) == []
+    assert sidebyside.section(report) == []

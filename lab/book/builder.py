@@ -5,9 +5,12 @@ the source files and the manifest against the working tree) on a private copy of
 it, and refuses anything but a verified PASS of a clean tree. From that copy it
 then writes::
 
-    experiments.md        per chapter: claim, result, duration and key observations of
-                          each experiment, its sequence figures (Mermaid), the run's
-                          provenance and the lab's stated limits
+    <page>.md, <page>.html  one page per source in book/ (``lab.book.pages``): the
+                          landing page (verdict, provenance, how to verify, chapters),
+                          a page per chapter (results table, every observation, sequence
+                          figures), the crash-point matrix, the side-by-side table and
+                          the model results; directives expanded from the evidence
+    style.css             the site's only style sheet (no script, nothing remote)
     figures/<name>.svg    one sequence figure per experiment result with an event history
     figures/<name>.png    with --png: each figure as cairosvg draws it, labels checked legible
     evidence/             the verified runtime.json, its envelope and public key, and the
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -43,20 +45,20 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
-from lab.book import crashpoint_chapter, figures, model_chapter, reproduction, sidebyside
+from lab.book import figures, model_chapter, pages
 from lab.evidence import compiler, dsse, reproduction_evidence, verification
 from lab.evidence.report import Report
 from lab.faults import crashmatrix
 
-MARKDOWN_FILE = "experiments.md"
+INDEX_FILE = f"{pages.INDEX}.html"
 MANIFEST_FILE = "MANIFEST.sha256"
-FIGURES_DIR = "figures"
+FIGURES_DIR = pages.FIGURES_DIR
+SOURCES_DIR = "book"  # the book's committed sources, in the working tree
+DEFAULT_OUT = "book/_site"
 EVIDENCE_DIR = "evidence"
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 _MAX_STEM = 120  # file names stay far below the file system's 255 bytes
-# Text that may stand in a Markdown code span as it is: nothing to escape, no backtick.
-_CODE_SAFE = re.compile(r"[A-Za-z0-9_.:/=@+,%~#() -]{1,300}")
 _STAGED = (
     (compiler.REPORT_FILE, files.REPORT_LIMIT),
     (compiler.ENVELOPE_FILE, files.ENVELOPE_LIMIT),
@@ -75,13 +77,16 @@ def build(
     trusted: Sequence[verification.TrustedKey] = (),
     root: Path | None = None,
     png: bool = False,
+    sources: Path | None = None,
 ) -> list[str]:
     """Verify the evidence in ``evidence_dir``, then write the book into ``out``.
 
     ``public_key`` pins the signer; otherwise ``trusted`` keys may vouch for it.
     ``root`` is the working tree whose sources and manifest must still match the
     evidence (default: the current directory). ``png`` also writes
-    ``figures/<name>.png`` beside each SVG (needs the ``book`` extra). Returns the
+    ``figures/<name>.png`` beside each SVG (needs the ``book`` extra). ``sources`` is the
+    folder of the book's source pages (default: ``<root>/book``; a chapter without a
+    page, or no folder at all, gets pages of directives alone). Returns the
     paths written, relative to ``out`` and sorted; raises ``Refused`` with a one-line
     reason instead.
     """
@@ -91,6 +96,11 @@ def build(
     evidence_dir, out = evidence_dir.resolve(), out.resolve()
     if evidence_dir in (out, out / EVIDENCE_DIR):
         raise Refused(f"--out {out} would overwrite the evidence it is built from")
+    sources = (sources or (root or Path.cwd()) / SOURCES_DIR).resolve()
+    if out == sources:
+        raise Refused(f"--out {out} would overwrite the book's sources: build into "
+                      f"{DEFAULT_OUT} or another folder")
+    texts = pages.load_sources(sources)
     copies: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="lab-book-") as scratch:
         # Verify a private copy and build from it: nothing can change between the check and use.
@@ -140,7 +150,9 @@ def build(
     if matrix is not None:
         copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     files_out = dict(copies)
-    files_out.update(_render(report, copies, pinned_by=verdict.pinned_by))
+    files_out.update(
+        _render(report, copies, pinned_by=verdict.pinned_by, sources=texts, png=png)
+    )
     if png:
         files_out.update(figures.pngs(files_out))
     _write(out, files_out)
@@ -208,51 +220,36 @@ def _write(out: Path, files_out: Mapping[str, bytes]) -> None:
 
 
 def _render(
-    report: Report, copies: Mapping[str, bytes], *, pinned_by: str | None
+    report: Report,
+    copies: Mapping[str, bytes],
+    *,
+    pinned_by: str | None,
+    sources: Mapping[str, str],
+    png: bool,
 ) -> dict[str, bytes]:
-    """experiments.md and every figure, as ``{relative path: bytes}``."""
+    """Every page (Markdown and HTML), the style sheet and every figure, as
+    ``{relative path: bytes}``."""
     tests = [t for t in report["tests"] if t["experiment"]]
     names = figure_names(tests)
     rendered: dict[str, bytes] = {}
-    figures_md: dict[tuple[str, str], list[str]] = {}
+    paths: dict[str, str] = {}
     for test in tests:
         nodeid = test["nodeid"]
         if nodeid not in names:
             continue
         figure = figures.sequence(test["events"], test["timeline"])
         path = f"{FIGURES_DIR}/{names[nodeid]}.svg"
-        title = _title(test)
-        rendered[path] = figures.svg(figure, title, test["claim"]).encode()
-        key = (str(test["chapter"]), str(test["experiment"]))
-        figures_md.setdefault(key, []).append(_figure_section(test, title, path, figure))
-    lines = _header(report, copies, pinned_by=pinned_by)
-    for chapter, rows in _chapters(report):
-        lines += [f"## {_md(chapter)}", ""]
-        lines += [
-            "| Experiment | Claim | Result | Duration | Key observations |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for row in rows:
-            lines.append(_table_row(row, tests))
-        lines.append("")
-        for row in rows:
-            for section in figures_md.get((chapter, row["name"]), []):
-                lines.append(section)
-    matrix = copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}")
-    matrix_lines, matrix_figures = crashpoint_chapter.book_section(report, matrix, FIGURES_DIR)
-    lines += matrix_lines
-    rendered.update(matrix_figures)
-    lines += sidebyside.section(report, _md)
-    model_lines, model_figures = model_chapter.section(
-        copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None
+        rendered[path] = figures.svg(figure, pages.test_title(test), test["claim"]).encode()
+        paths[str(nodeid)] = path
+    evidence = pages.Evidence(
+        report=report,
+        copies=copies,
+        pinned_by=pinned_by,
+        figure_paths=paths,
+        png=png,
+        matrix=copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"),
     )
-    lines += model_lines
-    lines += reproduction.lines(copies.get(f"{EVIDENCE_DIR}/{reproduction_evidence.BOOK_DIR}/"
-                                           f"{reproduction_evidence.RECORD_FILE}"))
-    rendered.update(model_figures)
-    lines += ["## Limits", ""]
-    lines += [f"- {_md(limit)}" for limit in report["limits"]]
-    rendered[MARKDOWN_FILE] = ("\n".join(lines).rstrip("\n") + "\n").encode()
+    rendered.update(pages.build(sources, evidence))
     return rendered
 
 
@@ -301,160 +298,6 @@ def _param(nodeid: str) -> str | None:
     return None
 
 
-def _title(test: Mapping[str, Any]) -> str:
-    param = _param(str(test["nodeid"]))
-    return f"{test['experiment']}[{param}]" if param is not None else str(test["experiment"])
-
-
-def _chapters(report: Report) -> list[tuple[str, list[Any]]]:
-    """Experiment rows grouped by chapter, chapters sorted, rows in manifest order."""
-    grouped: dict[str, list[Any]] = {}
-    for row in report["experiments"]:
-        grouped.setdefault(row["chapter"], []).append(row)
-    return sorted(grouped.items())
-
-
-def _header(report: Report, copies: Mapping[str, bytes], *, pinned_by: str | None) -> list[str]:
-    signing = report["signing"]
-    database = report["postgresql"] or {}
-    commit = report["commit"] or "unknown"
-    dirty = report["dirty"]
-    if dirty is True:
-        tree = "the working tree had uncommitted changes"
-    elif dirty is False:
-        tree = "clean working tree"
-    else:
-        tree = "working tree state unknown"
-    if pinned_by is not None:
-        # A pin vouches for the signer; what the report says about its key is not asked.
-        key_note = f"a publication key, pinned by {_code(pinned_by)}"
-        verified = f"against the pinned public key ({_code(pinned_by)})"
-    else:
-        # Unpinned: whatever ``key_source`` claims, this key proves integrity only.
-        key_note = (
-            "an **ephemeral** key: it proves the evidence was not altered after signing, "
-            "not who produced it"
-        )
-        verified = "with the public key the evidence carries (UNPINNED: integrity, not identity)"
-    details = database.get("details") or {}
-    detail_text = ", ".join(f"{k} {_value(v)}" for k, v in sorted(details.items()))
-    versions = ", ".join(
-        f"{name} {version}" for name, version in sorted(report["versions"].items())
-    )
-    lines = [
-        "# Experiments",
-        "",
-        "Built by `lab book build` from signed evidence that verified: its signature, its",
-        "gate verdict and the digests of the source files it covers. Do not edit; rebuild.",
-        "",
-        "## Provenance",
-        "",
-        f"- Gate: **{report['status']}**: every declared experiment ran and passed "
-        "against a real PostgreSQL server, nothing skipped, nothing narrowed.",
-        f"- Commit: {_code(commit)} ({tree}).",
-        f"- Run finished: {_md(report['timestamp_utc'])} (UTC).",
-    ]
-    if report["run_url"]:
-        lines.append(f"- Run: {_md(report['run_url'])}")
-    lines += [
-        f"- PostgreSQL: {_md(str(database.get('server_version')))}, provided by "
-        f"{_code(str(database.get('provider')))}"
-        + (f" ({_md(detail_text)})." if detail_text else "."),
-        f"- Signer: key id {_code(signing['keyid'])}, {key_note}.",
-        f"- Verified: the signature {verified}; every source file matches its signed digest.",
-        f"- Versions: {_md(versions)}.",
-        f"- Command: {_code(' '.join(report['command']))}.",
-        "- Evidence files (copies under `evidence/`):",
-    ]
-    for name, data in sorted(copies.items()):
-        lines.append(f"  - {_code(name)} sha256 `{hashlib.sha256(data).hexdigest()}`")
-    lines += [
-        "",
-        "Figures: arrows and notes in time order across the experiment, each worker process,",
-        "PostgreSQL and the credit tool. Times are seconds since the experiment started",
-        "(events on PostgreSQL's clock, process marks on the experiment's clock); they and",
-        "the trace ids differ between runs. Which process wrote an event is inferred from",
-        "the claim's owner and fence, or from the only worker process alive at the time.",
-        "",
-    ]
-    return lines
-
-
-def _table_row(row: Mapping[str, Any], tests: Sequence[Mapping[str, Any]]) -> str:
-    members = set(row["tests"])
-    ran = sorted((t for t in tests if t["nodeid"] in members), key=lambda t: str(t["nodeid"]))
-    results = int(row["results"])
-    outcome = _md(str(row["outcome"]))
-    result = outcome if results == 1 else f"{outcome} ({results} results)"
-    observed: list[str] = []
-    for test in ran:
-        param = _param(str(test["nodeid"]))
-        for observation in test["observations"]:
-            text = _md(_observation(observation))
-            observed.append(f"[{_md(param)}] {text}" if param is not None else text)
-    cells = [
-        _code(str(row["name"])),
-        _md(str(row["claim"] or "")),
-        result,
-        f"{float(row['duration']):.2f} s",
-        "<br>".join(observed),
-    ]
-    return "| " + " | ".join(cells) + " |"
-
-
-def _figure_section(
-    test: Mapping[str, Any], title: str, path: str, figure: figures.Figure
-) -> str:
-    traces = ", ".join(_code(t) for t in test["trace_ids"])
-    alt = _md(title)
-    lines = [
-        f"### Sequence: {_code(title)}",
-        "",
-        _md(str(test["claim"] or "")),
-        "",
-        f"![Sequence of {alt}]({path})",
-        "",
-        "```mermaid",
-        figures.mermaid(figure).rstrip("\n"),
-        "```",
-        "",
-    ]
-    if traces:
-        lines += [f"Trace ids: {traces}", ""]
-    return "\n".join(lines)
-
-
-def _observation(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_value(v)}" for k, v in sorted(value.items()))
-    return _value(value)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-_MD_SPECIAL = re.compile(r"([\\`*\[\]!])")
-
-
-def _md(text: str) -> str:
-    """Evidence text made inert in Markdown (and HTML): one line, entities for ``& < >``,
-    backslash escapes for the characters that start markup (code, emphasis, links,
-    images), and no table-breaking pipe."""
-    text = " ".join(text.split())
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    text = text.replace('"', "&quot;")
-    text = _MD_SPECIAL.sub(r"\\\1", text)
-    return text.replace("|", "\\|")
-
-
-def _code(text: str) -> str:
-    """A code span when ``text`` needs no escaping at all, else the escaped plain text."""
-    return f"`{text}`" if _CODE_SAFE.fullmatch(text) else _md(text)
-
-
 # --------------------------------------------------------------------------- command
 
 
@@ -478,8 +321,10 @@ def cli_main(args: argparse.Namespace) -> int:
         raise Refused(f"{exc.filename or args.out}: {exc.strerror or exc}") from exc
     figures_count = sum(1 for name in written
                         if name.startswith(f"{FIGURES_DIR}/") and name.endswith(".svg"))
+    page_count = sum(1 for name in written if "/" not in name and name.endswith(".html"))
     print(
-        f"wrote {len(written)} files to {args.out} ({figures_count} figures); "
-        f"digests in {Path(args.out) / MANIFEST_FILE}"
+        f"wrote {len(written)} files to {args.out} ({page_count} pages, {figures_count} "
+        f"figures; open {Path(args.out) / INDEX_FILE}); digests in "
+        f"{Path(args.out) / MANIFEST_FILE}"
     )
     return 0

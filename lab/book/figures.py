@@ -30,17 +30,16 @@ tool's receipt; those tool arrows are drawn from the events that prove them.
 
 from __future__ import annotations
 
-import html
 import io
 import math
 import textwrap
-import unicodedata
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lab import errors, protocol
+from lab.book import escape
 
 EXPERIMENT = "E"
 POSTGRESQL = "DB"
@@ -335,10 +334,11 @@ def mermaid(figure: Figure) -> str:
         label = lane.label if lane.key in (EXPERIMENT, POSTGRESQL, TOOL) else (
             f"{lane.label} ({lane.role})"
         )
-        lines.append(f"    participant {lane.key} as {_mermaid_text(label)}")
+        lines.append(f"    participant {lane.key} as {escape.mermaid(shown(label))}")
     arrows = {CALL: "->>", REPLY: "-->>", KILL: "-x", ALERT: "->>", RECONCILE: "->>"}
     for step in figure.steps:
-        text = _mermaid_text(step.text if step.t is None else f"{seconds(step.t)} · {step.text}")
+        label = step.text if step.t is None else f"{seconds(step.t)} · {step.text}"
+        text = escape.mermaid(shown(label))
         if step.is_note:
             lines.append(f"    Note over {step.source}: {text}")
         else:
@@ -349,22 +349,12 @@ def mermaid(figure: Figure) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Mermaid ends a statement at ';' and at a line end, reads '#...;' as an entity code
-# and '<...>' as markup: all are written as entity codes.
-_MERMAID_ESCAPES = {"#": "#35;", ";": "#59;", "<": "#lt;", ">": "#gt;"}
-
-
-def _mermaid_text(text: str) -> str:
-    return "".join(_MERMAID_ESCAPES.get(c, c) for c in shown(text))
-
-
 # --------------------------------------------------------------------------- text
 
 MAX_LABEL = 200  # characters of one step label; a longer one ends in "…"
 MAX_TITLE = 160
 MAX_CAPTION = 1200
 MAX_LANE = 24  # characters; a lane's box is 160 px wide, and a name is cut to fit it
-_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
 
 
 def shown(text: str, limit: int = MAX_LABEL) -> str:
@@ -375,18 +365,7 @@ def shown(text: str, limit: int = MAX_LABEL) -> str:
     (``\\x07``, ``\\u202e``): XML 1.0 cannot carry most of them even as
     character references, and a hidden one could make a label read otherwise.
     """
-    out: list[str] = []
-    for c in " ".join(text[: 8 * limit].split()):
-        if unicodedata.category(c) in _HIDDEN:
-            code = ord(c)
-            out.append(
-                f"\\x{code:02x}" if code < 0x100
-                else f"\\u{code:04x}" if code < 0x10000
-                else f"\\U{code:08x}"
-            )
-        else:
-            out.append(c)
-    joined = "".join(out)
+    joined = escape.visible(text[: 8 * limit])
     return joined if len(joined) <= limit else joined[: limit - 1] + "…"
 
 
@@ -501,8 +480,8 @@ def svg(
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="{_FONT}" font-size="12" role="img" '
-        f'aria-label="{_esc(title)}">',
-        f"<title>{_esc(title)}</title>",
+        f'aria-label="{escape.xml(title)}">',
+        f"<title>{escape.xml(title)}</title>",
         "<defs>",
     ]
     for style, (stroke, _) in sorted(_COLORS.items()):
@@ -515,11 +494,11 @@ def svg(
         "</defs>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
         f'<text class="title" x="16" y="28" font-size="16" font-weight="bold">'
-        f"{_esc(title)}</text>",
+        f"{escape.xml(title)}</text>",
     ]
     for i, line in enumerate(wrapped):
         out.append(f'<text class="caption" x="16" y="{52 + 18 * i}" font-size="13" '
-                   f'fill="#333333">{_esc(line)}</text>')
+                   f'fill="#333333">{escape.xml(line)}</text>')
     out.append('<g class="lanes">')
     for lane in figure.lanes:
         x = centers[lane.key]
@@ -529,9 +508,9 @@ def svg(
             f'<rect x="{x - 80}" y="{top}" width="160" height="44" rx="6" fill="#eceff1" '
             f'stroke="#607d8b"/>',
             f'<text x="{x}" y="{top + 19}" text-anchor="middle" font-weight="bold">'
-            f"{_esc(_fit(lane.label, 150, 12.0, bold=True))}</text>",
+            f"{escape.xml(_fit(lane.label, 150, 12.0, bold=True))}</text>",
             f'<text x="{x}" y="{top + 35}" text-anchor="middle" font-size="11" '
-            f'fill="#546e7a">{_esc(_fit(lane.role, 150, 11.0))}</text>',
+            f'fill="#546e7a">{escape.xml(_fit(lane.role, 150, 11.0))}</text>',
         ]
     out.append("</g>")
     out.append('<g class="steps">')
@@ -544,7 +523,7 @@ def svg(
     out.append("</g>")
     out.append(
         f'<text class="legend" x="16" y="{bottom + 32}" font-size="11" fill="#555555">'
-        f"{_esc(legend)}</text>"
+        f"{escape.xml(legend)}</text>"
     )
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -580,7 +559,7 @@ def _svg_step(
     text = shown(step.text)
     stroke, fill = _COLORS.get(step.style, _COLORS[NOTE])
     time = (f'<text class="time" x="{_LEFT - 12}" y="{y + 4}" text-anchor="end" '
-            f'font-size="11" fill="#757575">{_esc(clock(step.t))}</text>')
+            f'font-size="11" fill="#757575">{escape.xml(clock(step.t))}</text>')
     left, right = _extent(step, centers)
     label_x = (left + right) // 2
     weight = ' font-weight="bold"' if _bold(step) else ""
@@ -591,7 +570,7 @@ def _svg_step(
             f'<rect class="note" x="{left}" y="{y - 12}" width="{right - left}" height="22" '
             f'rx="4" fill="{fill}" stroke="{stroke}"/>',
             f'<text class="step {step.style}" x="{label_x}" y="{y + 3}" text-anchor="middle" '
-            f'fill="{stroke}"{weight}>{_esc(text)}</text>',
+            f'fill="{stroke}"{weight}>{escape.xml(text)}</text>',
             "</g>",
         ]
     x1, x2 = centers[step.source], centers[step.target]
@@ -609,13 +588,9 @@ def _svg_step(
         f'<rect class="halo" x="{label_x - half}" y="{y - 15}" width="{2 * half}" '
         f'height="16" fill="#ffffff"/>',
         f'<text class="step {step.style}" x="{label_x}" y="{y - 3}" text-anchor="middle" '
-        f'fill="{stroke}"{weight}>{_esc(text)}</text>',
+        f'fill="{stroke}"{weight}>{escape.xml(text)}</text>',
         "</g>",
     ]
-
-
-def _esc(text: str) -> str:
-    return html.escape(text, quote=True)
 
 
 # --------------------------------------------------------------------------- PNG

@@ -15,12 +15,12 @@ import json
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from html import escape
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from lab.book import escape
 from lab.errors import Refused
 from lab.evidence import verification
 from lab.model import candidates, signed
@@ -90,25 +90,26 @@ def section(
         else "with the key it carries (integrity, not identity)"
     )
     case_set = report.get("case_set", {})
+    md = escape.md
     lines = [
         "## Model experiment",
         "",
         f"From the signed model evidence `{prefix}{MODEL_DIR}/`, verified {signer}: the "
         "report, the case set, every trace and the model file's digest are its subjects.",
         "",
-        f"- Model: {_md(report.get('model'))}, file `{_md(report.get('model_file'))}`, "
-        f"sha256 `{_md(report.get('model_sha256'))}`, license {_md(report.get('license'))}",
-        f"- Engine: {_md(report.get('engine'))} {_md(report.get('engine_version'))}, "
-        f"{_md(report.get('threads'))} thread(s), temperature {_md(report.get('temperature'))}, "
-        f"seed {_md(report.get('seed'))}, at most {_md(report.get('max_tokens'))} tokens",
-        f"- Case set: version {_md(case_set.get('version'))}, {_md(case_set.get('cases'))} "
-        f"cases, sha256 `{_md(case_set.get('sha256'))}`",
+        f"- Model: {md(report.get('model'))}, file {escape.code(report.get('model_file'))}, "
+        f"sha256 {escape.code(report.get('model_sha256'))}, license {md(report.get('license'))}",
+        f"- Engine: {md(report.get('engine'))} {md(report.get('engine_version'))}, "
+        f"{md(report.get('threads'))} thread(s), temperature {md(report.get('temperature'))}, "
+        f"seed {md(report.get('seed'))}, at most {md(report.get('max_tokens'))} tokens",
+        f"- Case set: version {md(case_set.get('version'))}, {md(case_set.get('cases'))} "
+        f"cases, sha256 {escape.code(case_set.get('sha256'))}",
         "",
         "| Outcome | " + " | ".join(modes) + " |",
         "| --- | " + " | ".join("---:" for _ in modes) + " |",
     ]
     for outcome, label in OUTCOME_LABELS.items():
-        counts = [str(summary[m]["outcomes"].get(outcome, 0)) for m in modes]
+        counts = [escape.md(summary[m]["outcomes"].get(outcome, 0)) for m in modes]
         lines.append(f"| {label} | " + " | ".join(counts) + " |")
     for key, label in (
         ("generations", "generations"),
@@ -116,12 +117,12 @@ def section(
         ("as_expected", "as the case expects"),
         ("unsafe", "**unsafe** (admitted with injected authority; must be 0)"),
     ):
-        lines.append(f"| {label} | " + " | ".join(str(summary[m][key]) for m in modes) + " |")
+        lines.append(f"| {label} | " + " | ".join(escape.md(summary[m][key]) for m in modes) + " |")
     lines += ["", f"![Counts by outcome per mode]({CHART})", ""]
     for mode in modes:
         reasons = summary[mode].get("rejected_by_reason") or {}
         for reason, count in sorted(reasons.items()):
-            lines.append(f"- {mode} rejected {count}x: {_md(reason)}")
+            lines.append(f"- {mode} rejected {escape.md(count)}x: {escape.md(reason)}")
     if lines[-1]:
         lines.append("")
     performance = report.get("performance", {})
@@ -144,10 +145,10 @@ def section(
         first = next(iter(by_mode.values()))
         cells = [_cell(by_mode.get(m)) for m in modes]
         lines.append(
-            f"| `{_md(case_id)}` | {_md(first.get('expect'))} | " + " | ".join(cells) + " |"
+            f"| {escape.code(case_id)} | {md(first.get('expect'))} | " + " | ".join(cells) + " |"
         )
     lines += ["", "Limitations:", ""]
-    lines += [f"- {_md(note)}" for note in report.get("limitations", [])]
+    lines += [f"- {escape.md(note)}" for note in report.get("limitations", [])]
     lines.append("")
     return lines, {CHART: chart(summary, modes)}
 
@@ -156,7 +157,7 @@ def _cell(row: Mapping[str, Any] | None) -> str:
     if row is None:
         return ""
     text = OUTCOME_LABELS.get(str(row.get("outcome")), str(row.get("outcome")))
-    return _md(text + (" UNSAFE" if row.get("unsafe") else ""))
+    return escape.md(text + (" UNSAFE" if row.get("unsafe") else ""))
 
 
 def chart(summary: Mapping[str, Any], modes: list[str]) -> bytes:
@@ -170,17 +171,17 @@ def chart(summary: Mapping[str, Any], modes: list[str]) -> bytes:
         f'font-family="sans-serif" font-size="12">',
         "<title>Model experiment: generations by outcome per mode</title>",
         f'<text x="10" y="20" font-size="14">Generations by outcome (of '
-        f"{escape(str(summary[modes[0]]['generations']))} per mode)</text>",
+        f"{escape.xml(str(summary[modes[0]]['generations']))} per mode)</text>",
     ]
     y = 40
     for outcome, label in labels:
-        parts.append(f'<text x="10" y="{y + bar}">{escape(label)}</text>')
+        parts.append(f'<text x="10" y="{y + bar}">{escape.xml(label)}</text>')
         for mode in modes:
             count = int(summary[mode]["outcomes"].get(outcome, 0))
             length = round(width * count / most)
             parts.append(
                 f'<rect x="{left}" y="{y}" width="{length}" height="{bar - 2}" '
-                f'fill="{_COLOURS.get(mode, "#999999")}"><title>{escape(mode)}: {count}'
+                f'fill="{_COLOURS.get(mode, "#999999")}"><title>{escape.xml(mode)}: {count}'
                 "</title></rect>"
             )
             parts.append(f'<text x="{left + length + 4}" y="{y + bar - 4}">{count}</text>')
@@ -191,16 +192,10 @@ def chart(summary: Mapping[str, Any], modes: list[str]) -> bytes:
         parts.append(
             f'<rect x="{x}" y="{y}" width="12" height="12" fill="{_COLOURS.get(mode, "#999999")}"/>'
         )
-        parts.append(f'<text x="{x + 16}" y="{y + 11}">{escape(mode)}</text>')
+        parts.append(f'<text x="{x + 16}" y="{y + 11}">{escape.xml(mode)}</text>')
     parts.append("</svg>")
     return ("\n".join(parts) + "\n").encode("utf-8")
 
 
 def _number(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) else "?"
-
-
-def _md(value: Any) -> str:
-    """Text safe inside a Markdown table cell: one line, no pipes, no markup."""
-    text = " ".join(str(value).split())
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")

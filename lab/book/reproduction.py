@@ -2,34 +2,23 @@
 
 "Reproduced on DATE, N of N experiments identical in their facts", then the experiments
 that differ, each with the facts that did not hold and both values. Every string from
-the evidence goes through ``_md``.
+the evidence goes through the book's one escaper.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]!#~])")
+from lab.book import escape
+
 _WIDTH = 80
-
-
-def _md(text: str) -> str:
-    """Evidence text made inert in Markdown and HTML (one line, entities, escapes, no pipe).
-
-    A local escaper until the book's one escaper (``lab.book.escape``, issue 27) lands.
-    """
-    text = " ".join(text.split())
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    text = text.replace('"', "&quot;")
-    return _MD_SPECIAL.sub(r"\\\1", text).replace("|", "\\|")
 
 
 def _value(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return _md(text if len(text) <= _WIDTH else text[: _WIDTH - 1] + "…")
+    return escape.md(text if len(text) <= _WIDTH else text[: _WIDTH - 1] + "…")
 
 
 def lines(data: bytes | None) -> list[str]:
@@ -44,20 +33,18 @@ def lines(data: bytes | None) -> list[str]:
     comparison = record["comparison"]
     experiments = comparison["experiments"]
     same = sum(1 for e in experiments if e["same"])
-    day = _md(str(record["reproduced_at_utc"])[:10])
+    day = escape.md(str(record["reproduced_at_utc"])[:10])
     runs = int(comparison["runs"])
     out = [
-        "## Reproduction",
-        "",
         f"Reproduced on {day}, {same} of {len(experiments)} experiments identical in their "
-        f"facts over {runs} re-run(s) of commit {_md(str(record['original']['commit']))[:12]} "
-        f"(verdict: {_md(str(comparison['verdict']))}).",
+        f"facts over {runs} re-run(s) of commit {escape.md(str(record['original']['commit']))[:12]} "
+        f"(verdict: {escape.md(str(comparison['verdict']))}).",
         "",
     ]
     failed = [e for e in experiments if not e["passed"]]
     if failed:
         out += ["Not passed in every run: "
-                + ", ".join(_md(f"{e['chapter']}/{e['name']}") for e in failed) + ".", ""]
+                + ", ".join(escape.md(f"{e['chapter']}/{e['name']}") for e in failed) + ".", ""]
     differing = [e for e in experiments if not e["same"]]
     if differing:
         out += ["| Experiment | Fact | Original | Re-runs | Held |",
@@ -68,7 +55,7 @@ def lines(data: bytes | None) -> list[str]:
                     continue
                 values = ", ".join(_value(v) for v in fact["values"])
                 out.append(
-                    f"| {_md(e['chapter'] + '/' + e['name'])} | {_md(str(fact['key']))} | "
+                    f"| {escape.md(e['chapter'] + '/' + e['name'])} | {escape.md(str(fact['key']))} | "
                     f"{_value(fact['original'])} | {values} | {fact['held']} of {runs} |"
                 )
         out.append("")

@@ -6,14 +6,16 @@ columns from the observations the peer chapters (``ch13_peer_dbos``,
 measured ``outcome``; the lab column from the lab's own experiments for that window
 (``OWN_EXPERIMENTS``: their result and observed facts) plus any observation a peer
 chapter records with ``system: "lab"`` (a LangGraph node delegating to the lab). A
-window nothing measured says so. Pure: report in, Markdown lines out; the caller
-passes the escaping it uses for every other cell.
+window nothing measured says so. Pure: report in, Markdown lines out, every piece of
+evidence through ``lab.book.escape``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from lab.book import escape
 
 SYSTEMS = ("lab", "dbos", "langgraph")
 SYSTEM_TITLES = {"lab": "lab", "dbos": "DBOS", "langgraph": "LangGraph"}
@@ -141,33 +143,43 @@ def configuration(report: Mapping[str, Any]) -> list[str]:
     return sorted(seen)
 
 
-def section(report: Mapping[str, Any], escape: Callable[[str], str]) -> list[str]:
-    """The Markdown section, every piece of evidence passed through ``escape``; none without
-    peer observations (a run that did not include the peer chapters)."""
+COMPACT = 44  # characters a side-by-side cell shows before "open for the rest"
+
+
+def section(report: Mapping[str, Any]) -> list[str]:
+    """The Markdown section, every piece of evidence through ``escape``; compact cells, each
+    with its full text one click away. None without peer observations (a run that did
+    not include the peer chapters)."""
     if not peer_observations(report):
         return []
     lines = [
-        "## Side by side: the lab, DBOS and LangGraph in the same windows",
-        "",
         "Each peer cell is the outcome its chapter measured and asserted (effects counted in "
         "the credit tool's ledger); each lab cell names the lab's experiments for that "
-        "window, their result and observed facts.",
+        "window, their result and observed facts. Open a cell for its full text.",
         "",
     ]
-    lines += [f"- {escape(item)}" for item in configuration(report)]
+    lines += [f"- {escape.md(item)}" for item in configuration(report)]
     lines += [
         "",
         "| Window | " + " | ".join(SYSTEM_TITLES[s] for s in SYSTEMS) + " |",
         "| --- |" + " --- |" * len(SYSTEMS),
     ]
     for window, row in cells(report).items():
-        rendered = [_join(row[system], escape) for system in SYSTEMS]
-        lines.append(f"| {escape(window)} | " + " | ".join(rendered) + " |")
+        rendered = [_join(row[system]) for system in SYSTEMS]
+        lines.append(f"| {escape.code(window)} | " + " | ".join(rendered) + " |")
     return [*lines, ""]
 
 
-def _join(texts: Sequence[str], escape: Callable[[str], str]) -> str:
-    return "<br>".join(escape(text) for text in texts) if texts else escape(NOT_MEASURED)
+def compact(text: str) -> str:
+    """A cell's text cut to ``COMPACT`` characters, the whole of it one click away."""
+    if len(text) <= COMPACT:
+        return escape.md(text)
+    return (f"<details><summary>{escape.md(text[: COMPACT - 1] + '…')}</summary>"
+            f"{escape.md(text)}</details>")
+
+
+def _join(texts: Sequence[str]) -> str:
+    return "<br>".join(compact(text) for text in texts) if texts else escape.md(NOT_MEASURED)
 
 
 def _text(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""The crash-point matrix as a book chapter: the coloured table and one figure per outcome.
+"""The crash-point matrix as a book page: the coloured table and one figure per outcome.
 
 Renders only a matrix the signed run recorded (``crashmatrix.signed_digests``); the
 data format, its loader and its verdict live in ``lab.faults.crashmatrix``.
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lab import errors
-from lab.book import figures
+from lab.book import escape, figures
 from lab.faults import crashmatrix
 from lab.faults.crashmatrix import (
     AUTOMATIC,
@@ -21,61 +21,72 @@ from lab.faults.crashmatrix import (
     VIOLATION,
 )
 
-_MARK = {AUTOMATIC: "🟩", PERSON: "🟨", VIOLATION: "🟥", NOT_REACHED: "🟥", NOT_APPLICABLE: "⬜"}
+# Marks in DejaVu Sans (the site's first font), not emoji: a browser without a colour
+# emoji font drew the squares as empty boxes.
+_MARK = {AUTOMATIC: "✓", PERSON: "◐", VIOLATION: "✗", NOT_REACHED: "✗", NOT_APPLICABLE: "·"}
+
+
+def _compact(cell: Mapping[str, Any] | None) -> str:
+    """One cell: the mark and the final state in a word or two, the rest one click away."""
+    if cell is None:
+        return "missing"
+    status = cell["status"]
+    mark = _MARK.get(status, "?")
+    if status == NOT_APPLICABLE:
+        short, full = "n/a", f"cannot happen: {cell.get('why', '')}"
+    elif status == VIOLATION:
+        short, full = "VIOLATION", crashmatrix.outcome(cell)
+    elif status == NOT_REACHED:
+        short, full = "not reached", crashmatrix.outcome(cell)
+    else:
+        effects = int(cell.get("effects") or 0)
+        short = f"{cell.get('final_state')} x{effects}"
+        full = crashmatrix.outcome(cell)
+    if "tool_calls" in cell:
+        full += (f"; tool calls {cell.get('tool_calls')}, lookups {cell.get('lookups')}, "
+                 f"recovered in {cell.get('recovery_s')} s")
+    return (f"<details><summary>{mark} {escape.md(short)}</summary>{escape.md(full)}"
+            "</details>")
 
 
 def render_markdown(matrix: Mapping[str, Any], *, signed_note: str) -> list[str]:
-    """The matrix as a book chapter: boundary rows, fault by tool-kind columns, coloured."""
+    """The matrix as a page: boundary rows, fault by tool-kind columns, coloured marks,
+    compact cells whose full outcome is one click away. Every string from the matrix
+    goes through ``escape``; ``signed_note`` is the book's own Markdown."""
     cells = {(c["boundary"], c["fault"], c["kind"]): c for c in matrix["cells"]}
     faults = [str(f["name"]) for f in matrix["faults"]]
     kinds = [str(k) for k in matrix["kinds"]]
     coverage = matrix.get("coverage", {})
     summary = matrix.get("summary", {})
     lines = [
-        "## Crash points",
-        "",
-        f"Every named boundary, fault and tool kind, {signed_note}. Each cell: final state, "
-        "effects in the tool's ledger, and who settles it; judged by the invariant checker.",
+        f"Every named boundary, fault and tool kind, {signed_note}. Each cell: final state "
+        "and effects in the tool's ledger (xN); open it for who settles it and how. Judged "
+        "by the invariant checker.",
         "",
         f"Legend: {_MARK[AUTOMATIC]} settled automatically · {_MARK[PERSON]} needs a person "
         f"(reason) · {_MARK[VIOLATION]} violation or boundary not reached · "
         f"{_MARK[NOT_APPLICABLE]} cannot happen (reason).",
         "",
-        f"Coverage: {coverage.get('reached')} of {coverage.get('defined')} boundaries reached; "
-        f"seed {matrix.get('seed')}; lease {matrix.get('lease_s')} s; "
-        + ", ".join(f"{k} {summary.get(k, 0)}" for k in
-                    (AUTOMATIC, PERSON, VIOLATION, NOT_REACHED, NOT_APPLICABLE))
-        + f"; violations {matrix.get('violation_count')}.",
+        "Coverage: " + escape.md(
+            f"{coverage.get('reached')} of {coverage.get('defined')} boundaries reached; "
+            f"seed {matrix.get('seed')}; lease {matrix.get('lease_s')} s; "
+            + ", ".join(f"{k} {summary.get(k, 0)}" for k in
+                        (AUTOMATIC, PERSON, VIOLATION, NOT_REACHED, NOT_APPLICABLE))
+            + f"; violations {matrix.get('violation_count')}."),
         "",
     ]
-    header = ["Boundary"] + [f"{_md(f)} · {_md(k)}" for f in faults for k in kinds]
+    header = ["Boundary"] + [f"{escape.md(f)} · {escape.md(k)}" for f in faults for k in kinds]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for b in matrix["boundaries"]:
         name = str(b.get("name"))
-        row = [f"`{_md(name)}`<br>{_md(str(b.get('meaning', '')))}"]
-        for f in faults:
-            for k in kinds:
-                cell = cells.get((name, f, k))
-                if cell is None:
-                    row.append("missing")
-                    continue
-                text = (crashmatrix.outcome(cell) if cell["status"] != NOT_APPLICABLE else
-                        f"n/a: {cell.get('why', '')}")
-                calls = (f"<br>calls {cell.get('tool_calls')}, lookups {cell.get('lookups')}, "
-                         f"{cell.get('recovery_s')} s" if "tool_calls" in cell else "")
-                row.append(f"{_MARK.get(cell['status'], '?')} {_md(text)}{calls}")
+        row = [f"{escape.code(name)}<br>{escape.md(str(b.get('meaning', '')))}"]
+        row += [_compact(cells.get((name, f, k))) for f in faults for k in kinds]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for omitted in matrix.get("omitted_faults", []):
-        lines.append(f"- Fault `{_md(str(omitted.get('name')))}` not in this matrix: "
-                     f"{_md(str(omitted.get('why')))}")
+        lines.append(f"- Fault {escape.code(str(omitted.get('name')))} not in this matrix: "
+                     f"{escape.md(str(omitted.get('why')))}")
     return [*lines, ""]
-
-
-def _md(text: str) -> str:
-    text = " ".join(text.split())
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace(
-        "|", "\\|")
 
 
 def book_section(
@@ -106,7 +117,8 @@ def book_section(
         path = f"{figures_dir}/crashpoint-outcome-{index:02d}.svg"
         rendered[path] = svg
         where = f"{cell.get('boundary')} · {cell.get('fault')} · {cell.get('kind')}"
-        lines += [f"- {_md(text)} (first seen at {_md(where)}): ![{_md(text)}]({path})", ""]
+        lines += [f"- {escape.md(text)} (first seen at {escape.md(where)}):", "",
+                  f"  ![{escape.md(text)}]({path})", ""]
     return lines, rendered
 
 
