@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
 from lab.book import crashpoint_chapter, figures, model_chapter, sidebyside
-from lab.evidence import compiler, dsse, verification
+from lab.evidence import compiler, dsse, hermetic, verification
 from lab.evidence.report import Report
 from lab.faults import crashmatrix
 
@@ -124,9 +124,10 @@ def build(
     copies[f"{EVIDENCE_DIR}/{compiler.PUBLIC_KEY_FILE}"] = _public_key(
         evidence_dir / compiler.PUBLIC_KEY_FILE, report
     )
-    for name, data in model_chapter.verified_files(
+    model_files, model_pinned_by = model_chapter.verified_files(
         evidence_dir, public_key=public_key, trusted=trusted
-    ).items():
+    )
+    for name, data in model_files.items():
         copies[f"{EVIDENCE_DIR}/{name}"] = data
     try:
         matrix = crashmatrix.read(evidence_dir)
@@ -135,7 +136,8 @@ def build(
     if matrix is not None:
         copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     files_out = dict(copies)
-    files_out.update(_render(report, copies, pinned_by=verdict.pinned_by))
+    files_out.update(_render(report, copies, pinned_by=verdict.pinned_by,
+                             model_pinned_by=model_pinned_by))
     if png:
         files_out.update(figures.pngs(files_out))
     _write(out, files_out)
@@ -203,7 +205,11 @@ def _write(out: Path, files_out: Mapping[str, bytes]) -> None:
 
 
 def _render(
-    report: Report, copies: Mapping[str, bytes], *, pinned_by: str | None
+    report: Report,
+    copies: Mapping[str, bytes],
+    *,
+    pinned_by: str | None,
+    model_pinned_by: str | None = None,
 ) -> dict[str, bytes]:
     """experiments.md and every figure, as ``{relative path: bytes}``."""
     tests = [t for t in report["tests"] if t["experiment"]]
@@ -239,7 +245,7 @@ def _render(
     rendered.update(matrix_figures)
     lines += sidebyside.section(report, _md)
     model_lines, model_figures = model_chapter.section(
-        copies, f"{EVIDENCE_DIR}/", pinned=pinned_by is not None
+        copies, f"{EVIDENCE_DIR}/", pinned=model_pinned_by is not None
     )
     lines += model_lines
     rendered.update(model_figures)
@@ -307,6 +313,18 @@ def _chapters(report: Report) -> list[tuple[str, list[Any]]]:
     return sorted(grouped.items())
 
 
+def _run_kind_note(report: Report) -> str:
+    """Hermetic or local, as the verifier judges the report's ``run`` facts."""
+    if verification.run_kind(report) == hermetic.HERMETIC:
+        run: Any = report.get("run") or {}
+        lock: Any = run.get("lock") or {}
+        return (f"**hermetic** (a fresh clone of the commit, the locked environment "
+                f"{_code(str(lock.get('path')))} sha256 `{_md(str(lock.get('sha256')))}`, "
+                "an allowlisted environment, isolated interpreters)")
+    return ("**local** (run in an author's working tree and environment: not publishable; "
+            "`lab publish` runs hermetically)")
+
+
 def _header(report: Report, copies: Mapping[str, bytes], *, pinned_by: str | None) -> list[str]:
     signing = report["signing"]
     database = report["postgresql"] or {}
@@ -345,6 +363,7 @@ def _header(report: Report, copies: Mapping[str, bytes], *, pinned_by: str | Non
         f"- Gate: **{report['status']}**: every declared experiment ran and passed "
         "against a real PostgreSQL server, nothing skipped, nothing narrowed.",
         f"- Commit: {_code(commit)} ({tree}).",
+        f"- Kind of run: {_run_kind_note(report)}.",
         f"- Run finished: {_md(report['timestamp_utc'])} (UTC).",
     ]
     if report["run_url"]:
