@@ -329,11 +329,14 @@ def ran_modules(rewrite: Callable[[Path], CodeType] | None = None) -> list[dict[
         file = module_file(module) if isinstance(module, ModuleType) else None
         if file is None:
             continue
+        digest = sha256_file(Path(file))
         found.append({
             "module": name,
             "file": file,
-            "sha256": sha256_file(Path(file)),
+            "sha256": digest,
             "bytecode": bytecode_problem(module, rewrite),
+            # Judged here, against this interpreter's own installed distributions.
+            "distribution": recorded_by(file, digest),
         })
     return found
 
@@ -358,8 +361,9 @@ def startup_hooks() -> list[dict[str, Any]]:
     for directory in dict.fromkeys(directories):
         for pth in sorted(Path(directory).glob("*.pth")):
             if _executes(pth):
-                found.append({"kind": "pth", "file": str(pth.absolute()),
-                              "sha256": sha256_file(pth)})
+                digest = sha256_file(pth)
+                found.append({"kind": "pth", "file": str(pth.absolute()), "sha256": digest,
+                              "distribution": recorded_by(str(pth), digest)})
     for name in ("sitecustomize", "usercustomize"):
         file = module_file(sys.modules.get(name))
         if file is not None:
@@ -411,7 +415,7 @@ def vouch(
     unvouched: list[dict[str, Any]] = []
     seen: set[tuple[str, str | None, str | None]] = set()
 
-    def judge(file: str, sha256: str | None) -> str | None:
+    def judge(file: str, sha256: str | None, distribution: Any) -> str | None:
         real = os.path.realpath(file)
         name = by_file.get(real)
         if name is not None:
@@ -420,8 +424,8 @@ def vouch(
             if not _is_tracked(name, tracked, root):
                 return "is not a file tracked by git"
             return None
-        if recorded_by(file, sha256) is not None:
-            return None
+        if isinstance(distribution, str):
+            return None  # its RECORD digest matched in the process that ran it
         if _is_stdlib(Path(real)) and not Path(real).is_relative_to(root):
             return None
         if Path(real).is_relative_to(root):
@@ -437,15 +441,14 @@ def vouch(
                   bytecode if isinstance(bytecode, str) else None))
         count += 1
         reason = bytecode if isinstance(bytecode, str) else judge(
-            file, digest if isinstance(digest, str) else None)
+            file, digest if isinstance(digest, str) else None, item.get("distribution"))
         if reason is not None:
             unvouched.append({"module": str(item.get("module")), "file": file,
                               "reason": reason})
     found_hooks: list[dict[str, Any]] = []
     for hook in {str(h.get("file")): h for h in hooks}.values():
-        file, digest = str(hook.get("file")), hook.get("sha256")
-        owner = recorded_by(file, digest if isinstance(digest, str) else None)
-        if hook.get("kind") == "pth" and owner is not None:
+        file = str(hook.get("file"))
+        if hook.get("kind") == "pth" and isinstance(hook.get("distribution"), str):
             continue  # installed by a distribution of the environment, byte for byte
         found_hooks.append({"kind": str(hook.get("kind")), "file": file})
     return {
