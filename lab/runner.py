@@ -155,8 +155,13 @@ def _install_locked(python: Path, tree: Path) -> None:
     The one place that knows how: until uv.lock lands this is pip with
     pyproject.toml's ranges; with the lock it becomes one ``uv pip sync`` of it.
     """
-    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-          f"{tree}[{HERMETIC_EXTRAS}]"], "installing the locked environment")
+    # From a copy: pip builds a local project in place, and its egg-info in the clone
+    # would both dirty the fresh checkout and put the lab's metadata on sys.path.
+    with tempfile.TemporaryDirectory(prefix="lab-hermetic-build-") as build:
+        copy = Path(build) / "project"
+        shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git"))
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+              f"{copy}[{HERMETIC_EXTRAS}]"], "installing the locked environment")
     _run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "durable-agent-lab"],
          "removing the lab from the dependency venv")
 
