@@ -516,3 +516,36 @@ def test_publish_refuses_a_fifo_or_a_huge_public_key_without_reading_it(
         assert code == 2, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_nothing_left_on_the_machine_reaches_a_hermetic_interpreter(tmp_path: Path) -> None:
+    """Cases 1-4 against the hermetic runner's own parts: a code-running ``.pth`` in the
+    dependency venv, ``PYTHONPATH`` with a ``sitecustomize``, ``PYTEST_ADDOPTS`` and a
+    user site never reach a process started in the run's venv with the run's environment,
+    and its bytecode goes to the fresh prefix, not to ``__pycache__`` beside the source."""
+    dependencies = tmp_path / "deps"
+    dependencies.mkdir()
+    (dependencies / "evil.pth").write_text("import os; os.environ['EMPTIED'] = '1'\n")
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "sitecustomize.py").write_text("import os; os.environ['CUSTOM'] = '1'\n")
+    python = runner.run_venv(tmp_path, ROOT, dependencies)
+    caller = {**os.environ, "PYTHONPATH": str(custom), "PYTEST_ADDOPTS": "--reruns 2"}
+    prefix = tmp_path / "pycache"
+    env = hermetic.environment(caller, pycache=str(prefix), home=str(tmp_path),
+                               tmp=str(tmp_path), lock_sha256="0" * 64)
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "probe_mod.py").write_text("VALUE = 1\n")
+    script = ("import json, os, sys; sys.path.append(sys.argv[1]); import probe_mod; "
+              "print(json.dumps({k: os.environ.get(k) for k in "
+              "('EMPTIED', 'CUSTOM', 'PYTEST_ADDOPTS', 'PYTHONPATH')} | "
+              "{'user_site': sys.flags.no_user_site, 'safe': sys.flags.safe_path, "
+              "'deps': sys.argv[2] in sys.path}))")
+    done = subprocess.run([str(python), "-c", script, str(tmp_path / "probe"),
+                           str(dependencies)], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    seen = json.loads(done.stdout)
+    assert seen == {"EMPTIED": None, "CUSTOM": None, "PYTEST_ADDOPTS": None,
+                    "PYTHONPATH": None, "user_site": 1, "safe": True, "deps": True}
+    assert not (tmp_path / "probe" / "__pycache__").exists()
+    assert list(prefix.rglob("probe_mod*.pyc"))
