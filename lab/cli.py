@@ -273,8 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     crash.add_argument("--only", action="append", default=[],
                        help="only cells whose id (boundary/fault/kind) starts with this")
     crash.add_argument("--output", default="evidence/crashpoints.json")
-    crash.add_argument("--lab-postgres", default="auto",
-                       choices=["auto", "dsn", "container", "embedded"])
+    crash.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
     crash.set_defaults(handler=_crashpoints)
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
@@ -299,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands.add_parser("suite", help="experiment suite wall time, serial and parallel")
     bench_commands.add_parser("startup", help="provisioning and worker spawn-to-ready times")
     for sub_parser in (throughput, claim):
-        sub_parser.add_argument("--lab-postgres", default="auto",
-                                choices=["auto", "dsn", "container", "embedded"])
+        sub_parser.add_argument("--lab-postgres", default=providers.AUTO,
+                                choices=providers.MODES)
     bench.add_argument("--output-dir", default="evidence/bench")
     bench.set_defaults(handler=_bench)
 

@@ -10,6 +10,7 @@ one-line message starts with what the file is and where it is.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -67,6 +68,31 @@ def read_bytes(path: Path, limit: int, what: str) -> bytes:
         return b"".join(chunks)
     except OSError as exc:
         raise InputError(f"{what} {path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of the regular file ``path``, streamed (any size, never a FIFO).
+
+    The one digest of a file the lab computes: sources, the manifest, the model, the
+    ini file. Raises ``InputError`` naming the path for anything unreadable or not a
+    regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise InputError(f"file {path}: cannot open: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"file {path}: {_kind(info.st_mode)}, not a regular file")
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, MIB):
+            digest.update(chunk)
+        return digest.hexdigest()
+    except OSError as exc:
+        raise InputError(f"file {path}: cannot read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
 

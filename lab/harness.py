@@ -8,7 +8,7 @@ to its processes, for the book's figures.
 
 What an author uses, all documented with examples in ``docs/authoring.md``:
 
-* ``lab.approved(...)``, ``sample_plan(...)``, ``lab.actor(tenant, role)``;
+* ``lab.approved(..., approval_ttl=...)``, ``sample_plan(...)``, ``lab.actor(tenant, role)``;
 * ``lab.credit_tool()`` -> ``Rig`` (``rig.service`` has the fault switches of
   ``lab.runtime.tool``: ``fail_next``, ``hold_next``, ``drop_next_reply``,
   ``reject_next``, ``slow_next`` and the counters);
@@ -16,7 +16,10 @@ What an author uses, all documented with examples in ``docs/authoring.md``:
   ``release``, ``kill``, ``finish(expect_exit=...)``);
 * ``lab.state``, ``lab.effects``, ``lab.count_events``, ``lab.claims``;
 * ``lab.expire_lease``, ``lab.expire_approval``, ``lab.make_due``,
-  ``lab.recover_by_elapsed_lease``, ``lab.wait_until``.
+  ``lab.recover_by_elapsed_lease``, ``lab.wait_until``, ``lab.approval_lapsed``;
+* ``retrying(action)`` while a killed database comes back; ``PUBLIC_MODULES`` (what an
+  experiment may import), ``EVENT_KINDS``, ``REVIEW_REASONS`` and ``reference()`` (the
+  guide's generated reference section).
 
 Admission limits a plan must respect: ``amount_minor`` from
 ``plan.MIN_AMOUNT_MINOR`` to ``plan.MAX_AMOUNT_MINOR`` (1..10000), ``currency``
@@ -27,18 +30,87 @@ and is at most ``proposal.MAX_PROPOSAL_BYTES`` bytes (re-exported here as ``AMOU
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
-from lab import names
+from lab import errors, names, protocol
+from lab.runtime import backoff, processes, proposal, store, tool, worker
 from lab.runtime import plan as plans
-from lab.runtime import processes, proposal, store, tool, worker
 from lab.runtime.plan import Plan
+
+T = TypeVar("T")
+
+# What an experiment may import (docs/authoring.md, "The public face"; checked by
+# tests/test_public_face.py). A package entry admits its modules: the fault and peer
+# chapters study those systems themselves. Everything else of ``lab`` (the plugin,
+# the recorder, the evidence, the PostgreSQL providers, worker processes) is internal:
+# the fixtures of lab.pytest_plugin and the top-level conftest.py reach it for you.
+PUBLIC_MODULES = (
+    "lab.harness",
+    "lab.errors",
+    "lab.protocol",
+    "lab.names",
+    "lab.loopback",
+    "lab.runtime.plan",
+    "lab.runtime.proposal",
+    "lab.runtime.store",
+    "lab.runtime.tool",
+    "lab.runtime.barrier",
+    "lab.runtime.sealing",
+    "lab.faults",
+    "lab.peers",
+)
+
+# Every audit event kind the store writes, for ``lab.count_events(kind)``
+# (tests/test_authoring.py checks this against lab/runtime/store.py).
+EVENT_KINDS = {
+    "created": "a proposal was admitted and stored (waiting_approval)",
+    "approved": "an approver of the tenant approved the fingerprint, with an expiry",
+    "cancel_requested": "a proposer or approver asked to cancel",
+    "cancelled": "the workflow was cancelled (in the queue, at claim, before dispatch, "
+                 "after a 429, or by a review proving nothing was dispatched)",
+    "claimed": "a worker claimed it: fence + 1, attempt + 1, a lease (detail owner=NAME)",
+    "approval_expired": "the approval lapsed before dispatch: back to waiting_approval",
+    "incompatible": "the plan's version is not supported by this worker",
+    "integrity_failed": "the stored plan no longer matches its fingerprint",
+    "dispatching": "the start barrier was committed: the tool is about to be called",
+    "completed": "the tool's receipt was recorded: succeeded",
+    "unknown": "the outcome of the call is not known (lost reply, 5xx, timeout, crash)",
+    "retry_scheduled": "a trusted 429: queued again on a persisted timer",
+    "failed": "the workflow failed (refused, budget spent, or proven undispatched)",
+    "lease_expired": "recover_expired found the lease over: running became unknown",
+    "reconciled": "a lookup settled an unknown: lookup=found (succeeded) or lookup=absent "
+                  "(requeued)",
+    "manual_review": "an unknown waits for a person (detail reason=REVIEW_REASON)",
+    "requeued_undispatched": "a review requeued work proven never dispatched",
+    "requeue": "a reviewer requeued the workflow",
+    "forced_requeue": "a reviewer requeued work with a start barrier (--force, a reason)",
+    "resolved_failed": "a reviewer closed it as failed",
+    "resolved_succeeded": "a reviewer closed it as succeeded (checked by hand)",
+}
+
+# Every ``review_reason`` a workflow can carry (checked against the code the same way).
+REVIEW_REASONS = {
+    "non_idempotent_dispatched": "unknown, non-idempotent, and a start barrier proves the "
+                                 "tool may have been called: never looked up, never replayed",
+    "not_dispatched_no_start_barrier": "unknown, non-idempotent, and no start barrier under "
+                                       "its fence: the database proves the tool was never "
+                                       "called (a reviewer may requeue without --force)",
+    "cancel_requested": "unknown and cancellation was requested: a person decides",
+    "attempt_budget_spent": "the persistent attempt budget is spent (failed, or unknown "
+                            "waiting for a person)",
+    "integrity": "the stored plan or a sealed result failed its check (quarantined)",
+    "tool_refused": "the tool refused the request (4xx): failed",
+    "unsupported_plan_version": "incompatible: the worker does not run this plan version",
+    "resolved_by_person": "a reviewer resolved it as failed or succeeded",
+}
 
 # The admission limits, by name, for experiments and the author's guide.
 AMOUNT_RANGE = (plans.MIN_AMOUNT_MINOR, plans.MAX_AMOUNT_MINOR)
@@ -50,6 +122,26 @@ PROPOSER = store.Actor(tenant="tenant-a", subject="employee-a", role="proposer")
 APPROVER = store.Actor(tenant="tenant-a", subject="manager-a", role="approver")
 REVIEWER = store.Actor(tenant="tenant-a", subject="reviewer-a", role="reviewer")
 SEED_LEASE = timedelta(seconds=3)
+DEFAULT_APPROVAL_TTL = timedelta(minutes=1)
+WORKER_BACKOFF = timedelta(milliseconds=20)
+# The credit tool's client gives up after this many seconds: the outcome is then unknown.
+CLIENT_TIMEOUT_S: float = inspect.signature(tool.ToolClient).parameters["timeout"].default
+# The aliases an author annotates with, without reaching into internal modules.
+WorkerProcess = processes.WorkerProcess
+Hook = worker.Hook
+
+
+def retrying(action: Callable[[], T], within: float = 30.0) -> T:
+    """``action()``, retried with jittered backoff while it raises ``errors.StoreError``
+    (a database the experiment killed is coming back); re-raises after ``within`` seconds."""
+    patience = backoff.Backoff(base=0.1, cap=1.0, patience=within)
+    while True:
+        try:
+            return action()
+        except errors.StoreError:
+            if patience.exhausted:
+                raise
+            time.sleep(patience.failed())
 
 
 def sample_plan(
@@ -137,14 +229,19 @@ class Harness:
             client=client,
             name="worker-a",
             lease=SEED_LEASE,
-            backoff=timedelta(milliseconds=20),
+            backoff=WORKER_BACKOFF,
         )
         return Rig(service=service, client=client, worker=runner)
 
     def approved(
-        self, idempotent: bool = True, plan: Plan | None = None, tenant: str = "tenant-a"
+        self,
+        idempotent: bool = True,
+        plan: Plan | None = None,
+        tenant: str = "tenant-a",
+        approval_ttl: timedelta = DEFAULT_APPROVAL_TTL,
     ) -> store.Workflow:
-        """Create and approve ``plan`` (default: the sample plan) for a minute, as the seed does.
+        """Create and approve ``plan`` (default: the sample plan) for ``approval_ttl``
+        (default a minute, as the seed does), measured on PostgreSQL's clock.
 
         ``tenant`` other than ``"tenant-a"`` uses that tenant's proposer and approver
         (``actor(tenant, "proposer")``, ``actor(tenant, "approver")``).
@@ -155,19 +252,25 @@ class Harness:
             else (actor(tenant, "proposer"), actor(tenant, "approver"))
         )
         created = self.store.create(proposer, names.new_id("op"), plan or sample_plan(idempotent))
-        self.store.approve(approver, created.id, created.fingerprint, timedelta(minutes=1))
+        self.store.approve(approver, created.id, created.fingerprint, approval_ttl)
         return self.store.get(created.id)
 
     def actor(self, tenant: str, role: str, subject: str | None = None) -> store.Actor:
         """A person of ``tenant`` acting as ``role``; see the module function ``actor``."""
         return actor(tenant, role, subject)
 
-    def spawn_worker(self, rig: Rig, name: str, *extra: str) -> processes.WorkerProcess:
-        """Start ``lab worker`` as an OS process against this schema and ``rig``'s tool."""
+    def spawn_worker(
+        self, rig: Rig, name: str, *extra: str, endpoint: str | None = None
+    ) -> processes.WorkerProcess:
+        """Start ``lab worker`` as an OS process against this schema and ``rig``'s tool.
+
+        ``endpoint`` replaces the tool's own URL, to route the worker's calls through a
+        ``lab.faults.proxy.Proxy`` that can partition the link.
+        """
         child = processes.spawn_worker(
             self.dsn,
             self.schema,
-            rig.service.endpoint,
+            endpoint or rig.service.endpoint,
             rig.service.token,
             name,
             *extra,
@@ -246,6 +349,17 @@ class Harness:
         )
         self.mark("experiment", "approval expired (SQL-injected)")
 
+    def approval_lapsed(self, workflow_id: str) -> bool:
+        """Whether the workflow's approval has expired, on PostgreSQL's clock."""
+        rows = self.store.execute(
+            "SELECT approval_expires IS NULL OR approval_expires <= clock_timestamp() AS lapsed "
+            "FROM workflows WHERE id = %s",
+            (workflow_id,),
+        )
+        if not rows:
+            raise errors.NotFound(f"no workflow {workflow_id!r}")
+        return bool(rows[0]["lapsed"])
+
     def make_due(self, workflow_id: str) -> None:
         """Make queued work due now."""
         self.store.execute(
@@ -267,13 +381,7 @@ class Harness:
     def recover_by_elapsed_lease(self, workflow_id: str) -> int:
         """Let the real lease run out on PostgreSQL's clock, then recover it to unknown."""
         self.wait_until(
-            lambda: bool(
-                self.store.execute(
-                    "SELECT lease_until <= clock_timestamp() AS expired FROM workflows "
-                    "WHERE id = %s",
-                    (workflow_id,),
-                )[0]["expired"]
-            ),
+            lambda: self.store.lease_expired(workflow_id),
             within=5.0,
             what="the lease to expire on the PostgreSQL clock",
         )
@@ -323,3 +431,35 @@ class Harness:
             client.close()
         for service in self._services:
             service.stop()
+
+
+def reference() -> str:
+    """The guide's reference section, generated from the code (tests/test_authoring.py
+    requires docs/authoring.md to hold exactly this text between its reference markers)."""
+    lines = ["**Workflow states** (`store.STATES`; terminal: `store.TERMINAL_STATES`):",
+             ", ".join(f"`{s}`" + (" (terminal)" if s in store.TERMINAL_STATES else "")
+                       for s in store.STATES) + ".", "",
+             "**Workflow fields** (`lab.state(id)` returns a `store.Workflow`):",
+             ", ".join(f"`{f.name}`" for f in dataclasses.fields(store.Workflow)) + ".", "",
+             "**Event kinds** (`lab.count_events(kind)`; `harness.EVENT_KINDS`):", ""]
+    lines += [f"- `{kind}`: {meaning}" for kind, meaning in EVENT_KINDS.items()]
+    lines += ["", "**Review reasons** (`lab.state(id).review_reason`; "
+              "`harness.REVIEW_REASONS`):", ""]
+    lines += [f"- `{reason}`: {meaning}" for reason, meaning in REVIEW_REASONS.items()]
+    lines += ["", "**Defaults and budgets:**", "",
+              f"- attempt budget: `store.DEFAULT_MAX_ATTEMPTS` = {store.DEFAULT_MAX_ATTEMPTS} "
+              "attempts per workflow, persistent across crashes",
+              f"- lease of the in-process worker and of `lab worker`: "
+              f"{SEED_LEASE.total_seconds():g} s (`harness.SEED_LEASE`)",
+              f"- approval of `lab.approved()`: {DEFAULT_APPROVAL_TTL.total_seconds():g} s "
+              "(`harness.DEFAULT_APPROVAL_TTL`; pass `approval_ttl=`)",
+              f"- worker backoff after a 429: {WORKER_BACKOFF.total_seconds() * 1000:g} ms "
+              "(`harness.WORKER_BACKOFF`)",
+              f"- the tool client's timeout: {CLIENT_TIMEOUT_S:g} s (`harness.CLIENT_TIMEOUT_S`)",
+              f"- a `hold_next` nobody releases ends after {tool.DEFAULT_HOLD_SECONDS:g} s",
+              "- boundaries a `hook` sees (`lab.protocol`): "
+              + ", ".join(f"`{b}`" for b in protocol.NAMES
+                          if b not in protocol.TOOL_STAGES),
+              "- boundaries `rig.service.on_stage` sees: "
+              + ", ".join(f"`{b}`" for b in protocol.TOOL_STAGES)]
+    return "\n".join(lines) + "\n"

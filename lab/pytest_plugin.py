@@ -6,6 +6,12 @@ time and hands the DSN to pytest-xdist workers through ``workerinput``. Each
 test that needs the database gets its own schema, dropped afterwards. The
 evidence (collection, report, signature, gate) lives in ``lab.recorder``.
 
+Fixtures for experiments (docs/authoring.md): ``lab``, ``observe``, ``lab_dsn``,
+``reached_database`` and ``evidence_artifact``; ``harness_on`` builds a ``lab`` on
+another server (the top-level conftest.py's ``killable_lab``). At collection, an
+experiment whose ``observe(...)`` records only literals (or a literal boolean) is
+marked, and fails before it runs, naming the key.
+
 Introspection (``--help``, ``--version``, ``--fixtures``, ``--fixtures-per-test``,
 ``--markers``, ``--collect-only``, ``--setup-plan``) starts no PostgreSQL, writes no
 evidence and prints no gate. Every pytest process loads this module, so it imports
@@ -14,14 +20,19 @@ the database, HTTP and harness modules only inside the fixtures that use them.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import json
 import logging
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from lab import errors, names, protocol, recorder
+from lab.pg import providers
 from lab.runtime import egress
 
 if TYPE_CHECKING:
@@ -40,7 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lab", "durable-agent lab")
     group.addoption(
         "--lab-postgres",
-        choices=["auto", "dsn", "container", "embedded", "none"],
+        choices=providers.PLUGIN_MODES,
         default=None,
         help="how to provide PostgreSQL for the run (default: ini lab_postgres or auto)",
     )
@@ -55,7 +66,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="keep a failed test's schema for inspection instead of dropping it",
     )
-    parser.addini("lab_postgres", "default for --lab-postgres", default="auto")
+    parser.addini("lab_postgres", "default for --lab-postgres", default=providers.AUTO)
     recorder.addoption(parser)
 
 
@@ -101,7 +112,7 @@ def pytest_configure(config: pytest.Config) -> None:
         problem = workerinput.get("lab_problem")
     else:
         mode = config.getoption("--lab-postgres") or config.getini("lab_postgres")
-        if mode == "none":
+        if mode == providers.NONE:
             problem = "PostgreSQL disabled with --lab-postgres=none"
         else:
             from lab.pg import cluster
@@ -153,10 +164,94 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"lab: no PostgreSQL ({config.stash.get(_PROBLEM_KEY, None)})"
 
 
+_CONSTANT_KEY = pytest.StashKey[list[str]]()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    problems: dict[Path, dict[str, list[str]]] = {}
     for item in items:
-        if "experiments" in item.path.parts:
-            item.add_marker(pytest.mark.experiment)
+        if "experiments" not in item.path.parts:
+            continue
+        item.add_marker(pytest.mark.experiment)
+        if item.path not in problems:
+            try:
+                source = item.path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                source = ""  # pytest collected it, so it read; nothing to say here
+            problems[item.path] = constant_observations_by_function(source, item.path.name)
+        by_function = problems[item.path]
+        name = getattr(item, "originalname", item.name)
+        # An observe() in a helper may serve any test of the file: each of them answers for it.
+        found = by_function.get(name, []) + [
+            p for f, extra in by_function.items() if not f.startswith("test") for p in extra
+        ]
+        if found:
+            item.stash[_CONSTANT_KEY] = found
+
+
+def _constant(node: ast.expr) -> bool:
+    """True for a value fixed in the source: a literal, or a container of literals."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
+        return True
+    if isinstance(node, ast.List | ast.Tuple | ast.Set):
+        return all(_constant(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(v is not None and _constant(v) for v in node.values)
+    return False
+
+
+def constant_observations_by_function(
+    source: str, filename: str = "<source>"
+) -> dict[str, list[str]]:
+    """Constant observations in ``source``, by the name of the function holding the call.
+
+    Flagged: ``observe(...)`` given a dict (or value) whose values are all constants, and
+    any key whose value is the literal ``True`` or ``False`` (a conclusion, not what was
+    read back). A string label beside measured values is fine. A file that does not parse
+    has nothing to say here (pytest reports it).
+    """
+    try:
+        tree = ast.parse(source, filename)
+    except SyntaxError:
+        return {}
+    found: dict[str, list[str]] = {}
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+                    and child.func.id == "observe" and child.args):
+                found.setdefault(function, []).extend(_judge(child, filename))
+            visit(child, function)
+
+    visit(tree, "")
+    return {f: p for f, p in found.items() if p}
+
+
+def _judge(call: ast.Call, filename: str) -> list[str]:
+    value = call.args[0]
+    where = f"{filename}:{call.lineno}"
+    problems = []
+    if isinstance(value, ast.Dict):
+        for key, item in zip(value.keys, value.values, strict=True):
+            if isinstance(item, ast.Constant) and isinstance(item.value, bool):
+                name = key.value if isinstance(key, ast.Constant) else "?"
+                problems.append(f"key {name!r} is the literal {item.value} ({where})")
+    if _constant(value):
+        keys = [k.value for k in getattr(value, "keys", []) if isinstance(k, ast.Constant)]
+        named = f" ({', '.join(map(str, keys))})" if keys else ""
+        problems.append(f"every value{named} is a literal ({where})")
+    return problems
+
+
+def constant_observations(source: str, filename: str = "<source>") -> list[str]:
+    """Every constant observation of ``source`` (see ``constant_observations_by_function``)."""
+    return [p for found in constant_observations_by_function(source, filename).values()
+            for p in found]
 
 
 @pytest.fixture(scope="session")
@@ -172,6 +267,7 @@ def lab_dsn(pytestconfig: pytest.Config) -> str:
 @pytest.fixture
 def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     """A fresh schema holding every table of the lab, dropped after the test."""
+    from lab.pg import edge
     from lab.runtime import store
 
     schema = names.new_id("t").lower()[:30]
@@ -182,7 +278,7 @@ def lab_schema(request: pytest.FixtureRequest, lab_dsn: str) -> Iterator[str]:
     if failed and request.config.getoption("--lab-keep-schemas"):
         log.warning("kept schema %s of failed test %s", schema, request.node.nodeid)
         return
-    store.drop_schema(lab_dsn, schema)
+    edge.drop_schema(lab_dsn, schema)
 
 
 def reached_database(node: pytest.Item) -> None:
@@ -215,16 +311,92 @@ def lab(
     try:
         yield rig
     finally:
-        rig.close()
-        try:
-            history = rig.event_history()
-            traces = rig.trace_ids()
-        except errors.LabError:
-            history, traces = [], []
-        request.node.user_properties.append(("lab_events", history))
-        request.node.user_properties.append(("lab_trace_ids", traces))
-        request.node.user_properties.append(("lab_timeline", rig.timeline))
+        _close_and_record(request, rig)
 
+
+def _close_and_record(request: pytest.FixtureRequest, rig: lab_harness.Harness) -> None:
+    """Stop what ``rig`` started and keep its audit events, traces and timeline."""
+    rig.close()
+    try:
+        history = rig.event_history()
+        traces = rig.trace_ids()
+    except errors.LabError:
+        history, traces = [], []  # the database is away (a chapter that kills it)
+    request.node.user_properties.append(("lab_events", history))
+    request.node.user_properties.append(("lab_trace_ids", traces))
+    request.node.user_properties.append(("lab_timeline", rig.timeline))
+
+
+@contextlib.contextmanager
+def harness_on(
+    request: pytest.FixtureRequest, dsn: str, *, drop_within: float = 30.0
+) -> Iterator[lab_harness.Harness]:
+    """A ``Harness`` on a fresh schema of the server at ``dsn``, exactly as ``lab`` builds
+    one on the run's server: the top-level ``conftest.py``'s ``killable_lab`` uses it.
+
+    The server may have been killed and be coming back at teardown, so dropping the
+    schema is retried for ``drop_within`` seconds.
+    """
+    from lab import harness as lab_harness
+    from lab.pg import edge
+    from lab.runtime import store
+
+    schema = names.new_id("t").lower()[:30]
+    store.create_schema(dsn, schema)
+    reached_database(request.node)
+    db = store.Store.open(dsn, schema)
+    rig = lab_harness.Harness(dsn, schema, db)
+    try:
+        yield rig
+    finally:
+        _close_and_record(request, rig)
+        db.close()
+        lab_harness.retrying(lambda: edge.drop_schema(dsn, schema), within=drop_within)
+
+
+@pytest.fixture(name="reached_database")
+def reached_database_fixture(request: pytest.FixtureRequest) -> Callable[[], None]:
+    """Call it once the experiment has used a real database without the ``lab`` fixture
+    (a chaos round or a crash-point matrix makes its own schemas): the gate requires it
+    of every experiment declared to need the database."""
+    return lambda: reached_database(request.node)
+
+
+# What the recorder writes itself: an artifact may never take one of these names.
+_RESERVED_ARTIFACTS = frozenset({"runtime.json", "runtime.intoto.json", "runtime.pub.pem",
+                                 "tests.jsonl"})
+
+
+def evidence_directory(config: pytest.Config) -> Path:
+    """The run's evidence directory (``--lab-evidence``, by default ``evidence``)."""
+    given = config.getoption("lab_evidence", None) or recorder.DEFAULT_DIRECTORY
+    return Path(config.invocation_params.dir) / str(given)
+
+
+@pytest.fixture
+def evidence_artifact(request: pytest.FixtureRequest) -> Callable[[str, bytes], Path]:
+    """Write a file into the run's evidence directory: ``evidence_artifact(name, data)``.
+
+    ``name`` is a plain file name (no directory) other than the recorder's own files; the
+    file is written whole and its path returned. It is signed only through what the
+    experiment observes about it: observe its sha256 (``hashlib.sha256(data)``) so the
+    signed report binds the bytes.
+    """
+
+    def write(name: str, data: bytes) -> Path:
+        if not name or Path(name).name != name or name.startswith(".") or (
+            name in _RESERVED_ARTIFACTS
+        ):
+            raise ValueError(f"an artifact needs a plain file name of its own, not {name!r}")
+        directory = evidence_directory(request.config)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / name
+        partial = directory / f".{name}.partial"
+        partial.write_bytes(data)
+        partial.replace(target)  # no half-written artifact
+        return target
+
+    return write
 
 
 @pytest.fixture
@@ -237,6 +409,30 @@ def observe(request: pytest.FixtureRequest) -> Any:
         request.node.user_properties.append(("lab_observation", json.loads(text)))
 
     return record
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    # An experiment with a constant observation fails before it runs, naming the key:
+    # ``lab run`` and ``lab run --chapter`` refuse it as tests/test_observations.py does.
+    found = item.stash.get(_CONSTANT_KEY, None)
+    if found:
+        pytest.fail("constant observation: " + "; ".join(found)
+                    + "; observe() must record what was read back", pytrace=False)
+    # Restarts of a database server during the test body, read from the launcher only if
+    # this process has loaded it (a test that restarts a server has): the limits the
+    # evidence signs are derived from them.
+    launcher = sys.modules.get("lab.pg.cluster")
+    before = launcher.restarts() if launcher is not None else 0
+    try:
+        return (yield)
+    finally:
+        launcher = sys.modules.get("lab.pg.cluster")
+        after = launcher.restarts() if launcher is not None else 0
+        if after > before:
+            from lab.evidence import compiler
+
+            item.user_properties.append((compiler.DATABASE_RESTARTS, after - before))
 
 
 @pytest.hookimpl(wrapper=True)

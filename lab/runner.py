@@ -7,15 +7,17 @@ signed report, with the same function ``lab evidence show`` uses.
 ``lab run --hermetic [--commit REV]`` runs the committed revision, not the working
 tree: it clones REV into a fresh directory, runs it on the locked environment
 (``install_environment``: a digest-keyed venv under ``.tools/hermetic/`` holding
-the dependencies only, reused while the lock and the interpreter are the same, plus a
-fresh per-run venv whose one path file puts the clone and those dependencies on
-``sys.path``), with the environment ``lab.evidence.hermetic`` allows and nothing
-else, and writes the evidence into the caller's ``--evidence`` directory.
+exactly uv.lock's dependencies, hashes enforced, reused while the lock and the
+interpreter are the same, plus a fresh per-run venv whose one path file puts the
+clone and those dependencies on ``sys.path``), with the environment
+``lab.evidence.hermetic`` allows and nothing else, and writes the evidence into the
+caller's ``--evidence`` directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -39,8 +41,6 @@ pytest_usage_error = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest 
 
 # Where the digest-keyed dependency venvs of hermetic runs live, under the checkout.
 HERMETIC_CACHE = ".tools/hermetic"
-# Extras a hermetic run installs: what every committed experiment needs (the peers).
-HERMETIC_EXTRAS = "peers"
 _STAMP = "lab-hermetic.json"
 _GIT_TIMEOUT = 300
 _INSTALL_TIMEOUT = 3600
@@ -149,26 +149,34 @@ def lock_of(tree: Path) -> tuple[str, str]:
     return str(found["path"]), str(found["sha256"])
 
 
-def _install_locked(python: Path, tree: Path) -> None:
-    """Install the tree's locked dependencies (not the lab itself) into ``python``'s venv.
+def _install_locked(venv: Path, tree: Path, origin: Path) -> None:
+    """Install exactly the tree's uv.lock (hashes enforced, the lab itself left out) as
+    the venv ``venv``, with the pinned uv of the origin's ``scripts/ensure-uv``.
 
-    The one place that knows how: until uv.lock lands this is pip with
-    pyproject.toml's ranges; with the lock it becomes one ``uv pip sync`` of it.
+    The one place that knows how the locked environment is installed.
     """
-    # From a copy: pip builds a local project in place, and its egg-info in the clone
-    # would both dirty the fresh checkout and put the lab's metadata on sys.path.
+    try:
+        done = subprocess.run([str(origin / "scripts" / "ensure-uv")], capture_output=True,
+                              text=True, timeout=_INSTALL_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise errors.EnvironmentFailure(f"installing uv: {exc}") from exc
+    if done.returncode != 0 or not done.stdout.strip():
+        raise errors.EnvironmentFailure(f"installing uv: scripts/ensure-uv exited "
+                                        f"{done.returncode}")
+    uv = done.stdout.strip().splitlines()[-1]
+    # From a copy: nothing uv does may leave a file in the fresh clone.
     with tempfile.TemporaryDirectory(prefix="lab-hermetic-build-") as build:
         copy = Path(build) / "project"
         shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git"))
-        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-              f"{copy}[{HERMETIC_EXTRAS}]"], "installing the locked environment")
-    _run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "durable-agent-lab"],
-         "removing the lab from the dependency venv")
+        _run([uv, "sync", "--project", str(copy), "--locked", "--no-install-project",
+              "--no-python-downloads", "--python", _base_python(), "--quiet"],
+             "installing the locked environment", {"UV_PROJECT_ENVIRONMENT": str(venv)})
 
 
-def _run(command: Sequence[str], what: str) -> None:
+def _run(command: Sequence[str], what: str, env: dict[str, str] | None = None) -> None:
     try:
-        done = subprocess.run(command, timeout=_INSTALL_TIMEOUT, check=False)
+        done = subprocess.run(command, timeout=_INSTALL_TIMEOUT, check=False,
+                              env={**os.environ, **env} if env else None)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise errors.EnvironmentFailure(f"{what}: {exc}") from exc
     if done.returncode != 0:
@@ -181,7 +189,7 @@ def environment_key(lock_sha256: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def install_environment(tree: Path, cache: Path) -> tuple[Path, str]:
+def install_environment(tree: Path, cache: Path, origin: Path) -> tuple[Path, str]:
     """The site-packages of the locked dependencies of ``tree``, and the lock's digest.
 
     Reused from ``cache`` when a venv there carries this key (lock digest + python);
@@ -199,15 +207,13 @@ def install_environment(tree: Path, cache: Path) -> tuple[Path, str]:
     if not reusable:
         shutil.rmtree(venv, ignore_errors=True)
         cache.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(prefix=f"{key[:24]}.", dir=cache))
-        _run([_base_python(), "-m", "venv", str(building)], "creating the dependency venv")
-        _install_locked(building / "bin" / "python", tree)
+        building = Path(tempfile.mkdtemp(prefix=f"{key[:24]}.", dir=cache)) / "venv"
+        _install_locked(building, tree, origin)
         (building / _STAMP).write_text(json.dumps({"key": key, "lock": lock_sha256}),
                                        encoding="utf-8")
-        try:
+        with contextlib.suppress(OSError):  # another run built it meanwhile
             building.rename(venv)
-        except OSError:
-            shutil.rmtree(building, ignore_errors=True)  # another run built it meanwhile
+        shutil.rmtree(building.parent, ignore_errors=True)
     site = _site_packages(venv)
     return site, lock_sha256
 
@@ -254,7 +260,7 @@ def run_hermetic(args: argparse.Namespace, out: Console) -> int:
         if missing:
             raise errors.UsageError(f"no such experiments directory at {sha[:12]}: "
                                     f"{', '.join(missing)}")
-        dependencies, lock_sha256 = install_environment(tree, origin / HERMETIC_CACHE)
+        dependencies, lock_sha256 = install_environment(tree, origin / HERMETIC_CACHE, origin)
         python = run_venv(scratch, tree, dependencies)
         for name in ("pycache", "home", "tmp"):
             (scratch / name).mkdir()

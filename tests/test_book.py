@@ -49,7 +49,7 @@ MANIFEST = {
 PURE = '''
 def test_pure(observe):
     """A pure claim | with a pipe."""
-    observe({"pure": True, "note": "<b>not markup</b>"})
+    observe({"pure": callable(observe), "note": "<b>not markup</b>"})
 '''
 PARAMS = '''
 import pytest

@@ -9,7 +9,7 @@ import pytest
 
 from lab import errors
 from lab.faults import chaos
-from lab.runtime import store
+from lab.pg import edge
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_a_failed_cleanup_is_reported_after_the_verdict(
         raise errors.StoreError("PostgreSQL could not drop the schema (SQLSTATE 57P01)")
 
     monkeypatch.setattr(chaos, "CLEANUP_PATIENCE_S", 0.3)
-    monkeypatch.setattr(chaos.store, "drop_schema", refuse)
+    monkeypatch.setattr(chaos.edge, "drop_schema", refuse)
     settings = chaos.Settings(workflows=12, workers=2, duration=5.0, kill_every_ms=0,
                               terminate_every_ms=0, drop_replies=0, reject_429=0, seed=3)
     try:
@@ -55,7 +55,7 @@ def test_a_failed_cleanup_is_reported_after_the_verdict(
     finally:
         monkeypatch.undo()
         for schema in set(dropped):
-            store.drop_schema(lab_dsn, schema)
+            edge.drop_schema(lab_dsn, schema)
     assert report["violation_count"] == 0
     assert sum(report["states"].values()) == 12
     assert len(report["cleanup"]) == len(set(dropped)) == 2

@@ -438,7 +438,7 @@ def test_a_killed_owner_leaves_no_cluster_behind(bindir: Path, cache_dir: Path) 
         import sys
         from pathlib import Path
         import psycopg
-        from lab import cluster
+        from lab.pg import cluster
         running = cluster.start_embedded(Path({str(bindir)!r}), cache_dir=Path({str(cache_dir)!r}))
         with psycopg.connect(running.provisioned.dsn) as conn:
             data = conn.execute("SHOW data_directory").fetchone()[0]

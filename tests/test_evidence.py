@@ -898,7 +898,7 @@ def test_schema_ships_with_the_package() -> None:
     import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert report.SCHEMA_FILE in pyproject["tool"]["setuptools"]["package-data"]["lab"]
+    assert report.SCHEMA_FILE in pyproject["tool"]["setuptools"]["package-data"]["lab.evidence"]
     assert report.schema()["$id"].endswith("report.schema.json")
 
 

@@ -25,6 +25,7 @@ from conftest import KeyFiles
 from psycopg import conninfo
 
 import lab
+from lab import files
 from lab.evidence import compiler, dsse, gate, verification
 from lab.evidence.seed import SEED_EXPERIMENTS
 
@@ -375,12 +376,12 @@ def _real_tree(pytester: pytest.Pytester) -> pytest.Pytester:
         '''
 def test_pure(observe):
     """Pure."""
-    observe({"pure": True})
+    observe({"pure": callable(observe)})
 
 
 def test_db(lab_schema, observe):
     """Reaches the run's PostgreSQL through the plugin's schema fixture."""
-    observe({"schema": "made"})
+    observe({"schema": lab_schema and "made"})
 '''
     )
     labtree.publishable(pytester.path, entries)
@@ -543,7 +544,7 @@ def test_untracked_root_conftest_that_fakes_passes_fails_naming_it(
     assert report["gate"]["failures"] == ["conftest conftest.py is not a file tracked by git"]
     root_conftest = next(m for m in report["provenance"]["modules"] if m["kind"] == "conftest")
     assert root_conftest["tracked"] is False
-    assert root_conftest["sha256"] == compiler.sha256_file(tree.path / "conftest.py")
+    assert root_conftest["sha256"] == files.sha256_file(tree.path / "conftest.py")
 
 
 def test_pytest_plugins_module_from_elsewhere_fails_naming_it(

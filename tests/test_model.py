@@ -704,7 +704,7 @@ def _cases_file(folder: Path, items: list[dict[str, Any]] | str) -> Path:
         ("duplicate-cases", "are not unique"),
         ("unknown-case", "no such case in model_cases.json: nope"),
         ("unversioned", "must be an object {version, cases}"),
-        ("runtime-evidence", "it is not empty and holds no model_command.intoto.json"),
+        ("runtime-evidence", "it is not empty and holds no model.intoto.json"),
     ],
 )
 def test_unusable_input_stops_before_generating(

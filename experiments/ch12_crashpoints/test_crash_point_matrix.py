@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from lab import protocol, pytest_plugin, recorder
+from lab import protocol
 from lab.faults import crashmatrix, crashpoints
-from lab.pg import cluster
 
 
-def test_every_crash_point_keeps_every_invariant(request, observe):
+def test_every_crash_point_keeps_every_invariant(
+    killable_postgres, reached_database, evidence_artifact, observe
+):
     """A worker process stopped dead, its reply lost, the tool killed and restarted, or the
     PostgreSQL server killed and restarted, at each named boundary of the worker's and the
     reconciler's paths, for an idempotent and a non-idempotent tool: every boundary is
     reached, the invariant checker finds nothing, and every cell ends settled automatically
     or waiting for a person with a reason."""
-    bindir = cluster.find_binaries()
-    if bindir is None:
-        pytest.fail("chapter 12 needs PostgreSQL server binaries to start a server it may "
-                    "kill (apt-get install postgresql, or pip install '.[embedded]')",
-                    pytrace=False)
     # Its own durable server: the run's shared one cannot be killed under other experiments.
-    with cluster.start_embedded(bindir, durable=True) as running:
-        matrix = crashpoints.run(running.provisioned.dsn, seed=17, jobs=2,
-                                 restart=running.crash_restart)
-    pytest_plugin.reached_database(request.node)
+    matrix = crashpoints.run(killable_postgres.provisioned.dsn, seed=17, jobs=2,
+                             restart=killable_postgres.crash_restart)
+    reached_database()
     data = crashmatrix.canonical_json(matrix)
-    given = request.config.getoption("lab_evidence", None) or recorder.DEFAULT_DIRECTORY
-    directory = Path(request.config.invocation_params.dir) / str(given)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / crashmatrix.OUTPUT_FILE).write_bytes(data)
+    evidence_artifact(crashmatrix.OUTPUT_FILE, data)
     cells = {cell["id"]: cell for cell in matrix["cells"]}
     after_effect = f"{protocol.AFTER_EFFECT}/{crashpoints.WORKER_SIGKILL}"
     idempotent, non_idempotent = cells[f"{after_effect}/idempotent"], cells[

@@ -1,4 +1,4 @@
-"""Chapter 12: DBOS Transact in the lab's windows, as real OS processes, with DBOS's own state.
+"""Chapter 13: DBOS Transact in the lab's windows, as real OS processes, with DBOS's own state.
 
 Each experiment runs ``python -m lab.peers.dbos_peer``: a DBOS workflow whose one step calls
 the lab's credit tool over HTTP under the lab's effect key, against the run's
@@ -17,7 +17,6 @@ import pytest
 
 from lab import harness, names
 from lab.peers import dbos_peer
-from lab.pg import cluster
 from lab.runtime import plan
 
 PINNED = "3.4.0"
@@ -240,33 +239,22 @@ def test_dbos_cancel_during_the_call_hides_the_effect(lab, dbos, observe):
     })
 
 
-@pytest.fixture(scope="module")
-def system_server() -> Iterator[cluster.RunningPostgres]:
-    """A durable PostgreSQL of this chapter's own for DBOS's system tables, one it may kill
-    (the run's shared server and the credit tool's ledger stay up)."""
-    bindir = cluster.find_binaries()
-    if bindir is None:
-        pytest.fail("needs PostgreSQL server binaries to start a server it may kill",
-                    pytrace=False)
-    with cluster.start_embedded(bindir, durable=True) as running:
-        yield running
-
-
-def test_dbos_postgres_restart_between_effect_and_checkpoint(lab, system_server, observe):
+def test_dbos_postgres_restart_between_effect_and_checkpoint(lab, killable_postgres, observe):
     """DBOS's system PostgreSQL (fsync on) SIGKILLed and restarted while a step holds a
     non-idempotent credit it has not yet checkpointed: the same process retries its own
     database writes once the server is back, records the step's output and ends the
     workflow SUCCESS with one credit and one tool call."""
     rig = lab.credit_tool(idempotent=False)
     workflow_id, work = _work(False)
-    dbos = dbos_peer.Peer(system_server.provisioned.dsn, f"{lab.schema}_dbos", on_event=lab.mark)
+    dbos = dbos_peer.Peer(killable_postgres.provisioned.dsn, f"{lab.schema}_dbos",
+                          on_event=lab.mark)
     try:
         child = dbos.spawn("run", "dbos-a", rig.service, workflow_id, "--pause", "after_tool",
                            "--wait", RECOVER_WAIT, work=work)
         child.wait_for("BOOK_STAGE after_tool", timeout=60)
         assert lab.effects() == 1
         assert dbos.steps(workflow_id) == [], "the step was checkpointed before the restart"
-        down = system_server.crash_restart()
+        down = killable_postgres.crash_restart()
         lab.mark("postgresql", f"DBOS system server restarted after {down:.2f}s")
         child.release()
         ended = child.wait_for("BOOK_DONE", timeout=90).split()[-1]

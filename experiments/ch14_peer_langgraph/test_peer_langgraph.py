@@ -1,4 +1,4 @@
-"""Chapter 13: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
+"""Chapter 14: LangGraph with PostgresSaver in the lab's windows, and the lab inside a node.
 
 Each experiment runs ``python -m lab.peers.langgraph_peer`` processes on one ``thread_id``: a
 plan → approval ``interrupt()`` → credit graph whose credit node calls the lab's credit
@@ -20,7 +20,6 @@ import pytest
 
 from lab import harness, names
 from lab.peers import langgraph_peer
-from lab.pg import cluster
 
 PINNED = {"langgraph": "1.2.24", "langgraph-checkpoint-postgres": "3.2.0"}
 APPROVE = json.dumps({"approved": True})
@@ -298,20 +297,8 @@ def test_langgraph_node_delegating_to_the_lab_keeps_one_effect(lab, graph, obser
     })
 
 
-@pytest.fixture(scope="module")
-def checkpoint_server() -> Iterator[cluster.RunningPostgres]:
-    """A durable PostgreSQL of this chapter's own for LangGraph's checkpoints, one it may kill
-    (the run's shared server and the credit tool's ledger stay up)."""
-    bindir = cluster.find_binaries()
-    if bindir is None:
-        pytest.fail("needs PostgreSQL server binaries to start a server it may kill",
-                    pytrace=False)
-    with cluster.start_embedded(bindir, durable=True) as running:
-        yield running
-
-
 def test_langgraph_postgres_restart_between_effect_and_checkpoint(
-    lab, checkpoint_server, observe
+    lab, killable_postgres, observe
 ):
     """LangGraph's checkpoint PostgreSQL (fsync on) SIGKILLed and restarted while the credit
     node holds a non-idempotent credit it has not checkpointed: the process's checkpoint
@@ -319,7 +306,7 @@ def test_langgraph_postgres_restart_between_effect_and_checkpoint(
     process credits again: two credits for one approval."""
     rig = lab.credit_tool(idempotent=False)
     thread = names.new_id("thread")
-    graph = langgraph_peer.Peer(checkpoint_server.provisioned.dsn, f"{lab.schema}_lg",
+    graph = langgraph_peer.Peer(killable_postgres.provisioned.dsn, f"{lab.schema}_lg",
                                 lab.schema, lab.store.keys, on_event=lab.mark)
     try:
         _interrupted(lab, graph, rig, thread)
@@ -328,7 +315,7 @@ def test_langgraph_postgres_restart_between_effect_and_checkpoint(
         resumed.wait_for("BOOK_STAGE after_tool", timeout=60)
         _checkpointed_before_credit(lab, graph, thread)
         assert lab.effects() == 1
-        down = checkpoint_server.crash_restart()
+        down = killable_postgres.crash_restart()
         lab.mark("postgresql", f"checkpoint server restarted after {down:.2f}s")
         resumed.release()
         ended = resumed.wait_for("BOOK_", timeout=60)

@@ -120,7 +120,7 @@ def claim_latency(dsn: str, sizes: Sequence[int], samples: int = CLAIM_SAMPLES) 
         for db in stores.values():
             db.close()
         for schema in schemas.values():
-            store.drop_schema(dsn, schema)
+            edge.drop_schema(dsn, schema)
     smallest, largest = min(sizes), max(sizes)
     low, high = report["sizes"][smallest], report["sizes"][largest]
     report["ratio_p50_largest_over_smallest"] = rnd(ratio(high["p50_ms"], low["p50_ms"]), 3)

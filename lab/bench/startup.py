@@ -18,7 +18,7 @@ from rich.table import Table
 from lab import protocol
 from lab.bench import measure
 from lab.bench.measure import fmt, ratio, rnd
-from lab.pg import cluster
+from lab.pg import cluster, edge
 from lab.runtime import processes, store, tool
 
 STARTUP_REPEAT = 7
@@ -82,7 +82,7 @@ def startup(dsn: str, repeat: int = STARTUP_REPEAT) -> dict[str, Any]:
         report["worker_spawn_to_ready"] = _samples(spawn_to_ready, repeat)
     finally:
         service.stop()
-        store.drop_schema(dsn, schema)
+        edge.drop_schema(dsn, schema)
     report["ratio_worker_over_bare"] = rnd(ratio(
         report["worker_spawn_to_ready"]["median_ms"], report["bare_python"]["median_ms"]), 2)
     return report

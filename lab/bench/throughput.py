@@ -237,9 +237,9 @@ def lab_round(scratch: measure.Scratch, workflows: int, config: Config) -> RunRe
     cpu, xacts = _costs(scratch, meter, before, wal_before, scratch.store_db, calls)
     with store.Store.open(scratch.store_dsn, schema, max_connections=1) as db:
         rows = db.execute(_LAB_TIMES)
-    store.drop_schema(scratch.store_dsn, schema)
+    edge.drop_schema(scratch.store_dsn, schema)
     if scratch.tool_dsn != scratch.store_dsn:
-        store.drop_schema(scratch.tool_dsn, schema)
+        edge.drop_schema(scratch.tool_dsn, schema)
     return _result(config, workflows, rows, calls, xacts, cpu)
 
 
@@ -350,7 +350,7 @@ def dbos_round(
         (f"{tag}-%",),
         action="read DBOS's workflow times",
     )
-    store.drop_schema(scratch.tool_dsn, schema)
+    edge.drop_schema(scratch.tool_dsn, schema)
     return _result(config, workflows, rows, calls, xacts, cpu)
 
 

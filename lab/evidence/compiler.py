@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import errors
+from lab import errors, files
 from lab.errors import EvidenceError
 from lab.evidence import dsse, gate, manifest, provenance
 
@@ -43,6 +43,8 @@ REPORT_FILE = "runtime.json"
 # Test properties the gate reads: a test that reached the run's database, and one that
 # asked for it (lab.pytest_plugin and lab.recorder write them).
 REACHED_DATABASE = "lab_database"
+# Per test: how many times a database server was SIGKILLed and restarted during it.
+DATABASE_RESTARTS = "lab_database_restarts"
 NEEDS_DATABASE = "lab_needs_database"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
@@ -66,6 +68,7 @@ SOURCE_PATTERNS = (
     "setup.cfg",
 )
 
+# The limits every run has, whatever it did; ``limits`` adds those derived from the run.
 LIMITS = (
     "One side-effecting step per workflow: this is not a general workflow engine and "
     "makes no exactly-once claim.",
@@ -75,11 +78,9 @@ LIMITS = (
     "lease-boundary experiments expire leases through SQL and say so.",
     "Loopback-only development credentials and an authoritative lab lookup: no claim "
     "about multi-cluster availability or a real provider's authentication.",
-    "An embedded PostgreSQL cluster runs with fsync off: experiments kill workers, never "
-    "the database server, so the server's own durability is not tested.",
     "An ephemeral signing key proves the evidence was not altered after signing, not who "
     "produced it; publications are signed with a key given in LAB_EVIDENCE_KEY.",
-    "Experiments run on one machine against one PostgreSQL server; they measure "
+    "Experiments run on one machine against PostgreSQL servers on loopback; they measure "
     "correctness under faults, not throughput or availability.",
     "Trace ids are random and times (durations, event and timeline times) are measured, "
     "so both differ between runs of one commit; random identifiers inside event details "
@@ -466,7 +467,7 @@ def compile_report(
             {"nodeid": t["nodeid"], "observation": o} for t in tests for o in t["observations"]
         ],
         "sources": sources,
-        "limits": list(LIMITS),
+        "limits": limits(facts.database, tests, restarts=_restarts(facts)),
     }
     verdict = gate.decide(report)
     report["status"] = verdict.status
@@ -475,6 +476,57 @@ def compile_report(
     report["seed_floor"] = verdict.seed_floor
     report["publishable"] = verdict.publishable
     return report
+
+
+def _restarts(facts: RunFacts) -> dict[str, int]:
+    """Database crash-restarts per test node id, as the plugin recorded them."""
+    found: dict[str, int] = {}
+    for record in facts.records:
+        for key, value in _props(record):
+            if key == DATABASE_RESTARTS and isinstance(value, int) and value > 0:
+                nodeid = str(record.get("nodeid"))
+                found[nodeid] = max(found.get(nodeid, 0), value)
+    return found
+
+
+def limits(
+    database: Mapping[str, Any] | None,
+    tests: list[dict[str, Any]],
+    *,
+    restarts: Mapping[str, int],
+) -> list[str]:
+    """The limits the evidence states: the fixed ones, and those derived from what the run
+    did (the run's server and its durability, whether any experiment killed a server).
+
+    Derived, never a constant, so the signed text cannot drift from the code that ran.
+    """
+    stated = list(LIMITS)
+    details = (database or {}).get("details") or {}
+    provider = (database or {}).get("provider")
+    durability = details.get("durability") if isinstance(details, Mapping) else None
+    if provider is None:
+        stated.append("No PostgreSQL server was provisioned for this run.")
+    elif durability:
+        stated.append(f"The run's PostgreSQL ({provider}) ran with {durability}.")
+    else:
+        stated.append(f"The run's PostgreSQL ({provider}) is the given server; its "
+                      "durability settings are whatever that server has.")
+    killed = {nodeid: n for nodeid, n in restarts.items() if n > 0}
+    passed = {t["nodeid"] for t in tests if t.get("outcome") == PASSED}
+    if killed:
+        count = len(killed)
+        stated.append(
+            f"{sum(killed.values())} SIGKILLs and restarts of a PostgreSQL postmaster in "
+            f"{count} experiment{'s' if count != 1 else ''} "
+            f"({len(set(killed) & passed)} passed), each on a "
+            "durable server of the experiment's own (fsync and synchronous commits on): "
+            "recovery from the WAL is tested; the OS page cache survives a postmaster "
+            "SIGKILL, so the disk's honesty about fsync is not."
+        )
+    else:
+        stated.append("No experiment of this run killed a database server: the server's "
+                      "own crash recovery is not tested by this evidence.")
+    return stated
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -635,15 +687,10 @@ def source_files(root: Path) -> list[str]:
     return sorted(found)
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
 
 def source_digests(root: Path) -> dict[str, str]:
     """``{path: sha256}`` of every source file under ``root``."""
-    return {name: sha256_file(root / name) for name in source_files(root)}
+    return {name: files.sha256_file(root / name) for name in source_files(root)}
 
 
 # --------------------------------------------------------------------------- signing

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from lab import errors, files
 from lab.evidence import gate
+from lab.pg import providers
 
 if TYPE_CHECKING:  # pytest stays out of the processes that only read a manifest
     import pytest
@@ -219,7 +220,7 @@ def collect(experiments: Path, timeout: float = 300.0) -> dict[Key, int]:
         command = [
             sys.executable, "-m", "pytest", str(experiments), "--collect-only", "-q",
             "--rootdir", str(experiments.parent), "-p", "no:cacheprovider",
-            "-p", "lab.evidence.manifest", "--lab-postgres", "none", "--lab-no-evidence",
+            "-p", "lab.evidence.manifest", "--lab-postgres", providers.NONE, "--lab-no-evidence",
         ]  # fmt: skip
         env = {**os.environ, _OUT_ENV: str(out), _EXPERIMENTS_ENV: str(experiments)}
         try:

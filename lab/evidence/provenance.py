@@ -28,6 +28,9 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
+from lab import files
+from lab.errors import InputError
+
 # Modules without a file that pytest-xdist's workers legitimately register.
 _FILELESS = frozenset({"__channelexec__"})
 CONFTEST = "conftest"
@@ -85,11 +88,10 @@ def loaded_plugins(plugins: Iterable[tuple[str, object]]) -> list[Loaded]:
 
 
 def sha256_file(path: Path) -> str | None:
-    """Hex sha256 of a file's bytes, or None when it cannot be read."""
+    """``files.sha256_file``, or None when the file cannot be read (recorded as such)."""
     try:
-        with path.open("rb") as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
-    except OSError:
+        return files.sha256_file(path)
+    except InputError:
         return None
 
 
@@ -459,8 +461,8 @@ def vouch(
     }
 
 
-# Lock files, in order of preference: the first one the checkout has is the lock.
-# Until uv.lock lands, pyproject.toml's ranges stand in for it (the report names which).
+# Lock files, in order of preference: the first one the checkout has is the lock
+# (pyproject.toml only for a checkout from before uv.lock; the report names which).
 LOCK_FILES = ("uv.lock", "pyproject.toml")
 
 

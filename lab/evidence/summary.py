@@ -69,8 +69,11 @@ def print_summary(
     table.add_column("result", no_wrap=True)
     table.add_column("seconds", justify="right", no_wrap=True)
     table.add_column("key observation", overflow="fold", max_width=60)
+    narrowed = bool(report.get("gate", {}).get("narrowed"))
     for row in report.get("experiments", []):
         outcome = str(row.get("outcome"))
+        if narrowed and outcome == gate.MISSING:
+            continue  # a chapter run: the rest of the manifest is one "not run" line below
         expected = row.get("expected_results")
         count = f" {row.get('results')}/{expected}" if expected and expected != 1 else ""
         table.add_row(
@@ -81,13 +84,16 @@ def print_summary(
             _text(_observation(report, row)),
         )
     out.print(table)
+    if narrowed:
+        for line in chapter_verdicts(report):
+            out.print(_text(line, style="bold"))
 
     status = str(report.get("status"))
-    gate = report.get("gate", {})
+    verdict = report.get("gate", {})
     out.print(_text(f"Gate: {status}", style=_STYLE.get(status, "bold red")))
-    for reason in gate.get("narrowed", []):
+    for reason in verdict.get("narrowed", []):
         out.print(_text(f"  narrowed: {reason}"))
-    for failure in gate.get("failures", []):
+    for failure in verdict.get("failures", []):
         out.print(_text(f"  failed: {failure}", style="red"))
 
     database = report.get("postgresql")
@@ -115,3 +121,26 @@ def print_summary(
         _text(f"Evidence: {directory / compiler.ENVELOPE_FILE} "
               f"(check with: lab evidence verify {directory})")
     )
+
+
+def chapter_verdicts(report: Mapping[str, Any]) -> list[str]:
+    """A narrowed run's verdict per chapter that ran, and one line for the rest.
+
+    ("chapter ch20_outsider: 5 of 5 passed; a chapter run is never publishable", then
+    "not run: 55 experiments of 13 other chapters ...").
+    """
+    by_chapter: dict[str, list[str]] = {}
+    for row in report.get("experiments", []):
+        by_chapter.setdefault(str(row.get("chapter")), []).append(str(row.get("outcome")))
+    ran = {c: o for c, o in by_chapter.items() if any(x != gate.MISSING for x in o)}
+    lines = [
+        f"chapter {chapter}: {outcomes.count(gate.PASSED)} of {len(outcomes)} passed; "
+        "a chapter run is never publishable"
+        for chapter, outcomes in sorted(ran.items())
+    ]
+    rest = {c: o for c, o in by_chapter.items() if c not in ran}
+    if rest:
+        count = sum(len(o) for o in rest.values())
+        lines.append(f"not run: {count} experiments of {len(rest)} other chapters "
+                     "(only a full `lab run` can PASS)")
+    return lines

@@ -61,6 +61,7 @@ from typing import Any
 from lab import errors, protocol
 from lab.faults import invariants, proxy
 from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
+from lab.pg import edge
 from lab.runtime import backoff, plan, processes, sealing, store, tool, worker
 
 __all__ = ["Chaos", "Settings", "run", "split"]
@@ -146,7 +147,7 @@ class _Population:
             patience = backoff.Backoff(base=0.1, cap=2.0, patience=CLEANUP_PATIENCE_S)
             while True:
                 try:
-                    store.drop_schema(self.dsn, self.schema)
+                    edge.drop_schema(self.dsn, self.schema)
                     break
                 except errors.StoreError as exc:
                     if patience.exhausted:

@@ -57,6 +57,7 @@ from typing import Any
 
 from lab import errors, protocol
 from lab.faults import crashmatrix, invariants
+from lab.pg import edge
 from lab.runtime import plan, processes, sealing, store, tool, worker
 from lab.runtime import toolprocess as toolprocesses
 
@@ -327,7 +328,7 @@ def _run_cell(ctx: _Run, index: int, boundary: str, fault: str, kind: str) -> di
         tools.close()
         db.close()
         if not ctx.keep_schemas:
-            store.drop_schema(ctx.dsn, schema)
+            edge.drop_schema(ctx.dsn, schema)
 
 
 def _drive(
@@ -470,10 +471,7 @@ def _recover(
             if settled or time.monotonic() > deadline:
                 return current, actions
             if current.state == "running":
-                expired = db.execute(
-                    "SELECT lease_until <= clock_timestamp() AS expired FROM workflows "
-                    "WHERE id = %s", (workflow_id,))[0]["expired"]
-                if expired and db.recover_expired():
+                if db.lease_expired(workflow_id) and db.recover_expired():
                     actions.append("lease_expired")
                 else:
                     time.sleep(0.02)

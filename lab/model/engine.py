@@ -118,12 +118,6 @@ def default_model_path(environ: Mapping[str, str] | None = None) -> Path | None:
     return TINY_DEFAULT_PATH if TINY_DEFAULT_PATH.is_file() else None
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file's bytes."""
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def verify_model(path: Path, expect_sha256: str | None = None) -> ModelFile:
     """Check that ``path`` is a GGUF file with the expected digest, before any loading.
 

@@ -286,10 +286,10 @@ def verify(
     if model_path is not None and models:
         (model_digest,) = models.values()
         try:
-            if compiler.sha256_file(model_path) != model_digest:
+            if files.sha256_file(model_path) != model_digest:
                 problems.append(f"model {model_path}: its sha256 is not the signed model digest")
-        except OSError as exc:
-            problems.append(f"model {model_path}: cannot read: {exc.strerror or exc}")
+        except InputError as exc:
+            problems.append(str(exc))
     return verdict
 
 

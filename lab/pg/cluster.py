@@ -81,6 +81,16 @@ POSTGRES_IMAGE = (
 
 
 
+# Crash-restarts of any server this process made: the plugin records, per test, how many
+# happened during it, so the signed limits say whether the run killed a database server.
+_restarts = 0
+
+
+def restarts() -> int:
+    """How many times ``RunningPostgres.crash_restart`` restarted a server in this process."""
+    return _restarts
+
+
 @dataclass(frozen=True)
 class Provisioned:
     """A PostgreSQL server ready for a run, and how it came to be."""
@@ -159,7 +169,10 @@ class RunningPostgres:
                 f"PostgreSQL from provider {self.provisioned.provider!r} cannot be "
                 "crash-restarted by the lab: use the embedded provider"
             )
-        return self._restarter()
+        global _restarts
+        down = self._restarter()
+        _restarts += 1
+        return down
 
     def _stop_at_exit(self) -> None:
         try:

@@ -30,6 +30,7 @@ def translated(action: str) -> Iterator[None]:
     try:
         yield
     except psycopg.Error as exc:
+        # The SQLSTATE names the cause without echoing parameters (which may be sensitive).
         state = exc.sqlstate or type(exc).__name__
         raise errors.StoreError(f"PostgreSQL could not {action} (SQLSTATE {state})") from exc
 
@@ -86,9 +87,9 @@ def sqlalchemy_url(dsn: str) -> str:
 
 
 def drop_schema(dsn: str, schema: str) -> None:
-    """Drop a schema a peer created (its own tables), if it exists."""
+    """Drop ``schema`` and everything in it, if it exists."""
     names.check_schema_name(schema)
-    with session(dsn, "drop a peer's schema") as conn:
+    with session(dsn, "drop the schema") as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 

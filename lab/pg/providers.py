@@ -12,3 +12,6 @@ CONTAINER = "container"
 EMBEDDED = "embedded"
 # What a run may ask for: ``auto`` tries the other three in this order.
 MODES = (AUTO, DSN, CONTAINER, EMBEDDED)
+# pytest only: no server at all (describing or collecting the suite, never an evidence run).
+NONE = "none"
+PLUGIN_MODES = (*MODES, NONE)

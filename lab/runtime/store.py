@@ -24,6 +24,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from lab import errors, loopback, names
+from lab.pg import edge
 from lab.runtime import sealing
 from lab.runtime.barrier import Completion, StartBarrier
 from lab.runtime.plan import SUPPORTED_PLAN_VERSION, Plan, Receipt, effect_key
@@ -111,16 +112,6 @@ def schema_sql() -> str:
     return resources.files("lab.runtime").joinpath("schema.sql").read_text(encoding="utf-8")
 
 
-@contextmanager
-def _translated(action: str) -> Iterator[None]:
-    try:
-        yield
-    except psycopg.Error as exc:
-        # The SQLSTATE names the cause without echoing parameters (which may be sensitive).
-        state = exc.sqlstate or type(exc).__name__
-        raise errors.StoreError(f"PostgreSQL could not {action} (SQLSTATE {state})") from exc
-
-
 class Store:
     """Workflows in one PostgreSQL schema, reached through a small connection pool."""
 
@@ -169,7 +160,7 @@ class Store:
             connection_class=psycopg.Connection[dict[str, Any]],
             open=False,
         )
-        with _translated("open a connection pool"):
+        with edge.translated("open a connection pool"):
             pool.open(wait=True, timeout=10)
         return cls(pool, schema, keys or sealing.load_catalog())
 
@@ -185,7 +176,7 @@ class Store:
 
     @contextmanager
     def _transaction(self, action: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
-        with _translated(action), self._pool.connection() as conn, conn.transaction():
+        with edge.translated(action), self._pool.connection() as conn, conn.transaction():
             yield conn
 
     def execute(self, query: LiteralString, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
@@ -386,6 +377,14 @@ class Store:
             )
         lease_until: datetime = row["lease_until"]
         return lease_until
+
+    def lease_expired(self, workflow_id: str) -> bool:
+        """True when ``workflow_id``'s lease has run out on PostgreSQL's clock."""
+        row = self.execute(
+            "SELECT lease_until <= clock_timestamp() AS expired FROM workflows WHERE id = %s",
+            (workflow_id,),
+        )
+        return bool(row and row[0]["expired"])
 
     def recover_expired(self) -> int:
         """Turn every running workflow whose lease ran out into ``unknown``.
@@ -886,7 +885,7 @@ def create_schema(dsn: str, schema: str) -> None:
     """Create ``schema`` and every table of ``schema.sql`` inside it, atomically."""
     names.check_schema_name(schema)
     with (
-        _translated("create the schema"),
+        edge.translated("create the schema"),
         psycopg.connect(dsn, autocommit=True) as conn,
         conn.transaction(),
     ):
@@ -894,13 +893,6 @@ def create_schema(dsn: str, schema: str) -> None:
         conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
         # schema.sql is a file of this package, not input: it is trusted SQL text.
         conn.execute(schema_sql().encode())
-
-
-def drop_schema(dsn: str, schema: str) -> None:
-    """Drop ``schema`` and everything in it."""
-    names.check_schema_name(schema)
-    with _translated("drop the schema"), psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 def dsn_address(dsn: str) -> tuple[str, int]:
@@ -930,7 +922,7 @@ def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
     """
     names.check_schema_name(schema)
     with (
-        _translated("read the history"),
+        edge.translated("read the history"),
         psycopg.connect(
             loopback.check_dsn(dsn), row_factory=dict_row, application_name="lab-invariants",
             connect_timeout=10,

@@ -27,6 +27,7 @@ The counters ``calls``, ``lookups``, ``failed``, ``held``, ``slowed``,
 
 from __future__ import annotations
 
+import difflib
 import hmac
 import json
 import random
@@ -200,6 +201,16 @@ class ToolService:
         )
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a name the service does not have: a mistyped fault switch or
+        # counter gets the nearest real name instead of a bare AttributeError.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        public = sorted(n for n in {*dir(type(self)), *vars(self)} if not n.startswith("_"))
+        near = difflib.get_close_matches(name, public, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else f" (switches: {', '.join(public)})"
+        raise AttributeError(f"no fault switch {name!r}{hint}", name=name, obj=self)
 
     # -- counters and fault switches, safe across handler threads --
 
