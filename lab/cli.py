@@ -210,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chapter", action="append", default=[], help="only this chapter")
     run.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
     run.add_argument("--evidence", default="evidence", help="evidence directory")
+    run.add_argument("--hermetic", action="store_true",
+                     help="run the committed revision in a fresh clone on the locked "
+                          "environment, isolated (the only publishable kind of run)")
+    run.add_argument("--commit", default=None, metavar="REV",
+                     help="with --hermetic: the revision to run (default HEAD)")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest arguments")
     run.set_defaults(handler=_run)
 

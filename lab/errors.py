@@ -22,6 +22,7 @@ with ``from exc`` so nothing above them ever handles a driver exception::
     ├── ManualReview        only a person may decide what happens next
     ├── StoreError          PostgreSQL could not be reached or refused the write (exit 3)
     ├── ProvisioningError   no PostgreSQL could be provided for a run      (exit 3)
+    ├── EnvironmentFailure  a hermetic run's clone or venv could not be made (exit 3)
     └── ToolError           the tool could not be used                     (exit 3)
         ├── RateLimited     a trusted 429: nothing happened, retry later
         ├── OutcomeUnknown  the request may have taken effect: reconcile
@@ -122,6 +123,10 @@ class ProvisioningError(LabError):
     """No PostgreSQL server could be provided for this run."""
 
 
+class EnvironmentFailure(LabError):
+    """A hermetic run's clone or locked environment could not be made."""
+
+
 class ToolError(LabError):
     """The tool could not be used."""
 
@@ -155,6 +160,8 @@ def exit_code(exc: BaseException) -> int:
         return EXIT_INTERRUPTED
     if isinstance(exc, UsageError):
         return EXIT_USAGE
-    if isinstance(exc, StoreError | ProvisioningError | ToolError | MissingExtra):
+    if isinstance(
+        exc, StoreError | ProvisioningError | EnvironmentFailure | ToolError | MissingExtra
+    ):
         return EXIT_ENVIRONMENT
     return EXIT_VERDICT

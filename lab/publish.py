@@ -1,6 +1,7 @@
 """``lab publish``: regenerate the publication in one command, or refuse and say why.
 
-Runs the experiments (``lab run``), the model case set when a model is given
+Runs the experiments hermetically (``lab run --hermetic``: the committed HEAD in a
+fresh clone on the locked environment), the model case set when a model is given
 (``lab model run``), verifies both under the pinned key, and builds the book
 from them (``lab book build``), all into ``--out``::
 
@@ -30,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import dsse, verification
+from lab.evidence import dsse, hermetic, verification
 from lab.model import signed
 
 Step = Callable[[argparse.Namespace], int]
@@ -95,10 +96,8 @@ def prepare(args: argparse.Namespace, root: Path, environ: dict[str, str]) -> Pl
     signer = dsse.load_signer(environ)
     pinned = signer.key.public_key()
     if args.public_key:
-        try:
-            expected = dsse.load_public_key(Path(args.public_key).read_bytes())
-        except (OSError, errors.EvidenceError) as exc:
-            raise errors.InputError(f"cannot use --public-key {args.public_key}: {exc}") from exc
+        # Bounded, regular files only: a FIFO or a huge file is refused, not read.
+        expected = verification.load_public_key_file(Path(args.public_key), "--public-key")
         if dsse.raw_public_key(expected) != dsse.raw_public_key(pinned):
             raise Refused(
                 f"unpinned: {dsse.KEY_ENV} signs as {signer.keyid}, not as the --public-key "
@@ -146,10 +145,12 @@ def publish(
     # Model evidence of an earlier publication must not reach this book.
     if plan.model_evidence.exists():
         shutil.rmtree(plan.model_evidence)
+    # Always hermetic: the committed HEAD in a fresh clone on the locked environment, so
+    # nothing left in this working tree or this interpreter reaches the published run.
     code = run_experiments(
         argparse.Namespace(
             chapter=[], numprocesses=plan.numprocesses, evidence=str(plan.evidence),
-            pytest_args=[],
+            pytest_args=[], hermetic=True, commit=None,
         )
     )  # fmt: skip
     if code != 0:
@@ -173,6 +174,9 @@ def publish(
     )
     if not verdict.ok:
         raise Refused(f"{plan.evidence}: {verdict.problems[0]}")
+    if verdict.report is None or verification.run_kind(verdict.report) != hermetic.HERMETIC:
+        reasons = hermetic.failures(verdict.report.get("run") if verdict.report else None)
+        raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
     _refuse_dirty(plan.root, "after the run")
     return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
 

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from lab import errors
-from lab.evidence import gate, observations, provenance
+from lab.evidence import gate, hermetic, observations, provenance
 
 ANNOTATOR = "lab-recorder-annotator"
 COLLECTOR = "lab-recorder-collector"
@@ -45,6 +45,8 @@ DATABASE_FIXTURE = "lab_dsn"
 NEEDS_DATABASE = "lab_needs_database"
 # Where an xdist worker puts the modules it loaded, for the controller's provenance.
 LOADED_KEY = "lab_loaded"
+# Where an xdist worker puts every module it ran and the start-up hooks it saw.
+RAN_KEY = "lab_ran"
 
 # The test properties one ``observe`` call leaves: the values, then each key's kind.
 OBSERVATION = "lab_observation"
@@ -143,6 +145,40 @@ def effective_arguments(config: pytest.Config) -> dict[str, Any]:
     }
 
 
+def _rewriter(config: pytest.Config) -> Any:
+    """What pytest's assertion rewriter makes of a file, to check its cached pyc with."""
+    from _pytest.assertion import rewrite
+
+    def rewritten(path: Path) -> Any:
+        return rewrite._rewrite_test(path, config)[1]
+
+    return rewritten
+
+
+def ran_here(config: pytest.Config) -> dict[str, Any]:
+    """Every module this process ran and the start-up hooks of its interpreter."""
+    return {
+        "modules": provenance.ran_modules(_rewriter(config)),
+        "hooks": provenance.startup_hooks(),
+    }
+
+
+def observe_run(config: pytest.Config) -> dict[str, Any]:
+    """The report's ``run`` section, observed at configure time, before any test ran:
+    the environment's names, the interpreter's isolation, the checkout's stray files
+    (looked for only when the run asks to be hermetic) and the lock's digest."""
+    requested = os.environ.get(hermetic.REQUEST_ENV) == "1"
+    root = config.rootpath
+    return hermetic.observe(
+        os.environ,
+        no_user_site=bool(sys.flags.no_user_site),
+        safe_path=bool(sys.flags.safe_path),
+        pycache_prefix=sys.pycache_prefix,
+        ignored=provenance.stray_files(root) if requested else None,
+        lock=provenance.lock_digest(root, os.environ.get(hermetic.LOCK_ENV)),
+    )
+
+
 def claim_of(obj: object) -> str | None:
     """The first paragraph of a test function's docstring, on one line."""
     doc = inspect.getdoc(obj)
@@ -166,6 +202,7 @@ class Annotator:
         output = getattr(self.config, "workeroutput", None)
         if output is not None:
             output[LOADED_KEY] = json.dumps([m.to_json() for m in loaded_modules(self.config)])
+            output[RAN_KEY] = json.dumps(ran_here(self.config))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
@@ -206,6 +243,9 @@ class Collector:
         self.manifest = manifest_path(config)
         self.prefix = _prefix(config.rootpath, experiments_path(config))
         self.worker_loaded: list[provenance.Loaded] = []
+        self.worker_ran: list[dict[str, Any]] = []
+        self.worker_hooks: list[dict[str, Any]] = []
+        self.run = observe_run(config)
         self.worker_problems: list[str] = []
         self.records: list[dict[str, Any]] = []
         self.collected: set[str] = set()
@@ -236,6 +276,15 @@ class Collector:
             )
             return
         self.worker_loaded += [provenance.Loaded.from_json(i) for i in items if isinstance(i, dict)]
+        try:
+            ran = json.loads(output.get(RAN_KEY) or "null")
+        except ValueError:
+            ran = None
+        if not isinstance(ran, dict) or not isinstance(ran.get("modules"), list):
+            self.worker_problems.append(f"xdist worker {worker} did not report the modules it ran")
+            return
+        self.worker_ran += [m for m in ran["modules"] if isinstance(m, dict)]
+        self.worker_hooks += [h for h in ran.get("hooks") or [] if isinstance(h, dict)]
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """In a single process, the items that will run."""
@@ -332,6 +381,7 @@ class Collector:
             problems.append(str(exc))
             signer = dsse.load_signer({})
         status = int(session.exitstatus)
+        here = ran_here(self.config)
         facts = compiler.RunFacts(
             records=self.records,
             collected=sorted(self.collected),
@@ -347,6 +397,9 @@ class Collector:
             loaded=[*loaded_modules(self.config), *self.worker_loaded],
             lab_file=provenance.module_file(sys.modules.get("lab")),
             inifile=self.config.inipath,
+            ran=[*here["modules"], *self.worker_ran],
+            hooks=[*here["hooks"], *self.worker_hooks],
+            run=self.run,
         )
         given = self.config.getoption("lab_evidence", None) or DEFAULT_DIRECTORY
         self.directory = self.config.invocation_params.dir / str(given)
@@ -382,6 +435,10 @@ class Collector:
         )
         if report.get("dirty"):
             terminalreporter.write_line("  dirty tree: this evidence is never publishable")
+        run = report.get("run") or {}
+        kind = run.get("kind", hermetic.LOCAL) if isinstance(run, dict) else hermetic.LOCAL
+        publishable = "publishable" if report.get("publishable") else "not publishable"
+        terminalreporter.write_line(f"  run: {kind} ({publishable})")
         for reason in report["gate"]["narrowed"]:
             terminalreporter.write_line(f"  narrowed: {reason}")
         failures = report["gate"]["failures"]

@@ -90,15 +90,23 @@ def resign(
     *,
     key_source: str = "ephemeral",
     signer: dsse.Signer | None = None,
+    record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dsse.Signer:
     """Forge evidence as an attacker would: apply ``change`` to the signed report in
-    ``directory`` and re-sign it (tests.jsonl included) with a fresh key, or ``signer``."""
+    ``directory`` (and ``record`` to each line of tests.jsonl, so the rows and the
+    records the verifier folds agree) and re-sign both with a fresh key, or ``signer``."""
     forged_by = signer or dsse.Signer(ed25519.Ed25519PrivateKey.generate(), key_source)
     data: dict[str, Any] = json.loads((directory / compiler.REPORT_FILE).read_text())
     data["signing"] = forged_by.describe()
     change(data)
     report_bytes = compiler.dumps_report(data)
     tests_bytes = (directory / compiler.TESTS_FILE).read_bytes()
+    if record is not None:
+        lines = [json.loads(line) for line in tests_bytes.decode().splitlines()]
+        for line in lines:
+            record(line)
+        tests_bytes = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines).encode()
+        (directory / compiler.TESTS_FILE).write_bytes(tests_bytes)
     payload = json.dumps(
         compiler.statement(report_bytes, data, tests_bytes), sort_keys=True, separators=(",", ":")
     ).encode()

@@ -138,6 +138,9 @@ def seed_facts(values: dict[str, Any], root_has_lab: bool = True) -> dict[str, A
     done.setdefault("manifest", Path("experiments/manifest.json"))
     done.setdefault("arguments", {"command_line": [], "environment": [], "ini": []})
     done.setdefault("loaded", [])
+    # Built facts, not a run: no module or start-up hook was observed beyond those given.
+    done.setdefault("ran", [])
+    done.setdefault("hooks", [])
     done.setdefault("lab_file", "lab/__init__.py" if root_has_lab else None)
     done.setdefault("git", ("0" * 40, False))
     return done

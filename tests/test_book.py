@@ -846,7 +846,11 @@ def _rename(root: Path, directory: Path, chapter: str, name: str, param: str) ->
         data["sources"] = compiler.source_digests(root)
         data["selection"]["manifest"]["sha256"] = data["sources"]["experiments/manifest.json"]
 
-    resign(directory, change)
+    def record(line: dict[str, Any]) -> None:
+        if line.get("nodeid") == SMALL_NODE:
+            line["nodeid"] = nodeid
+
+    resign(directory, change, record=record)
 
 
 def _everything_under(path: Path) -> set[Path]:
@@ -903,15 +907,29 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
         data["postgresql"]["server_version"] = image
         data["versions"]["pytest"] = script
         for test in data["tests"]:
-            test["claim"] = f"[click](javascript:alert(1)) {image}"
-            test["observations"] = [{"html": script, "md": "![x](http://evil/x.png)"}]
-            test["observation_kinds"] = [{"html": "fact", "md": "fact"}]
-            test["trace_ids"] = [f"`{script}"]
+            if test["nodeid"] == SMALL_NODE:
+                test["claim"] = claim
+                test["observations"] = [observation]
+                test["observation_kinds"] = [kinds]
         for row in data["experiments"]:
             row["claim"] = f"| {image} |"
         data["limits"] = [script]
 
-    resign(directory, change)
+    # The test rows must be what the signed tests.jsonl folds to (the verifier rebuilds
+    # them), so the forged claim and observation go into pytest's records too; a trace id
+    # the compiler would never write (it keeps only id-shaped ones) is refused by verify.
+    claim = f"[click](javascript:alert(1)) {image}"
+    observation = {"html": script, "md": "![x](http://evil/x.png)"}
+    kinds = {"html": "fact", "md": "fact"}
+
+    def record(line: dict[str, Any]) -> None:
+        if line.get("nodeid") == SMALL_NODE:
+            kept = [p for p in line.get("user_properties") or []
+                    if p[0] not in ("lab_claim", "lab_observation", "lab_observation_kinds")]
+            line["user_properties"] = [["lab_claim", claim], ["lab_observation", observation],
+                                       ["lab_observation_kinds", kinds], *kept]
+
+    resign(directory, change, record=record)
     out = tmp_path / "book"
     builder.build(directory, out, root=root)
     markdown = _markdown(out)

@@ -28,6 +28,8 @@ COMMANDS: list[tuple[str, list[str], str, int]] = [
     ("worker-no-dsn", ["worker", "--schema", "s", "--tool", "http://127.0.0.1:9"], "", USAGE),
     ("run-usage", ["run", "--bogus"], "", USAGE),
     ("run-no-chapter", ["run", "--chapter", "ch99_none"], "", USAGE),
+    ("run-commit-alone", ["run", "--commit", "HEAD"], "", USAGE),
+    ("run-hermetic-outside-git", ["run", "--hermetic"], "", USAGE),
     ("evidence-usage", ["evidence", "verify", "--bogus"], "", USAGE),
     ("evidence-verify-missing", ["evidence", "verify", "absent"], "", USAGE),
     ("evidence-show-missing", ["evidence", "show", "absent"], "", USAGE),
@@ -100,4 +102,5 @@ def test_exit_code_table() -> None:
     assert errors.exit_code(errors.ProvisioningError("x")) == 3
     assert errors.exit_code(errors.ToolUnavailable("x")) == 3
     assert errors.exit_code(errors.MissingExtra("x")) == 3
+    assert errors.exit_code(errors.EnvironmentFailure("x")) == 3
     assert errors.exit_code(KeyboardInterrupt()) == 130

@@ -122,7 +122,9 @@ QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio"
 
 
 def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest("-p", "no:lab", *QUIET, *args)
+    # A separate process: an in-process run would count this session's own modules
+    # (tests/*.py outside the tree) among those the inner run ran.
+    return pytester.runpytest_subprocess("-p", "no:lab", *QUIET, *args)
 
 
 def _report(pytester: pytest.Pytester, directory: str = "evidence") -> dict[str, Any]:
@@ -646,8 +648,9 @@ def test_dirty_tree_is_never_publishable(tree: pytest.Pytester) -> None:
 @pytest.mark.parametrize("flag", ["--lf", "--ff", "--sw"])
 def test_cache_driven_selection_is_narrowing(tree: pytest.Pytester, flag: str) -> None:
     """--lf, --ff and --sw let an earlier run's cache choose or order what runs: PARTIAL."""
-    result = tree.runpytest("-p", "no:lab", "-p", "no:hypothesispytest", "-p", "no:anyio",
-                            "experiments", flag)
+    result = tree.runpytest_subprocess("-p", "no:lab", "-p", "no:hypothesispytest",
+                                       "-p", "no:anyio",
+                                       "experiments", flag)
     assert result.ret != 0
     report = _report(tree)
     assert report["status"] == gate.PARTIAL, report["gate"]

@@ -134,9 +134,10 @@ def build(
     copies[f"{EVIDENCE_DIR}/{compiler.PUBLIC_KEY_FILE}"] = _public_key(
         evidence_dir / compiler.PUBLIC_KEY_FILE, report
     )
-    for name, data in model_chapter.verified_files(
+    model_files, model_pinned_by = model_chapter.verified_files(
         evidence_dir, public_key=public_key, trusted=trusted
-    ).items():
+    )
+    for name, data in model_files.items():
         copies[f"{EVIDENCE_DIR}/{name}"] = data
     for name, data in reproduction_evidence.book_files(
         evidence_dir, copies[f"{EVIDENCE_DIR}/{compiler.ENVELOPE_FILE}"], public_key=public_key,
@@ -150,9 +151,8 @@ def build(
     if matrix is not None:
         copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     files_out = dict(copies)
-    files_out.update(
-        _render(report, copies, pinned_by=verdict.pinned_by, sources=texts, png=png)
-    )
+    files_out.update(_render(report, copies, pinned_by=verdict.pinned_by,
+                             model_pinned_by=model_pinned_by, sources=texts, png=png))
     if png:
         files_out.update(figures.pngs(files_out))
     _write(out, files_out)
@@ -226,6 +226,7 @@ def _render(
     pinned_by: str | None,
     sources: Mapping[str, str],
     png: bool,
+    model_pinned_by: str | None = None,
 ) -> dict[str, bytes]:
     """Every page (Markdown and HTML), the style sheet and every figure, as
     ``{relative path: bytes}``."""
@@ -248,6 +249,7 @@ def _render(
         figure_paths=paths,
         png=png,
         matrix=copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"),
+        model_pinned_by=model_pinned_by,
     )
     rendered.update(pages.build(sources, evidence))
     return rendered

@@ -42,8 +42,10 @@ def verified_files(
     *,
     public_key: ed25519.Ed25519PublicKey | None,
     trusted: Sequence[verification.TrustedKey] = (),
-) -> dict[str, bytes]:
-    """``{model/<name>: bytes}`` of the verified model evidence, or ``{}`` when there is none."""
+) -> tuple[dict[str, bytes], str | None]:
+    """``{model/<name>: bytes}`` of the verified model evidence (``{}`` when there is
+    none) and the pin that vouched for *its* signer (None: unpinned); the runtime
+    evidence's pin never carries over to it."""
     stray = sorted(evidence_dir.glob("model-experiment*.json"))
     if stray:
         raise Refused(
@@ -52,7 +54,7 @@ def verified_files(
         )
     source = evidence_dir / MODEL_DIR
     if not source.exists():
-        return {}
+        return {}, None
     paths = sorted(source.rglob("*"))
     links = [p for p in paths if p.is_symlink()]
     if links:
@@ -71,7 +73,7 @@ def verified_files(
             f"{MODEL_DIR}/{path.relative_to(staged).as_posix()}": path.read_bytes()
             for path in sorted(staged.rglob("*"))
             if path.is_file()
-        }
+        }, verdict.pinned_by
 
 
 def section(

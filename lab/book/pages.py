@@ -43,7 +43,7 @@ from markdown_it import MarkdownIt
 
 from lab import errors, files
 from lab.book import crashpoints, escape, figures, model_chapter, reproduction, sidebyside
-from lab.evidence import reproduction_evidence
+from lab.evidence import hermetic, reproduction_evidence, verification
 from lab.evidence.report import Report
 
 INDEX = "index"
@@ -84,6 +84,8 @@ class Evidence:
     figure_paths: Mapping[str, str]  # nodeid -> figures/<stem>.svg
     png: bool = False
     matrix: bytes | None = None
+    # The pin that vouched for the model evidence's own signer: never the runtime's pin.
+    model_pinned_by: str | None = None
     rendered: dict[str, bytes] = field(default_factory=dict)  # figures directives drew
     titles: dict[str, str] = field(default_factory=dict)  # page name -> title
 
@@ -319,7 +321,7 @@ def _block(
         lines = sidebyside.section(report)
     elif kind == "model":
         lines, drawn_files = model_chapter.section(
-            evidence.copies, "evidence/", pinned=evidence.pinned_by is not None
+            evidence.copies, "evidence/", pinned=evidence.model_pinned_by is not None
         )
         if not lines:
             lines = ["This build holds no signed model evidence (`lab model run` writes it "
@@ -364,6 +366,7 @@ def provenance(evidence: Evidence) -> list[str]:
         f"- Gate: **{escape.md(report['status'])}**: every declared experiment ran and "
         "passed against a real PostgreSQL server, nothing skipped, nothing narrowed.",
         f"- Commit: {escape.code(report['commit'] or 'unknown')} ({tree}).",
+        f"- Kind of run: {_run_kind_note(report)}.",
         f"- Run finished: {escape.md(report['timestamp_utc'])} (UTC).",
     ]
     if report["run_url"]:
@@ -381,6 +384,19 @@ def provenance(evidence: Evidence) -> list[str]:
     for name, data in sorted(evidence.copies.items()):
         lines.append(f"  - {escape.code(name)} sha256 `{hashlib.sha256(data).hexdigest()}`")
     return [*lines, ""]
+
+
+def _run_kind_note(report: Report) -> str:
+    """Hermetic or local, as the verifier judges the report's ``run`` facts."""
+    if verification.run_kind(report) == hermetic.HERMETIC:
+        run: Any = report.get("run") or {}
+        lock: Any = run.get("lock") or {}
+        return (f"**hermetic** (a fresh clone of the commit, the locked environment "
+                f"{escape.code(str(lock.get('path')))} sha256 "
+                f"{escape.code(str(lock.get('sha256')))}, an allowlisted environment, "
+                "isolated interpreters)")
+    return ("**local** (run in an author's working tree and environment: not publishable; "
+            "`lab publish` runs hermetically)")
 
 
 def _chapter_list(evidence: Evidence) -> list[str]:

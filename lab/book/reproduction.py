@@ -37,7 +37,8 @@ def lines(data: bytes | None) -> list[str]:
     runs = int(comparison["runs"])
     out = [
         f"Reproduced on {day}, {same} of {len(experiments)} experiments identical in their "
-        f"facts over {runs} re-run(s) of commit {escape.md(str(record['original']['commit']))[:12]} "
+        f"facts over {runs} re-run(s) of commit "
+        f"{escape.md(str(record['original']['commit'])[:12])} "
         f"(verdict: {escape.md(str(comparison['verdict']))}).",
         "",
     ]
@@ -55,7 +56,8 @@ def lines(data: bytes | None) -> list[str]:
                     continue
                 values = ", ".join(_value(v) for v in fact["values"])
                 out.append(
-                    f"| {escape.md(e['chapter'] + '/' + e['name'])} | {escape.md(str(fact['key']))} | "
+                    f"| {escape.md(e['chapter'] + '/' + e['name'])} | "
+                    f"{escape.md(str(fact['key']))} | "
                     f"{_value(fact['original'])} | {values} | {fact['held']} of {runs} |"
                 )
         out.append("")

@@ -104,6 +104,7 @@ _MAX_TEXT = 160
 # Outcomes of one test, folded from its setup, call and teardown reports.
 PASSED, FAILED, ERROR = gate.PASSED, gate.FAILED, gate.ERROR
 SKIPPED, XFAILED, XPASSED, NOT_RUN = gate.SKIPPED, gate.XFAILED, gate.XPASSED, gate.NOT_RUN
+RERUN = gate.RERUN
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,12 @@ class RunFacts:
     inifile: Path | None = None
     # ``(commit, dirty)`` when the caller already knows them; else read from git.
     git: tuple[str | None, bool | None] | None = None
+    # Every module that ran in any process (``provenance.ran_modules``) and the start-up
+    # hooks found (``provenance.startup_hooks``); None: not observed.
+    ran: list[dict[str, Any]] | None = None
+    hooks: list[dict[str, Any]] | None = None
+    # How the run was isolated (``hermetic.observe``); None: not observed (a local run).
+    run: dict[str, Any] | None = None
 
 
 def experiment_of(nodeid: str, prefix: str) -> tuple[str, str] | None:
@@ -201,7 +208,18 @@ def _message(record: Mapping[str, Any]) -> str | None:
 
 
 def _fold(records: Sequence[Mapping[str, Any]]) -> str:
-    """One test's outcome from its phase reports, as pytest's summary counts it."""
+    """One test's outcome from its phase reports, as pytest's summary counts it.
+
+    Exactly one report per phase, each passed, failed or skipped: a second report of a
+    phase or any other outcome (pytest-rerunfailures' ``rerun``, a flaky retry) means
+    an attempt ran and was replaced, and a failed attempt of a safety experiment is a
+    counterexample to its claim, whatever a later attempt did: ``RERUN``.
+    """
+    phases = [record.get("when") for record in records]
+    if len(phases) != len(set(phases)) or any(
+        record.get("outcome") not in ("passed", "failed", "skipped") for record in records
+    ):
+        return RERUN
     outcome = PASSED
     called = False
     for record in records:
@@ -226,29 +244,35 @@ def _fold(records: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _tests(facts: RunFacts) -> list[dict[str, Any]]:
-    by_node: dict[str, list[dict[str, Any]]] = {}
-    for record in facts.records:
+    return test_rows(facts.records, facts.experiments_prefix)
+
+
+def test_rows(records: Sequence[Mapping[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    """The report's ``tests`` rows, folded from pytest's records (``tests.jsonl``'s lines);
+    the verifier rebuilds them this way instead of trusting the report's rows."""
+    by_node: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
         if record.get("$report_type", "TestReport") == "TestReport":
             by_node.setdefault(str(record.get("nodeid")), []).append(record)
     tests: list[dict[str, Any]] = []
     for nodeid in sorted(by_node):
-        records = by_node[nodeid]
+        phases = by_node[nodeid]
         # Each phase's report copies the item's user_properties as they stand, so
         # the longest list is the whole record and the others are its prefixes.
-        props = max((_props(r) for r in records), key=len, default=[])
+        props = max((_props(r) for r in phases), key=len, default=[])
         first = {key: value for key, value in reversed(props)}
         observations = [v for k, v in props if k == "lab_observation"]
         # One kinds table per observation, recorded with it (lab.evidence.observations).
         kinds = [v for k, v in props if k == "lab_observation_kinds"]
         events, timeline, trace_ids = _history(first)
-        outcome = _fold(records)
-        where = experiment_of(nodeid, facts.experiments_prefix)
+        outcome = _fold(phases)
+        where = experiment_of(nodeid, prefix)
         test: dict[str, Any] = {
             "nodeid": nodeid,
             "chapter": where[0] if where else None,
             "experiment": where[1] if where else None,
             "outcome": outcome,
-            "duration": round(sum(float(r.get("duration") or 0.0) for r in records), 6),
+            "duration": round(sum(float(r.get("duration") or 0.0) for r in phases), 6),
             "claim": first.get("lab_claim"),
             "database": any(k == REACHED_DATABASE and v is True for k, v in props),
             "needs_database": any(k == NEEDS_DATABASE and v is True for k, v in props),
@@ -259,7 +283,7 @@ def _tests(facts: RunFacts) -> list[dict[str, Any]]:
             "trace_ids": trace_ids,
         }
         if outcome != PASSED:
-            reasons = [m for m in (_message(r) for r in records) if m]
+            reasons = [m for m in (_message(r) for r in phases) if m]
             test["message"] = reasons[0] if reasons else None
         tests.append(test)
     return tests
@@ -428,6 +452,7 @@ def compile_report(
         "command": redact_command(facts.command, env),
         "selection": _selection(facts, root, env),
         "provenance": _provenance(facts, root, sources, env),
+        "run": facts.run,
         "exitstatus": facts.exitstatus,
         "versions": versions(),
         "postgresql": _scrub(facts.database),
@@ -454,6 +479,7 @@ def compile_report(
     report["gate"] = {"failures": verdict.failures, "narrowed": verdict.narrowed}
     report["missing"] = verdict.missing
     report["seed_floor"] = verdict.seed_floor
+    report["publishable"] = verdict.publishable
     return report
 
 
@@ -556,6 +582,10 @@ def _provenance(
         if value is not None:
             # PYTEST_ADDOPTS may carry a DSN; redact it like the command line.
             environment[name] = " ".join(redact_command(value.split(), env))
+    if facts.ran is not None:
+        described["ran"] = provenance.vouch(
+            facts.ran, facts.hooks or [], root=root, sources=sources
+        )
     return described
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.evidence import observations
+from lab.evidence import hermetic, observations
 from lab.evidence.seed import SEED_EXPERIMENTS
 
 PASS = "PASS"  # noqa: S105 - a verdict, not a password
@@ -29,9 +29,11 @@ XFAILED = "xfailed"
 XPASSED = "xpassed"
 NOT_RUN = "not run"  # setup and teardown passed but the body never ran (--setup-only)
 MISSING = "missing"
+# More than one report of a phase, or an outcome pytest itself never gives (a rerun).
+RERUN = "rerun"
 
 # The worst outcome wins when one experiment has several results.
-_SEVERITY = (FAILED, ERROR, NOT_RUN, XPASSED, XFAILED, SKIPPED)
+_SEVERITY = (FAILED, RERUN, ERROR, NOT_RUN, XPASSED, XFAILED, SKIPPED)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class Gate:
     missing: list[str]
     # How many of the seed's experiments were declared, run and passed (of ``required``).
     seed_floor: dict[str, int] = field(default_factory=dict)
+    # PASS and hermetic (``hermetic.failures`` empty): the only evidence lab publish uses.
+    publishable: bool = False
+    # Why the run is not hermetic (a local run's verdict stands, but it is not published).
+    local: list[str] = field(default_factory=list)
 
 
 def fold_outcomes(outcomes: Sequence[str]) -> str:
@@ -138,7 +144,9 @@ def decide(report: Mapping[str, Any]) -> Gate:
     else:
         status = PASS
     floor = {"required": len(SEED_EXPERIMENTS), "passed": seed_passed}
-    return Gate(status, failures, narrowed, sorted(missing), floor)
+    local = hermetic.failures(report.get("run"))
+    return Gate(status, failures, narrowed, sorted(missing), floor,
+                publishable=status == PASS and not local, local=local)
 
 
 def _seed_floor(
@@ -215,6 +223,7 @@ def _provenance_failures(report: Mapping[str, Any]) -> list[str]:
     inifile = provenance.get("inifile")
     if isinstance(inifile, Mapping) and not _hashed(inifile, sources):
         failures.append(f"the ini file {inifile.get('path')} is not among the hashed sources")
+    failures += _ran_failures(provenance.get("ran"))
     installed = {str(d) for d in _list(provenance.get("distributions"))}
     for module in _mappings(provenance.get("modules")):
         kind = module.get("kind")
@@ -230,6 +239,28 @@ def _provenance_failures(report: Mapping[str, Any]) -> list[str]:
         elif str(module.get("distribution")) not in installed:
             failures.append(f"{label} claims distribution {module.get('distribution')}, "
                             "which the report does not list as installed")
+    return failures
+
+
+def _ran_failures(ran: Any) -> list[str]:
+    """Every module that ran must be vouched for, and no start-up hook may run outside
+    the environment's distributions (``provenance.vouch`` recorded what it found)."""
+    if not isinstance(ran, Mapping):
+        return ["the report does not record which modules ran (provenance.ran)"]
+    failures = [
+        f"module {u.get('module')} ran from {u.get('file')}, which {u.get('reason')}"
+        if not str(u.get("reason", "")).startswith("its ")
+        else f"module {u.get('module')} ({u.get('file')}): {u.get('reason')}"
+        for u in _mappings(ran.get("unvouched"))
+    ]
+    shown = len(_list(ran.get("unvouched")))
+    count = ran.get("unvouched_count")
+    if isinstance(count, int) and count > shown:
+        failures.append(f"... and {count - shown} more modules nothing vouches for")
+    failures += [
+        f"start-up hook {h.get('kind')} {h.get('file')} runs code outside the environment's "
+        "distributions" for h in _mappings(ran.get("startup_hooks"))
+    ]
     return failures
 
 

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.machinery
 import importlib.metadata
+import importlib.util
+import marshal
 import os
+import site
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 from lab import files
@@ -236,3 +240,252 @@ def describe(
         "environment": {name: environ.get(name) for name in ENVIRONMENT},
         "distributions": installed_distributions(),
     }
+
+
+# --------------------------------------------------------------------------- what ran
+#
+# The plugin registry is not all that runs: any module in ``sys.modules`` may carry an
+# edited body, a stale ``.pyc`` may run instead of its source, and a ``.pth`` line or a
+# ``sitecustomize`` runs before pytest starts. Each process (the controller and every
+# xdist worker) lists what it ran with ``ran_modules`` and ``startup_hooks``; ``vouch``
+# then decides, in the controller, which of them nothing vouches for.
+
+# Bytecode verdicts of one module (``ran_modules``'s ``bytecode``).
+BYTECODE_STALE = "its cached bytecode was not compiled from its source"
+BYTECODE_ONLY = "it ran from bytecode without its source"
+BYTECODE_UNCHECKED = "its cached bytecode could not be checked"
+
+
+def _pyc_used(pyc: Path, source: Path) -> bytes | None:
+    """The code part of ``pyc`` when its header makes the import system use it for
+    ``source`` (a timestamp pyc whose mtime and size match, or a hash-based pyc)."""
+    try:
+        data = pyc.read_bytes()
+        stat = source.stat()
+    except OSError:
+        return None
+    if len(data) < 16:
+        return None
+    flags = int.from_bytes(data[4:8], "little")
+    if flags == 0:
+        mtime = int.from_bytes(data[8:12], "little")
+        size = int.from_bytes(data[12:16], "little")
+        if mtime != (int(stat.st_mtime) & 0xFFFFFFFF) or size != (stat.st_size & 0xFFFFFFFF):
+            return None  # the import system recompiles from source: this pyc did not run
+    return data[16:]
+
+
+def _same_code(body: bytes, expected: CodeType) -> bool:
+    try:
+        # The pyc is the one the import system runs anyway: unmarshalling it here runs nothing.
+        loaded = marshal.loads(body)  # noqa: S302
+    except (ValueError, EOFError, TypeError):
+        return False
+    return isinstance(loaded, CodeType) and loaded == expected
+
+
+def bytecode_problem(module: ModuleType, rewrite: Callable[[Path], CodeType] | None) -> str | None:
+    """Whether the bytecode ``module`` ran from is its source's, or None when it is.
+
+    A plain source module is checked against ``importlib``'s cached pyc (which honours
+    ``sys.pycache_prefix``); a module pytest's assertion rewriter loaded, against
+    pytest's own pyc, re-rewritten with ``rewrite``. Either pyc's header only says
+    "mtime and size match", which anyone can forge: the body must be the code the
+    source compiles to.
+    """
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str):
+        return None
+    if file.endswith((".pyc", ".pyo")):
+        return BYTECODE_ONLY
+    spec = getattr(module, "__spec__", None)
+    loader = getattr(spec, "loader", None)
+    source = Path(file)
+    try:
+        if type(loader).__name__ == "AssertionRewritingHook":
+            if rewrite is None:
+                return BYTECODE_UNCHECKED
+            from _pytest.assertion import rewrite as pytest_rewrite
+
+            pyc = pytest_rewrite.get_cache_dir(source) / f"{source.stem}{pytest_rewrite.PYC_TAIL}"
+            body = _pyc_used(pyc, source)
+            if body is None:
+                return None
+            return None if _same_code(body, rewrite(source)) else BYTECODE_STALE
+        if isinstance(loader, importlib.machinery.SourceFileLoader):
+            body = _pyc_used(Path(importlib.util.cache_from_source(file)), source)
+            if body is None:
+                return None
+            compiled = compile(source.read_bytes(), file, "exec", dont_inherit=True)
+            return None if _same_code(body, compiled) else BYTECODE_STALE
+    except (OSError, SyntaxError, ValueError, ImportError, AttributeError):
+        return BYTECODE_UNCHECKED
+    return None
+
+
+def ran_modules(rewrite: Callable[[Path], CodeType] | None = None) -> list[dict[str, Any]]:
+    """Every module of this process's ``sys.modules`` that has a file: its module name,
+    absolute path, sha256 and bytecode verdict (``bytecode_problem``)."""
+    found: list[dict[str, Any]] = []
+    for name, module in sorted(sys.modules.copy().items()):
+        file = module_file(module) if isinstance(module, ModuleType) else None
+        if file is None:
+            continue
+        digest = sha256_file(Path(file))
+        found.append({
+            "module": name,
+            "file": file,
+            "sha256": digest,
+            "bytecode": bytecode_problem(module, rewrite),
+            # Judged here, against this interpreter's own installed distributions.
+            "distribution": recorded_by(file, digest),
+        })
+    return found
+
+
+def _executes(pth: Path) -> bool:
+    """A ``.pth`` file executes code when a line starts with ``import`` (site.py's rule)."""
+    try:
+        lines = pth.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return True  # unreadable: cannot show it harmless
+    return any(line.startswith(("import ", "import\t")) for line in lines)
+
+
+def startup_hooks() -> list[dict[str, Any]]:
+    """Code that runs at interpreter start-up outside pytest's plugin registry: ``.pth``
+    files that execute code in any site directory, and ``sitecustomize`` /
+    ``usercustomize`` modules, each with its path and sha256."""
+    directories = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        directories.append(site.getusersitepackages())
+    found: list[dict[str, Any]] = []
+    for directory in dict.fromkeys(directories):
+        for pth in sorted(Path(directory).glob("*.pth")):
+            if _executes(pth):
+                digest = sha256_file(pth)
+                found.append({"kind": "pth", "file": str(pth.absolute()), "sha256": digest,
+                              "distribution": recorded_by(str(pth), digest)})
+    for name in ("sitecustomize", "usercustomize"):
+        file = module_file(sys.modules.get(name))
+        if file is not None:
+            found.append({"kind": name, "file": file, "sha256": sha256_file(Path(file))})
+    return found
+
+
+@cache
+def _record_index() -> Mapping[str, tuple[str, str | None]]:
+    """Real path of every file an installed distribution's RECORD lists ->
+    (``name==version``, its recorded urlsafe-base64 sha256 or None)."""
+    index: dict[str, tuple[str, str | None]] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if not name:
+            continue
+        label = f"{name}=={dist.version}"
+        base = os.path.realpath(str(dist.locate_file("")))
+        for entry in dist.files or []:
+            digest = entry.hash.value if entry.hash and entry.hash.mode == "sha256" else None
+            index.setdefault(os.path.normpath(os.path.join(base, str(entry))), (label, digest))
+    return index
+
+
+def recorded_by(file: str, sha256: str | None) -> str | None:
+    """``name==version`` of the distribution whose RECORD lists ``file`` with this
+    sha256 (hex), or None: not an installed file, or edited since it was installed."""
+    found = _record_index().get(os.path.realpath(file))
+    if found is None or found[1] is None or sha256 is None:
+        return None
+    label, recorded = found
+    actual = base64.urlsafe_b64encode(bytes.fromhex(sha256)).rstrip(b"=").decode()
+    return label if actual == recorded else None
+
+
+def vouch(
+    ran: Iterable[Mapping[str, Any]],
+    hooks: Iterable[Mapping[str, Any]],
+    *,
+    root: Path,
+    sources: Mapping[str, str],
+) -> dict[str, Any]:
+    """The report's ``provenance.ran``: how many modules ran, and each module or start-up
+    hook nothing vouches for (a hashed, tracked source of the tree; a file whose sha256
+    matches its distribution's RECORD; the standard library), with the reason."""
+    root = root.resolve()
+    tracked = tracked_files(root) or set()
+    by_file = {str((root / name).resolve()): name for name in sources}
+    unvouched: list[dict[str, Any]] = []
+    seen: set[tuple[str, str | None, str | None]] = set()
+
+    def judge(file: str, sha256: str | None, distribution: Any) -> str | None:
+        real = os.path.realpath(file)
+        name = by_file.get(real)
+        if name is not None:
+            if sources[name] != sha256:
+                return "differs from the hashed source"
+            if not _is_tracked(name, tracked, root):
+                return "is not a file tracked by git"
+            return None
+        if isinstance(distribution, str):
+            return None  # its RECORD digest matched in the process that ran it
+        if _is_stdlib(Path(real)) and not Path(real).is_relative_to(root):
+            return None
+        if Path(real).is_relative_to(root):
+            return "is neither a hashed source nor an installed distribution's file"
+        return "matches no installed distribution's RECORD"
+
+    count = 0
+    for item in ran:
+        file, digest, bytecode = item.get("file"), item.get("sha256"), item.get("bytecode")
+        if not isinstance(file, str) or (file, digest, bytecode) in seen:
+            continue
+        seen.add((file, digest if isinstance(digest, str) else None,
+                  bytecode if isinstance(bytecode, str) else None))
+        count += 1
+        reason = bytecode if isinstance(bytecode, str) else judge(
+            file, digest if isinstance(digest, str) else None, item.get("distribution"))
+        if reason is not None:
+            unvouched.append({"module": str(item.get("module")), "file": file,
+                              "reason": reason})
+    found_hooks: list[dict[str, Any]] = []
+    for hook in {str(h.get("file")): h for h in hooks}.values():
+        file = str(hook.get("file"))
+        if hook.get("kind") == "pth" and isinstance(hook.get("distribution"), str):
+            continue  # installed by a distribution of the environment, byte for byte
+        found_hooks.append({"kind": str(hook.get("kind")), "file": file})
+    return {
+        "modules_checked": count,
+        "unvouched": sorted(unvouched, key=lambda u: (u["file"], u["module"]))[:200],
+        "unvouched_count": len(unvouched),
+        "startup_hooks": sorted(found_hooks, key=lambda h: h["file"]),
+    }
+
+
+# Lock files, in order of preference: the first one the checkout has is the lock
+# (pyproject.toml only for a checkout from before uv.lock; the report names which).
+LOCK_FILES = ("uv.lock", "pyproject.toml")
+
+
+def lock_digest(root: Path, installed: str | None) -> dict[str, Any] | None:
+    """The checkout's lock file ``{path, sha256}`` and the digest of the lock the
+    environment was installed from (``installed``, given by the hermetic runner)."""
+    for name in LOCK_FILES:
+        digest = sha256_file(root / name)
+        if digest is not None:
+            return {"path": name, "sha256": digest, "installed": installed}
+    return None
+
+
+def stray_files(root: Path) -> list[str] | None:
+    """Untracked, ignored or changed paths of the git checkout at ``root`` (ignored
+    directories as one entry); None when git cannot say."""
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored=traditional", "--untracked-files=normal"],
+            cwd=root, capture_output=True, timeout=60, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return [line[3:] for line in done.stdout.decode("utf-8", "replace").splitlines() if line]

@@ -185,8 +185,8 @@ def verify(
         result.problems.append(f"{ENVELOPE_FILE}: payload type is not in-toto")
     predicate = statement.get("predicate")
     # One signer policy for runtime and reproduction evidence: the runtime verifier's.
-    signer = verification.Verdict(directory / ENVELOPE_FILE)
-    verification._check_signer(signer, envelope, payload, predicate, public_key, trusted)
+    signing = predicate.get("signing") if isinstance(predicate, dict) else None
+    signer = verification.check_signer(envelope, payload, signing, public_key, trusted)
     result.problems += signer.problems
     result.notes += signer.notes
     result.pinned_by = signer.pinned_by

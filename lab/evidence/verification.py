@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -32,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import files
 from lab.errors import EvidenceError, InputError
-from lab.evidence import compiler, dsse, gate
+from lab.evidence import compiler, dsse, gate, hermetic
 from lab.evidence.report import Report
 from lab.evidence.report import problems as schema_problems
 
@@ -106,16 +107,21 @@ def load_public_key_file(path: Path, what: str = "public key") -> ed25519.Ed2551
         raise InputError(f"{what} {path}: {exc}") from None
 
 
-def trusted_keys(root: Path, environ: Mapping[str, str] | None = None) -> list[TrustedKey]:
+def trusted_keys(
+    root: Path, environ: Mapping[str, str] | None = None, *, commit: str = "HEAD"
+) -> list[TrustedKey]:
     """The publication keys a verifier trusts without ``--public-key``.
 
-    Every ``<root>/keys/trusted/*.pub.pem`` (committed with the repository), and
-    each file or directory (its ``*.pub.pem``) in ``LAB_TRUSTED_KEYS``, separated
-    by ``os.pathsep``. A listed file that is not an Ed25519 PEM key is an error.
+    Every ``keys/trusted/*.pub.pem`` that git tracks at ``commit`` of the repository at
+    ``root``, read from git's object store (an untracked or locally edited file in
+    ``./keys/trusted/`` is not a publication key: anyone can drop one there), and each
+    file or directory (its ``*.pub.pem``) given explicitly in ``LAB_TRUSTED_KEYS``,
+    separated by ``os.pathsep``. A listed file that is not an Ed25519 PEM key is an error.
     """
     env = os.environ if environ is None else environ
-    committed = sorted((root / TRUSTED_DIR).glob(TRUSTED_PATTERN))
-    paths = [(p, p.relative_to(root).as_posix()) for p in committed]
+    keys = [TrustedKey(_tracked_key(root, commit, name), f"{name} at {commit}")
+            for name in _tracked_key_names(root, commit)]
+    paths: list[tuple[Path, str]] = []
     for entry in (env.get(TRUSTED_ENV) or "").split(os.pathsep):
         if not entry:
             continue
@@ -124,7 +130,40 @@ def trusted_keys(root: Path, environ: Mapping[str, str] | None = None) -> list[T
             paths += [(p, f"{TRUSTED_ENV} {p}") for p in sorted(where.glob(TRUSTED_PATTERN))]
         else:
             paths.append((where, f"{TRUSTED_ENV} {where}"))
-    return [TrustedKey(load_public_key_file(path, "trusted key"), origin) for path, origin in paths]
+    return keys + [
+        TrustedKey(load_public_key_file(path, "trusted key"), origin) for path, origin in paths
+    ]
+
+
+def _git(root: Path, args: Sequence[str]) -> bytes | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=30,
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _tracked_key_names(root: Path, commit: str) -> list[str]:
+    """``keys/trusted/*.pub.pem`` as git tracks them at ``commit`` (none outside git)."""
+    if not root.is_dir() or commit.startswith("-"):
+        return []
+    listed = _git(root, ["ls-tree", "-r", "-z", "--name-only", commit, "--", f"{TRUSTED_DIR}/"])
+    names = (listed or b"").decode("utf-8", "replace").split("\0")
+    return sorted(n for n in names
+                  if n.startswith(f"{TRUSTED_DIR}/") and PurePosixPath(n).match(TRUSTED_PATTERN))
+
+
+def _tracked_key(root: Path, commit: str, name: str) -> ed25519.Ed25519PublicKey:
+    size = _git(root, ["cat-file", "-s", f"{commit}:{name}"])
+    if size is None or int(size.strip() or b"0") > files.PUBLIC_KEY_LIMIT:
+        raise InputError(f"trusted key {name} at {commit}: unreadable or larger than "
+                         f"{files.PUBLIC_KEY_LIMIT} bytes")
+    data = _git(root, ["cat-file", "blob", f"{commit}:{name}"]) or b""
+    try:
+        return dsse.load_public_key(data)
+    except EvidenceError as exc:
+        raise InputError(f"trusted key {name} at {commit}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- verify
@@ -192,7 +231,13 @@ def verify(
         problems.append(str(exc))
         parsed = None
     predicate = parsed.get("predicate") if isinstance(parsed, dict) else None
-    _check_signer(verdict, envelope, payload, predicate, public_key, trusted)
+    signer = check_signer(
+        envelope, payload, predicate.get("signing") if isinstance(predicate, dict) else None,
+        public_key, trusted,
+    )
+    problems += signer.problems
+    verdict.notes += signer.notes
+    verdict.signer_keyid, verdict.pinned_by = signer.keyid, signer.pinned_by
     if not isinstance(parsed, dict):
         problems.append("payload: not an in-toto statement (a JSON object)")
         return verdict
@@ -206,6 +251,9 @@ def verify(
     report: Report = predicate  # type: ignore[assignment]  # schema-checked just above
     verdict.report = report
     _check_gate(report, problems)
+    if run_kind(report) == hermetic.LOCAL:
+        reasons = hermetic.failures(report.get("run"))
+        verdict.notes.append(f"LOCAL run, not publishable: {reasons[0]}")
     if report["dirty"] is True:
         verdict.notes.append("the run's working tree was DIRTY: not publishable")
     elif report["dirty"] is None:
@@ -219,18 +267,37 @@ def verify(
     return verdict
 
 
-def _check_signer(
-    verdict: Verdict,
+@dataclass
+class SignerCheck:
+    """Who signed one evidence file, judged by ``check_signer`` alone."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    keyid: str | None = None
+    # The pin that vouched for the signer (None: UNPINNED).
+    pinned_by: str | None = None
+    # The key the signature was checked with (None: no usable key).
+    key: ed25519.Ed25519PublicKey | None = None
+
+
+def check_signer(
     envelope: Mapping[str, Any],
     payload: bytes,
-    predicate: Any,
+    signing: Any,
     public_key: ed25519.Ed25519PublicKey | None,
     trusted: Sequence[TrustedKey],
-) -> None:
-    """Check the signature against the pin, else the trusted keys, else the carried key."""
-    problems = verdict.problems
-    signing = predicate.get("signing") if isinstance(predicate, dict) else None
-    signing = signing if isinstance(signing, dict) else {}
+) -> SignerCheck:
+    """The one decision of signer trust, for runtime and model evidence alike.
+
+    The signature is checked against the pin (``public_key``: only that key), else
+    against each ``trusted`` key, else against the key the evidence carries (UNPINNED:
+    integrity, not identity; a carried key presented as a publication key fails). The
+    evidence's own ``signing`` section must name the signer's keyid and embed its key.
+    Each evidence file is judged by its own signer: nothing carries over between calls.
+    """
+    result = SignerCheck()
+    problems = result.problems
+    signing = signing if isinstance(signing, Mapping) else {}
     embedded_pem = signing.get("public_key")
     embedded: ed25519.Ed25519PublicKey | None = None
     if isinstance(embedded_pem, str) and len(embedded_pem) <= files.PUBLIC_KEY_LIMIT:
@@ -245,46 +312,49 @@ def _check_signer(
         except EvidenceError as exc:
             if public_key is not None:
                 problems.append(str(exc))
-                verdict.signer_keyid = dsse.keyid(public_key)
-                return
+                result.keyid = dsse.keyid(public_key)
+                return result
             continue
-        verdict.pinned_by = pin.origin
-        verdict.signer_keyid = dsse.keyid(pin.key)
+        result.pinned_by = pin.origin
+        result.keyid = dsse.keyid(pin.key)
+        result.key = pin.key
         if embedded is None or dsse.raw_public_key(embedded) != dsse.raw_public_key(pin.key):
             problems.append("signing: the report's public_key is not the key that signed it")
         break
     else:
         if embedded is None:
             problems.append("signature: no pinned key signed it and the evidence carries none")
-            return
-        verdict.signer_keyid = dsse.keyid(embedded)
+            return result
+        result.keyid = dsse.keyid(embedded)
+        result.key = embedded
         try:
             dsse.check_signature(envelope, payload, embedded)
         except EvidenceError as exc:
             problems.append(str(exc))
-            return
+            return result
         source = signing.get("key_source")
         if source != "ephemeral":
             problems.append(
-                f"signer: UNPINNED key {verdict.signer_keyid} is presented as a publication "
+                f"signer: UNPINNED key {result.keyid} is presented as a publication "
                 f"key (key_source {_short(source)}); pin it with --public-key or commit it "
                 f"under {TRUSTED_DIR}/"
             )
         elif pins:
-            verdict.notes.append(
+            result.notes.append(
                 f"the signer is not among the {len(pins)} trusted publication keys"
             )
-        verdict.notes.append(
+        result.notes.append(
             "UNPINNED: verified with the key the evidence carries; this proves integrity, "
             "not identity (pin the signer with --public-key or a committed trusted key)"
         )
-    if signing.get("keyid") != verdict.signer_keyid:
+    if signing.get("keyid") != result.keyid:
         problems.append("signing: the report's keyid is not the signer's")
     if signing.get("key_source") == "ephemeral":
-        verdict.notes.append(
+        result.notes.append(
             "signed with an EPHEMERAL key: not a publication signature "
             f"(set {dsse.KEY_ENV} to sign with a known key)"
         )
+    return result
 
 
 def _check_statement(
@@ -313,6 +383,8 @@ def _check_statement(
             continue
         if hashlib.sha256(data).hexdigest() != signed[name]:
             problems.append(f"{name}: its sha256 does not match the signed subject")
+        elif name == compiler.TESTS_FILE:
+            _check_tests(data, predicate, problems)
         elif name == compiler.REPORT_FILE:
             try:
                 if files.parse_json(data, name) != predicate:
@@ -326,6 +398,57 @@ def _check_statement(
     if sources != declared:
         problems.append("subjects: the source subjects differ from the report's sources")
     return declared
+
+
+def _check_tests(data: bytes, predicate: Any, problems: list[str]) -> None:
+    """The report's test rows must be those the signed ``tests.jsonl`` folds to.
+
+    The rows are rebuilt from pytest's own records (``compiler.test_rows``), so a
+    report cannot fold away a rerun, a failed phase or a second attempt that the
+    records keep.
+    """
+    if not isinstance(predicate, Mapping) or not isinstance(predicate.get("tests"), list):
+        return  # the schema check names it
+    records: list[Mapping[str, Any]] = []
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        problems.append(f"{compiler.TESTS_FILE}: not UTF-8")
+        return
+    for number, line in enumerate(lines, 1):
+        try:
+            record = files.parse_json(line.encode(), f"{compiler.TESTS_FILE} line {number}")
+        except InputError as exc:
+            problems.append(str(exc))
+            return
+        if not isinstance(record, Mapping):
+            problems.append(f"{compiler.TESTS_FILE} line {number}: not a JSON object")
+            return
+        if record.get("$report_type") in ("SessionStart", "SessionFinish"):
+            continue
+        records.append(record)
+    prefix = predicate.get("experiments_dir")
+    try:
+        rebuilt = compiler.test_rows(records, prefix if isinstance(prefix, str) else "")
+    except (TypeError, ValueError, AttributeError, KeyError):
+        problems.append(f"{compiler.TESTS_FILE}: its records cannot be folded into test rows")
+        return
+    recorded = {str(t.get("nodeid")): t for t in predicate["tests"] if isinstance(t, Mapping)}
+    for row in rebuilt:
+        kept = recorded.pop(row["nodeid"], None)
+        if kept is None:
+            problems.append(f"tests: {row['nodeid']} is in {compiler.TESTS_FILE} but not "
+                            "among the report's rows")
+        elif kept.get("outcome") != row["outcome"]:
+            problems.append(
+                f"tests: {row['nodeid']} is {_short(kept.get('outcome'))} in the report but "
+                f"{row['outcome']} in the signed {compiler.TESTS_FILE}"
+            )
+        elif dict(kept) != row:
+            problems.append(f"tests: the row of {row['nodeid']} is not what "
+                            f"{compiler.TESTS_FILE} folds to")
+    for nodeid in sorted(recorded)[:5]:
+        problems.append(f"tests: {nodeid} has a row but no record in {compiler.TESTS_FILE}")
 
 
 def subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
@@ -373,6 +496,12 @@ def _check_gate(report: Report, problems: list[str]) -> None:
     }
     if not skipped_experiments <= recorded_skips <= skipped:
         problems.append("gate: the recorded skips differ from the skipped rows")
+    recorded_publishable = report.get("publishable")
+    if recorded_publishable is not None and recorded_publishable != recomputed.publishable:
+        problems.append(
+            f"gate: the report says publishable {recorded_publishable} but its rows give "
+            f"{recomputed.publishable}"
+        )
     exitstatus = report["exitstatus"]
     if status == gate.PASS and exitstatus != 0:
         problems.append(f"gate: the report says PASS but pytest exited with status {exitstatus}")
@@ -479,12 +608,19 @@ def format_verdict(verdict: Verdict) -> str:
         dirty = " (tree state unknown)"
     trust = f"pinned by {verdict.pinned_by}" if verdict.pinned_by else "UNPINNED"
     lines = [
-        f"{head} {verdict.envelope}: status {status}, commit {commit}{dirty}, "
-        f"signer {verdict.signer_keyid or '?'} {trust}"
+        f"{head} {verdict.envelope}: status {status}, {run_kind(report)} run, commit "
+        f"{commit}{dirty}, signer {verdict.signer_keyid or '?'} {trust}"
     ]
     lines += [f"  failed: {p}" for p in verdict.problems]
     lines += [f"  note: {n}" for n in verdict.notes]
     return "\n".join(printable(line) for line in lines)
+
+
+def run_kind(report: Mapping[str, Any] | None) -> str:
+    """``hermetic`` when the report's facts make the run hermetic, else ``local``."""
+    if report is None or hermetic.failures(report.get("run")):
+        return hermetic.LOCAL
+    return hermetic.HERMETIC
 
 
 def printable(text: str) -> str:

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lab import errors
+import jsonschema
+
+from lab import errors, files
 
 FORMAT = "lab-crashpoints/1"
 OUTPUT_FILE = "crashpoints.json"
@@ -60,10 +62,8 @@ def load(data: bytes) -> dict[str, Any]:
     """Parse a matrix file, refusing anything that is not one (size- and shape-checked)."""
     if len(data) > MAX_MATRIX_BYTES:
         raise errors.InputError(f"crash-point matrix larger than {MAX_MATRIX_BYTES} bytes")
-    try:
-        matrix = json.loads(data)
-    except ValueError as exc:
-        raise errors.InputError(f"crash-point matrix is not JSON: {exc}") from exc
+    # Depth-bounded (no RecursionError), then every field the book reads schema-checked.
+    matrix = files.parse_json(data, "crash-point matrix")
     if not isinstance(matrix, dict) or matrix.get("format") != FORMAT:
         raise errors.InputError(f"not a {FORMAT} matrix")
     for name in ("cells", "boundaries", "faults", "kinds"):
@@ -74,7 +74,38 @@ def load(data: bytes) -> dict[str, Any]:
             isinstance(cell.get(k), str) for k in ("boundary", "fault", "kind", "status")
         ):
             raise errors.InputError("crash-point matrix with a malformed cell")
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(MATRIX_SCHEMA).iter_errors(matrix)
+    )
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top)"
+        raise errors.InputError(f"crash-point matrix: {where}: {error.message[:200]}")
     return matrix
+
+
+_NAMED = {"type": "object", "required": ["name"],
+          "properties": {"name": {"type": "string"}, "meaning": {"type": "string"},
+                         "why": {"type": "string"}}}
+# What the book reads of a matrix, with the types it reads it as.
+MATRIX_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "faults": {"type": "array", "items": _NAMED},
+        "boundaries": {"type": "array", "items": _NAMED},
+        "omitted_faults": {"type": "array", "items": _NAMED},
+        "kinds": {"type": "array", "items": {"type": "string"}},
+        "coverage": {"type": "object"},
+        "summary": {"type": "object"},
+        "cells": {"type": "array", "items": {
+            "type": "object",
+            "properties": {
+                "effects": {"type": ["integer", "null"]},
+                "violations": {"type": "array", "items": {"type": "object"}},
+                "events": {"type": "array"},
+            },
+        }},
+    },
+}
 
 
 def passed(matrix: Mapping[str, Any]) -> bool:

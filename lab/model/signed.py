@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
@@ -54,6 +55,59 @@ class Verdict:
     def ok(self) -> bool:
         """True when nothing failed."""
         return not self.problems
+
+# The shape of every field of the model report that verify, the book and the chart
+# read, checked before any of them reads it: a string where an object belongs, or
+# ``"performance": []``, is refused here instead of raising in a renderer.
+_COUNTS = {
+    "type": "object",
+    "required": ["outcomes", "generations", "schema_valid", "as_expected", "unsafe"],
+    "properties": {
+        "outcomes": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "generations": {"type": "integer"},
+        "schema_valid": {"type": "integer"},
+        "as_expected": {"type": "integer"},
+        "unsafe": {"type": "integer"},
+        "rejected_by_reason": {
+            "type": ["object", "null"], "additionalProperties": {"type": "integer"},
+        },
+    },
+}
+REPORT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["summary", "cases"],
+    "properties": {
+        "summary": {"type": "object", "additionalProperties": _COUNTS},
+        "cases": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["case", "mode", "outcome", "trace"],
+                "properties": {
+                    "case": {"type": "string"},
+                    "mode": {"type": "string"},
+                    "trace": {"type": "string"},
+                    "outcome": {"type": "string"},
+                    "unsafe": {"type": "boolean"},
+                },
+            },
+        },
+        "performance": {
+            "type": "object",
+            "properties": {"load_seconds": {"type": ["number", "null"]}},
+            "additionalProperties": {
+                "anyOf": [{"type": "object", "properties": {
+                    "tokens_per_second": {"type": ["number", "null"]},
+                    "median_tokens_per_second": {"type": ["number", "null"]},
+                }}, {"type": ["number", "null"]}],
+            },
+        },
+        "case_set": {"type": "object"},
+        "limitations": {"type": "array", "items": {"type": "string"}},
+        "total_seconds": {"type": ["number", "null"]},
+    },
+}
 
 ENVELOPE_FILE = "model.intoto.json"
 PUBLIC_KEY_FILE = "model.pub.pem"
@@ -188,10 +242,12 @@ def verify(
     verdict = Verdict(directory / ENVELOPE_FILE)
     problems = verdict.problems
     try:
-        envelope = json.loads(_read(directory / ENVELOPE_FILE, MAX_ENVELOPE_BYTES))
+        envelope = files.parse_json(
+            _read(directory / ENVELOPE_FILE, MAX_ENVELOPE_BYTES), ENVELOPE_FILE
+        )
         payload = dsse.b64decode(envelope["payload"])
-        statement_ = json.loads(payload)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        statement_ = files.parse_json(payload, f"{ENVELOPE_FILE} payload")
+    except (OSError, ValueError, KeyError, TypeError, InputError) as exc:
         problems.append(f"{ENVELOPE_FILE}: cannot read a DSSE envelope: {exc}")
         return verdict
     if not isinstance(envelope, dict) or not isinstance(statement_, dict):
@@ -201,51 +257,24 @@ def verify(
         problems.append(f"payload type: {envelope.get('payloadType')!r} is not in-toto")
     predicate = statement_.get("predicate")
     predicate = predicate if isinstance(predicate, dict) else {}
-    key = public_key
-    verdict.pinned_by = "--public-key" if public_key is not None else None
-    if key is None:
-        try:
-            key = dsse.load_public_key(str(predicate["signing"]["public_key"]).encode())
-        except (KeyError, TypeError, EvidenceError) as exc:
-            problems.append(f"signature: no key pinned and none usable in the evidence: {exc}")
-            return verdict
-        raw = dsse.raw_public_key(key)
-        verdict.pinned_by = next(
-            (t.origin for t in trusted if dsse.raw_public_key(t.key) == raw), None
-        )
-    if verdict.pinned_by is None:
-        # The same trust policy as the runtime evidence: only a pin vouches for a signer.
-        signing = predicate.get("signing")
-        source = signing.get("key_source") if isinstance(signing, dict) else None
-        if source != "ephemeral":
-            problems.append(
-                f"signer: UNPINNED key {dsse.keyid(key)} is presented as a publication key "
-                f"(key_source {source!r}); pin it with --public-key or commit it under "
-                f"{verification.TRUSTED_DIR}/"
-            )
-        verdict.notes.append(
-            "UNPINNED: verified with the key the evidence carries; this proves integrity, "
-            "not identity (pin the signer with --public-key or a committed trusted key)"
-        )
-    verdict.signer_keyid = dsse.keyid(key)
-    try:
-        dsse.check_signature(envelope, payload, key)
-    except EvidenceError as exc:
-        problems.append(str(exc))
+    # The one trust decision (verification.check_signer): this file's signer, this pin.
+    signer = verification.check_signer(
+        envelope, payload, predicate.get("signing"), public_key, trusted
+    )
+    problems += signer.problems
+    verdict.notes += signer.notes
+    verdict.signer_keyid, verdict.pinned_by = signer.keyid, signer.pinned_by
+    key = signer.key
+    if key is None or signer.problems:
         return verdict
-    if predicate.get("signing", {}).get("key_source") == "ephemeral":
-        verdict.notes.append(
-            "signed with an EPHEMERAL key: not a publication signature "
-            f"(set {dsse.KEY_ENV} to sign with a known key)"
-        )
     if statement_.get("_type") != compiler.STATEMENT_TYPE:
         problems.append(f"statement: _type {statement_.get('_type')!r} is not in-toto v1")
     if statement_.get("predicateType") != PREDICATE_TYPE:
         problems.append(f"statement: predicateType {statement_.get('predicateType')!r} unknown")
     subjects = verification.subjects(statement_, problems)
     models = {n: d for n, d in subjects.items() if n.startswith(MODEL_SUBJECT_PREFIX)}
-    named = {n: d for n, d in subjects.items() if n not in models}
-    data = _check_files(directory, named, problems)
+    signed_files = {n: d for n, d in subjects.items() if n not in models}
+    data = _check_files(directory, signed_files, problems)
     if len(models) != 1:
         problems.append(f"statement: {len(models)} model subjects, expected one")
     _check_public_key(directory, key, problems)
@@ -253,7 +282,7 @@ def verify(
     if report is None:
         return verdict
     verdict.report = report
-    _check_report(report, predicate, named, models, data, problems)
+    _check_report(report, predicate, signed_files, models, data, problems)
     if model_path is not None and models:
         (model_digest,) = models.values()
         try:
@@ -309,12 +338,20 @@ def _load_report(data: Mapping[str, bytes], problems: list[str]) -> dict[str, An
             problems.append(f"{REPORT_FILE}: not a signed subject")
         return None
     try:
-        report = json.loads(data[REPORT_FILE])
-    except ValueError as exc:
-        problems.append(f"{REPORT_FILE}: not JSON ({exc})")
+        report = files.parse_json(data[REPORT_FILE], REPORT_FILE)
+    except InputError as exc:
+        problems.append(str(exc))
         return None
     if not isinstance(report, dict):
         problems.append(f"{REPORT_FILE}: not a JSON object")
+        return None
+    found = sorted(
+        f"{'/'.join(str(p) for p in error.absolute_path) or '(top)'}: {error.message}"
+        for error in jsonschema.Draft202012Validator(REPORT_SCHEMA).iter_errors(report)
+    )
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        problems.append(f"{REPORT_FILE}: not a valid model report: {'; '.join(found[:3])}{more}")
         return None
     return report
 
@@ -322,7 +359,7 @@ def _load_report(data: Mapping[str, bytes], problems: list[str]) -> dict[str, An
 def _check_report(
     report: Mapping[str, Any],
     predicate: Mapping[str, Any],
-    files: Mapping[str, str],
+    signed_files: Mapping[str, str],
     models: Mapping[str, str],
     data: Mapping[str, bytes],
     problems: list[str],
@@ -334,13 +371,13 @@ def _check_report(
     if models and list(models.values()) != [report.get("model_sha256")]:
         problems.append(f"{REPORT_FILE}: model_sha256 is not the signed model digest")
     case_set = report.get("case_set")
-    if CASES_FILE not in files:
+    if CASES_FILE not in signed_files:
         problems.append(f"{CASES_FILE}: not a signed subject")
-    elif not isinstance(case_set, dict) or case_set.get("sha256") != files[CASES_FILE]:
+    elif not isinstance(case_set, dict) or case_set.get("sha256") != signed_files[CASES_FILE]:
         problems.append(f"{REPORT_FILE}: case_set.sha256 is not the signed {CASES_FILE}")
     rows = [r for r in report.get("cases", []) if isinstance(r, dict)]
     named = {str(r.get("trace")) for r in rows}
-    signed = {n for n in files if n.startswith(f"{TRACES_DIR}/")}
+    signed = {n for n in signed_files if n.startswith(f"{TRACES_DIR}/")}
     for name in sorted(named - signed):
         problems.append(f"{name}: a report row's trace is not a signed subject")
     for name in sorted(signed - named):
@@ -350,9 +387,9 @@ def _check_report(
         if name not in data:
             continue
         try:
-            trace = json.loads(data[name])
+            trace = files.parse_json(data[name], name)
             text = trace["response"]["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, InputError):
             problems.append(f"{name}: not a trace of one chat completion")
             continue
         if (trace.get("case"), trace.get("mode")) != (row.get("case"), row.get("mode")):
