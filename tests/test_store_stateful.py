@@ -5,10 +5,11 @@ kinds of credit tool (real HTTP services on loopback) and a lease clock it
 controls through SQL on PostgreSQL's own clock: create and approve, claim,
 heartbeat, expire a lease, recover expired leases, pre-dispatch, call the
 tool with each outcome (receipt, reply lost, trusted 429, unreachable),
-complete, give up as unknown, crash (forget a claim), reconcile, cancel and
-requeue by review (with and without force). Nothing is mocked: a worker may
-call the tool with a claim that went stale meanwhile, exactly as a slow
-process would.
+complete, the looping worker's fused step (completion, recovery, claim and an
+idempotent claim's start barrier in one transaction), give up as unknown, crash
+(forget a claim), reconcile, cancel and requeue by review (with and without
+force). Nothing is mocked: a worker may call the tool with a claim that went
+stale meanwhile, exactly as a slow process would.
 
 After every step the checker's safety rules (those that hold at every moment)
 must hold of the whole history; at the end of each sequence everything is
@@ -125,6 +126,23 @@ class StoreMachine(RuleBasedStateMachine):
         claimed = self.db.claim(worker, LEASE)
         if claimed is not None:
             self.held[worker] = Held(claimed)
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def fused_step(self, worker: str) -> None:
+        # A looping ``--fused`` worker: one transaction completes what it holds (when the
+        # tool confirmed it), recovers expired leases and claims the next workflow, an
+        # idempotent one with its start barrier. Anything unconfirmed it held is abandoned.
+        held = self.held.pop(worker, None)
+        finished = None
+        if held is not None and held.start is not None and held.receipt is not None:
+            finished = store.Finished(held.claim, held.start, held.receipt)
+        try:
+            taken = self.db.complete_and_claim(finished, worker, LEASE, fuse=True)
+        except EXPECTED:
+            return
+        if taken.claim is not None:
+            assert (taken.barrier is not None) == taken.claim.idempotent
+            self.held[worker] = Held(taken.claim, taken.barrier)
 
     @rule(worker=st.sampled_from(WORKERS))
     def crash(self, worker: str) -> None:
