@@ -373,3 +373,37 @@ def test_forced_requeue_of_an_undispatched_effect_is_not_a_replay(rig: Rig) -> N
     final = rig.db.get(workflow)
     assert (final.state, final.attempt) == ("succeeded", 2)
     assert rig.db.execute("SELECT count(*) AS n FROM tool_effects")[0]["n"] == 1
+
+
+def test_fused_steps_complete_in_the_next_claims_transaction(rig: Rig) -> None:
+    """The fused path end to end: an idempotent claim commits with its start barrier, its
+    completion commits with the next claim (a non-idempotent one, which gets no barrier),
+    and a stale completion rolls the next claim back with it."""
+    machine = StoreMachine(rig)
+    first = machine.create(True, 100)
+    second = machine.create(False, 200)
+    machine.fused_step("w0")
+    held = machine.held["w0"]
+    assert (held.claim.id, held.start is not None) == (first, True)
+    machine.call_tool("w0", "receipt")
+    machine.fused_step("w0")
+    assert rig.db.get(first).state == "succeeded"
+    completion = rig.db.completion_for(barrier.start_id(first, 1))
+    assert completion is not None and completion.outcome == "succeeded"
+    kinds = [e["kind"] for e in rig.db.events(first)]
+    assert kinds == ["created", "approved", "claimed", "dispatching", "completed"]
+    held = machine.held["w0"]
+    assert (held.claim.id, held.start) == (second, None)
+    # A third workflow is due; the held (unconfirmed) claim of the second goes stale.
+    third = machine.create(True, 300)
+    machine.expire(second)
+    machine.recover()
+    stale = store.Finished(held.claim, barrier.StartBarrier.for_claim(
+        second, held.claim.fence, held.claim.attempt, held.claim.effect_key,
+        held.claim.fingerprint, held.claim.trace_id), plan.Receipt("rcpt_x", held.claim.effect_key,
+                                                                   held.claim.fingerprint))
+    with pytest.raises((errors.Stale, errors.IntegrityFailure)):
+        rig.db.complete_and_claim(stale, "w0", LEASE, fuse=True)
+    assert rig.db.get(third).state == "ready"  # nothing of the failed transaction committed
+    machine.held.clear()
+    machine.teardown()

@@ -72,14 +72,49 @@ RECOVER_QUERY: LiteralString = """
     SELECT id, 'lease_expired', fence, '' FROM expired
     RETURNING workflow_id
 """
-# The claim's write under the row lock CLAIM_QUERY took: fence + 1, attempt + 1, a lease.
-CLAIM_UPDATE: LiteralString = """
-    UPDATE workflows
-       SET state = 'running', owner = %s, fence = fence + 1,
-           attempt = attempt + 1, lease_until = clock_timestamp() + %s,
-           updated_at = clock_timestamp()
-     WHERE id = %s AND fence = %s
-    RETURNING *
+# The claim's write and its audit event in one statement (one event: no order to keep).
+CLAIM_WITH_EVENT: LiteralString = """
+    WITH claimed AS (
+        UPDATE workflows
+           SET state = 'running', owner = %s, fence = fence + 1,
+               attempt = attempt + 1, lease_until = clock_timestamp() + %s,
+               updated_at = clock_timestamp()
+         WHERE id = %s AND fence = %s
+        RETURNING *
+    ), audit AS (
+        INSERT INTO events (workflow_id, kind, fence, detail)
+        SELECT id, 'claimed', fence, %s FROM claimed
+    )
+    SELECT * FROM claimed
+"""
+# ``complete``'s writes in one statement: the fenced update, the start's completion (only
+# when the update found its row and the barrier exists) and the audit event. The stored
+# barrier comes back with it, for the caller to verify before it commits.
+COMPLETE_WITH_EVENT: LiteralString = """
+    WITH done AS (
+        UPDATE workflows
+           SET state = 'succeeded', result = %(result)s, owner = '', lease_until = NULL,
+               review_reason = '', updated_at = clock_timestamp()
+         WHERE id = %(id)s AND fence = %(fence)s AND state = 'running'
+           AND fingerprint = %(fingerprint)s AND effect_key = %(effect_key)s
+        RETURNING *
+    ), completion AS (
+        INSERT INTO completions (start_id, barrier_digest, outcome, summary, receipt_id, digest)
+        SELECT %(start_id)s, %(barrier_digest)s, %(outcome)s, %(summary)s, %(receipt_id)s,
+               %(digest)s
+          FROM done
+         WHERE EXISTS (SELECT 1 FROM start_barriers WHERE start_id = %(start_id)s)
+        ON CONFLICT (start_id) DO NOTHING
+        RETURNING start_id
+    ), audit AS (
+        INSERT INTO events (workflow_id, kind, fence, detail)
+        SELECT id, 'completed', %(fence)s, '' FROM done
+    )
+    SELECT done.*,
+           (SELECT count(*) FROM completion) AS completions_written,
+           (SELECT to_jsonb(b) FROM start_barriers b
+             WHERE b.workflow_id = %(id)s AND b.fence = %(fence)s) AS stored_barrier
+      FROM done
 """
 # A start barrier and the audit event it is bound to, in one statement.
 FUSED_BARRIER_INSERT: LiteralString = """
@@ -515,8 +550,8 @@ class Store:
                 if diverted is not None:
                     _divert(conn, row, diverted)
                     continue
-                claimed = conn.execute(CLAIM_UPDATE, (owner, lease, row["id"], row["fence"]))
-                _event_queued(conn, row["id"], "claimed", row["fence"] + 1, f"owner={owner}")
+                claimed = conn.execute(CLAIM_WITH_EVENT, (owner, lease, row["id"], row["fence"],
+                                                          f"owner={owner}"))
                 barrier = None
                 if fuse and row["plan"].get("idempotent") is True:
                     barrier = StartBarrier.for_claim(
@@ -1089,51 +1124,31 @@ def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
 def _queue_completion(
     conn: psycopg.Connection[dict[str, Any]], finished: Finished, sealed: dict[str, Any] | None
 ) -> Callable[[], dict[str, Any]]:
-    """Queue ``complete``'s statements in a pipeline; the returned check judges their results.
+    """Queue ``complete``'s writes in a pipeline; the returned check judges their result.
 
-    The check (call it after a fetch has sent them) verifies the stored barrier against
-    the one dispatched under, and that the fenced update found its row: else it raises,
-    and the caller's transaction rolls back with nothing written.
+    The check (call it after a fetch has sent them) requires that the fenced update
+    found its row, that the stored barrier matches the one dispatched under (digest
+    and content) and that the start had no completion yet: else it raises, and the
+    caller's transaction rolls back with nothing written.
     """
     claim, barrier = finished.claim, finished.barrier
-    stored = conn.execute(
-        "SELECT * FROM start_barriers WHERE workflow_id = %s AND fence = %s",
-        (claim.id, claim.fence),
-    )
-    updated = conn.execute(
-        """
-        UPDATE workflows
-           SET state = 'succeeded', result = %s, owner = '', lease_until = NULL,
-               review_reason = '', updated_at = clock_timestamp()
-         WHERE id = %s AND fence = %s AND state = 'running'
-           AND fingerprint = %s AND effect_key = %s
-        RETURNING *
-        """,
-        (Jsonb(sealed), claim.id, claim.fence, claim.fingerprint, claim.effect_key),
-    )
     completion = Completion.success(barrier, finished.receipt.receipt_id)
-    inserted = conn.execute(
-        """
-        INSERT INTO completions (start_id, barrier_digest, outcome, summary, receipt_id, digest)
-        SELECT %s, %s, %s, %s, %s, %s
-         WHERE EXISTS (SELECT 1 FROM workflows WHERE id = %s AND fence = %s
-                                                 AND state = 'succeeded')
-        ON CONFLICT (start_id) DO NOTHING
-        RETURNING start_id
-        """,
-        (completion.start_id, completion.barrier_digest, completion.outcome, completion.summary,
-         completion.receipt_id, completion.digest(), claim.id, claim.fence),
-    )
-    _event_queued(conn, claim.id, "completed", claim.fence, "")
+    written = conn.execute(COMPLETE_WITH_EVENT, {
+        "result": Jsonb(sealed), "id": claim.id, "fence": claim.fence,
+        "fingerprint": claim.fingerprint, "effect_key": claim.effect_key,
+        "start_id": completion.start_id, "barrier_digest": completion.barrier_digest,
+        "outcome": completion.outcome, "summary": completion.summary,
+        "receipt_id": completion.receipt_id, "digest": completion.digest(),
+    })
 
     def check() -> dict[str, Any]:
-        found = stored.fetchone()
-        if found is None or _verified_barrier(found) != barrier:
-            raise errors.IntegrityFailure("start barrier is missing or differs from the dispatch")
-        row = updated.fetchone()
+        row = written.fetchone()
         if row is None:
             raise errors.Stale("claim is no longer current: completion refused")
-        if inserted.fetchone() is None:
+        stored = row.pop("stored_barrier")
+        if stored is None or _verified_barrier(stored) != barrier:
+            raise errors.IntegrityFailure("start barrier is missing or differs from the dispatch")
+        if row.pop("completions_written") != 1:
             raise errors.Conflict("this start already has a completion")
         return row
 
