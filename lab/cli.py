@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-items", type=int, default=0, help="stop after N items (0: none)")
     worker.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat seconds")
     worker.add_argument("--backoff", type=float, default=0.1, help="429 backoff seconds")
+    worker.add_argument(
+        "--fused", action="store_true",
+        help="with --loop: complete each item in the next claim's transaction, and commit "
+             "an idempotent claim with its start barrier (boundary after_claim_barrier)",
+    )
     worker.set_defaults(handler=_worker)
 
     run = commands.add_parser("run", help="run the experiments and sign the evidence")
@@ -356,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="sweep: DBOS worker_concurrency values")
     throughput.add_argument("--dbos-poll", default="0.005,0.05",
                             help="sweep: DBOS queue polling intervals, seconds")
+    throughput.add_argument("--noise", action="store_true",
+                            help="run a fixed busy process beside both systems' rounds")
     claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
     claim.add_argument("--history", type=int, action="append", default=[])
     bench_commands.add_parser("suite", help="experiment suite wall time, serial and parallel")

@@ -55,6 +55,7 @@ class Boundary:
 
 AFTER_CLAIM = "after_claim"
 AFTER_BARRIER = "after_barrier"
+AFTER_CLAIM_BARRIER = "after_claim_barrier"
 AFTER_REQUEST = "after_request"
 AFTER_EFFECT = "after_effect"
 AFTER_TOOL = "after_tool"
@@ -66,6 +67,9 @@ AFTER_SETTLE = "after_settle"
 BOUNDARIES: tuple[Boundary, ...] = (
     Boundary(AFTER_CLAIM, WORKER, "claim committed; no start barrier yet"),
     Boundary(AFTER_BARRIER, WORKER, "start barrier committed; request not yet sent"),
+    Boundary(AFTER_CLAIM_BARRIER, WORKER,
+             "claim and start barrier committed in one transaction (a looping worker's "
+             "idempotent claim); request not yet sent"),
     Boundary(AFTER_REQUEST, TOOL, "request received by the tool; effect not yet committed"),
     Boundary(AFTER_EFFECT, TOOL, "tool effect committed; reply not yet sent"),
     Boundary(AFTER_TOOL, WORKER, "reply received; completion not yet committed"),

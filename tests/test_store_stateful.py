@@ -5,10 +5,11 @@ kinds of credit tool (real HTTP services on loopback) and a lease clock it
 controls through SQL on PostgreSQL's own clock: create and approve, claim,
 heartbeat, expire a lease, recover expired leases, pre-dispatch, call the
 tool with each outcome (receipt, reply lost, trusted 429, unreachable),
-complete, give up as unknown, crash (forget a claim), reconcile, cancel and
-requeue by review (with and without force). Nothing is mocked: a worker may
-call the tool with a claim that went stale meanwhile, exactly as a slow
-process would.
+complete, the looping worker's fused step (completion, recovery, claim and an
+idempotent claim's start barrier in one transaction), give up as unknown, crash
+(forget a claim), reconcile, cancel and requeue by review (with and without
+force). Nothing is mocked: a worker may call the tool with a claim that went
+stale meanwhile, exactly as a slow process would.
 
 After every step the checker's safety rules (those that hold at every moment)
 must hold of the whole history; at the end of each sequence everything is
@@ -125,6 +126,23 @@ class StoreMachine(RuleBasedStateMachine):
         claimed = self.db.claim(worker, LEASE)
         if claimed is not None:
             self.held[worker] = Held(claimed)
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def fused_step(self, worker: str) -> None:
+        # A looping ``--fused`` worker: one transaction completes what it holds (when the
+        # tool confirmed it), recovers expired leases and claims the next workflow, an
+        # idempotent one with its start barrier. Anything unconfirmed it held is abandoned.
+        held = self.held.pop(worker, None)
+        finished = None
+        if held is not None and held.start is not None and held.receipt is not None:
+            finished = store.Finished(held.claim, held.start, held.receipt)
+        try:
+            taken = self.db.complete_and_claim(finished, worker, LEASE, fuse=True)
+        except EXPECTED:
+            return
+        if taken.claim is not None:
+            assert (taken.barrier is not None) == taken.claim.idempotent
+            self.held[worker] = Held(taken.claim, taken.barrier)
 
     @rule(worker=st.sampled_from(WORKERS))
     def crash(self, worker: str) -> None:
@@ -355,3 +373,37 @@ def test_forced_requeue_of_an_undispatched_effect_is_not_a_replay(rig: Rig) -> N
     final = rig.db.get(workflow)
     assert (final.state, final.attempt) == ("succeeded", 2)
     assert rig.db.execute("SELECT count(*) AS n FROM tool_effects")[0]["n"] == 1
+
+
+def test_fused_steps_complete_in_the_next_claims_transaction(rig: Rig) -> None:
+    """The fused path end to end: an idempotent claim commits with its start barrier, its
+    completion commits with the next claim (a non-idempotent one, which gets no barrier),
+    and a stale completion rolls the next claim back with it."""
+    machine = StoreMachine(rig)
+    first = machine.create(True, 100)
+    second = machine.create(False, 200)
+    machine.fused_step("w0")
+    held = machine.held["w0"]
+    assert (held.claim.id, held.start is not None) == (first, True)
+    machine.call_tool("w0", "receipt")
+    machine.fused_step("w0")
+    assert rig.db.get(first).state == "succeeded"
+    completion = rig.db.completion_for(barrier.start_id(first, 1))
+    assert completion is not None and completion.outcome == "succeeded"
+    kinds = [e["kind"] for e in rig.db.events(first)]
+    assert kinds == ["created", "approved", "claimed", "dispatching", "completed"]
+    held = machine.held["w0"]
+    assert (held.claim.id, held.start) == (second, None)
+    # A third workflow is due; the held (unconfirmed) claim of the second goes stale.
+    third = machine.create(True, 300)
+    machine.expire(second)
+    machine.recover()
+    stale = store.Finished(held.claim, barrier.StartBarrier.for_claim(
+        second, held.claim.fence, held.claim.attempt, held.claim.effect_key,
+        held.claim.fingerprint, held.claim.trace_id), plan.Receipt("rcpt_x", held.claim.effect_key,
+                                                                   held.claim.fingerprint))
+    with pytest.raises((errors.Stale, errors.IntegrityFailure)):
+        rig.db.complete_and_claim(stale, "w0", LEASE, fuse=True)
+    assert rig.db.get(third).state == "ready"  # nothing of the failed transaction committed
+    machine.held.clear()
+    machine.teardown()

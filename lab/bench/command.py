@@ -102,10 +102,11 @@ def _measure(command: str, args: argparse.Namespace, dsn: str) -> tuple[str, dic
             dbos_processes=_ints(args.dbos_processes),
             dbos_concurrency=_ints(args.dbos_concurrency),
             dbos_poll=_floats(args.dbos_poll),
+            noise=args.noise,
         )
     if command == "throughput":
         return command, throughput.throughput(
-            dsn, args.workflows, args.workers, args.peer, args.repeat
+            dsn, args.workflows, args.workers, args.peer, args.repeat, noise=args.noise
         )
     if command == "claim":
         sizes = list(args.history) or list(claim.DEFAULT_HISTORY)

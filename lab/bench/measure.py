@@ -23,6 +23,7 @@ import platform
 import re
 import resource
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -372,25 +373,137 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def process_cpu(pid: int) -> tuple[float, float, int] | None:
+    """(own CPU seconds, reaped children's CPU seconds, parent pid) of a live process.
+
+    From ``/proc/<pid>/stat`` (a kernel table, not a file on disk); None when the
+    process is gone or this is not Linux.
+    """
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = text[text.rfind(")") + 2:].split()
+    if len(fields) < 15:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
+    return (utime + stime) / tick, (cutime + cstime) / tick, int(fields[1])
+
+
+def child_pids(parent: int) -> list[int]:
+    """The live children of ``parent``, from /proc (empty off Linux)."""
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            facts = process_cpu(int(entry.name))
+            if facts is not None and facts[2] == parent:
+                found.append(int(entry.name))
+    return found
+
+
+def server_pid(admin_dsn: str) -> int | None:
+    """The postmaster's pid of a server on this machine (the parent of our backend), or None.
+
+    None when the backend is not a process here (a server elsewhere or in a container).
+    """
+    with edge.session(admin_dsn, "find the server's process") as conn:
+        row = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
+        facts = None if row is None else process_cpu(int(row["pid"]))
+    return None if facts is None or facts[2] <= 1 else facts[2]
+
+
+def server_cpu(postmaster: int | None) -> float | None:
+    """CPU seconds a local PostgreSQL server has used so far, all its processes counted.
+
+    The postmaster, every live child (backends, WAL writer, checkpointer, autovacuum)
+    and every child it already reaped (a closed session's backend).
+    """
+    if postmaster is None:
+        return None
+    own = process_cpu(postmaster)
+    if own is None:
+        return None
+    total = own[0] + own[1]
+    for pid in child_pids(postmaster):
+        facts = process_cpu(pid)
+        if facts is not None:
+            total += facts[0] + facts[1]
+    return total
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process so far, all its threads (the tool service runs here)."""
+    times = os.times()
+    return times.user + times.system
+
+
 @dataclass
 class CpuMeter:
-    """Machine busy share over a drain, and the CPU its worker processes used in all."""
+    """Machine busy share over a drain, and the CPU every process of the run used.
 
+    ``worker_cpu_seconds``: the worker processes in all, start-up included (reaped
+    children). From ``released`` on, the drain itself: ``drain_worker_cpu_seconds``
+    (workers, less what they used before release), ``bench_cpu_seconds`` (this process:
+    the tool service's threads, the output readers, a drain poll), ``server_cpu_seconds``
+    (every PostgreSQL process; None for a server that is not a local process) and
+    ``all_cpu_seconds``, their sum.
+    """
+
+    postmaster: int | None = None
     children: float = field(default_factory=children_cpu)
     ticks: tuple[int, int] | None = None
+    before_release: float = 0.0
+    own: float = 0.0
+    server: float | None = None
 
-    def released(self) -> None:
-        """Mark the start of the drain (the workers were just released)."""
+    def released(self, pids: Sequence[int] = ()) -> None:
+        """Mark the start of the drain: the worker processes ``pids`` were just released."""
         self.ticks = machine_ticks()
+        self.before_release = sum(
+            facts[0] for facts in (process_cpu(pid) for pid in pids) if facts is not None
+        )
+        self.own = own_cpu()
+        self.server = server_cpu(self.postmaster)
 
     def read(self) -> dict[str, float | None]:
-        """Busy share of all cores since ``released``; reaped children's CPU seconds."""
+        """Busy share since ``released``; CPU seconds per share (call once workers exited)."""
         now = machine_ticks()
         busy = None
         if self.ticks is not None and now is not None and now[1] > self.ticks[1]:
             busy = round((now[0] - self.ticks[0]) / (now[1] - self.ticks[1]), 3)
+        workers = children_cpu() - self.children
+        drain = workers - self.before_release
+        bench = own_cpu() - self.own
+        server = difference(server_cpu(self.postmaster), self.server)
         return {"machine_busy_share": busy,
-                "worker_cpu_seconds": round(children_cpu() - self.children, 3)}
+                "worker_cpu_seconds": round(workers, 3),
+                "drain_worker_cpu_seconds": round(drain, 3),
+                "bench_cpu_seconds": round(bench, 3),
+                "server_cpu_seconds": rnd(server, 3),
+                "all_cpu_seconds": None if server is None else round(drain + bench + server, 3)}
+
+
+@contextlib.contextmanager
+def noise(enabled: bool) -> Iterator[int | None]:
+    """A fixed busy neighbour for the whole measurement: one process spinning on a core.
+
+    Both systems' rounds run beside the same load. It is not a child the meters reap
+    before it ends, so its CPU is never counted as a system's. Yields its pid.
+    """
+    if not enabled:
+        yield None
+        return
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield spinner.pid
+    finally:
+        spinner.kill()
+        spinner.wait(timeout=10)
 
 
 def fmt(value: Any) -> str:

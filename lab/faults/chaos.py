@@ -563,7 +563,7 @@ class Chaos:
         population.slots[slot] = processes.spawn_worker(
             self.worker_dsn, population.schema, population.worker_endpoint,
             population.service.token,
-            name, "--loop", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
+            name, "--loop", "--fused", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
             "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
             keys=self.keys,
         )

@@ -142,6 +142,7 @@ RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknow
 REACH: dict[str, str] = {
     protocol.AFTER_CLAIM: BEFORE_CALL,
     protocol.AFTER_BARRIER: BEFORE_CALL,
+    protocol.AFTER_CLAIM_BARRIER: BEFORE_CALL,
     protocol.AFTER_REQUEST: IN_TOOL,
     protocol.AFTER_EFFECT: IN_TOOL,
     protocol.AFTER_TOOL: AFTER_REPLY,
@@ -150,6 +151,11 @@ REACH: dict[str, str] = {
     protocol.AFTER_LOOKUP: RECONCILING,
     protocol.AFTER_SETTLE: RECONCILING,
 }
+
+
+# Only a looping ``--fused`` worker commits a claim with its start barrier; one item is
+# enough to reach the boundary (and ``--max-items`` stops it retrying a dead tool).
+FUSED_FLAGS = ("--loop", "--fused", "--max-items", "1", "--idle-exit", "1")
 
 
 def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
@@ -166,6 +172,21 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
             "a non-idempotent tool has no authoritative lookup: the reconciler never asks, "
             "it records a review"
         )
+    if boundary == protocol.AFTER_CLAIM_BARRIER:
+        if kind == NON_IDEMPOTENT:
+            return NotApplicable(
+                "a non-idempotent claim is never fused with its start barrier: they commit "
+                "apart (after_claim, after_barrier), so a crash between keeps the proof that "
+                "nothing was dispatched"
+            )
+        found = script(protocol.AFTER_BARRIER, fault, kind)
+        if isinstance(found, NotApplicable):
+            return found
+        flags = tuple(protocol.AFTER_CLAIM_BARRIER if f == protocol.AFTER_BARRIER else f
+                      for f in found.worker_flags)
+        steps = tuple(tuple(protocol.AFTER_CLAIM_BARRIER if p == protocol.AFTER_BARRIER else p
+                            for p in step) for step in found.steps)
+        return Script(found.reconciler, (*FUSED_FLAGS, *flags), found.tool_flags, steps)
     reconciler = reach == RECONCILING
     slow_tool = ("--pause", protocol.AFTER_REQUEST)
     fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S))

@@ -71,6 +71,7 @@ def worker_main(args: argparse.Namespace) -> int:
                 heartbeat_every=timedelta(seconds=args.heartbeat),
                 backoff=timedelta(seconds=args.backoff),
                 hook=hook,
+                fused=bool(getattr(args, "fused", False)),
             )
             if args.start_gate:
                 print(protocol.READY, flush=True)
@@ -116,7 +117,7 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
     lost = backoff.Backoff(patience=DB_PATIENCE_S)
     while max_items <= 0 or done < max_items:
         try:
-            item = runner.run_one()
+            items = _items(runner, last=max_items > 0 and done + 1 >= max_items)
             lost.reset()
         except errors.StoreError as exc:
             print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
@@ -127,16 +128,29 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
             continue
         except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
             print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
-            item = None
+            items = []
             idle_since = time.monotonic()
-        if item is not None:
+        for item in items:
             done += 1
             print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
             idle_since = time.monotonic()
-        elif time.monotonic() - idle_since >= idle_exit:
+        if items or runner.pending:
+            continue
+        if time.monotonic() - idle_since >= idle_exit:
             return
-        else:
-            time.sleep(0.02)
+        time.sleep(0.02)
+    # ``max_items`` ran: a fused worker still owes the last one's completion.
+    for item in runner.flush():
+        print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
+
+
+def _items(runner: worker.Worker, *, last: bool) -> list[store.Workflow]:
+    """One round of the loop: a fused ``step`` (a ``flush`` when the pending item is the
+    last one allowed: no claim beyond ``max_items``), or one ``run_one``."""
+    if runner.fused:
+        return runner.flush() if last and runner.pending else runner.step()
+    item = runner.run_one()
+    return [] if item is None else [item]
 
 
 class WorkerProcess:

@@ -10,7 +10,7 @@ psycopg errors are translated into ``errors.StoreError`` here, at the edge.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -59,6 +59,99 @@ CLAIM_QUERY: LiteralString = """
      LIMIT 1
        FOR UPDATE SKIP LOCKED
 """
+
+# Every running workflow whose lease ran out becomes unknown, with its audit event.
+RECOVER_QUERY: LiteralString = """
+    WITH expired AS (
+        UPDATE workflows
+           SET state = 'unknown', owner = '', lease_until = NULL,
+               updated_at = clock_timestamp()
+         WHERE state = 'running' AND lease_until <= clock_timestamp()
+        RETURNING id, fence
+    )
+    INSERT INTO events (workflow_id, kind, fence, detail)
+    SELECT id, 'lease_expired', fence, '' FROM expired
+    RETURNING workflow_id
+"""
+# The claim's write and its audit event in one statement (one event: no order to keep).
+CLAIM_WITH_EVENT: LiteralString = """
+    WITH claimed AS (
+        UPDATE workflows
+           SET state = 'running', owner = %s, fence = fence + 1,
+               attempt = attempt + 1, lease_until = clock_timestamp() + %s,
+               updated_at = clock_timestamp()
+         WHERE id = %s AND fence = %s
+        RETURNING *
+    ), audit AS (
+        INSERT INTO events (workflow_id, kind, fence, detail)
+        SELECT id, 'claimed', fence, %s FROM claimed
+    )
+    SELECT * FROM claimed
+"""
+# ``complete``'s writes in one statement: the fenced update, the start's completion (only
+# when the update found its row and the barrier exists) and the audit event. The stored
+# barrier comes back with it, for the caller to verify before it commits.
+COMPLETE_WITH_EVENT: LiteralString = """
+    WITH done AS (
+        UPDATE workflows
+           SET state = 'succeeded', result = %(result)s, owner = '', lease_until = NULL,
+               review_reason = '', updated_at = clock_timestamp()
+         WHERE id = %(id)s AND fence = %(fence)s AND state = 'running'
+           AND fingerprint = %(fingerprint)s AND effect_key = %(effect_key)s
+        RETURNING *
+    ), completion AS (
+        INSERT INTO completions (start_id, barrier_digest, outcome, summary, receipt_id, digest)
+        SELECT %(start_id)s, %(barrier_digest)s, %(outcome)s, %(summary)s, %(receipt_id)s,
+               %(digest)s
+          FROM done
+         WHERE EXISTS (SELECT 1 FROM start_barriers WHERE start_id = %(start_id)s)
+        ON CONFLICT (start_id) DO NOTHING
+        RETURNING start_id
+    ), audit AS (
+        INSERT INTO events (workflow_id, kind, fence, detail)
+        SELECT id, 'completed', %(fence)s, '' FROM done
+    )
+    SELECT done.*,
+           (SELECT count(*) FROM completion) AS completions_written,
+           (SELECT to_jsonb(b) FROM start_barriers b
+             WHERE b.workflow_id = %(id)s AND b.fence = %(fence)s) AS stored_barrier
+      FROM done
+"""
+# A start barrier and the audit event it is bound to, in one statement.
+FUSED_BARRIER_INSERT: LiteralString = """
+    WITH audit AS (
+        INSERT INTO events (workflow_id, kind, fence, detail)
+        VALUES (%s, 'dispatching', %s, %s)
+        RETURNING seq
+    )
+    INSERT INTO start_barriers (start_id, workflow_id, fence, attempt, effect_key,
+                                fingerprint, trace_id, span_id, audit_event, digest)
+    SELECT %s, %s, %s, %s, %s, %s, %s, %s, audit.seq, %s FROM audit
+    RETURNING start_id
+"""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A dispatch whose effect the tool confirmed, waiting for its completion to commit."""
+
+    claim: Workflow
+    barrier: StartBarrier
+    receipt: Receipt
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one ``complete_and_claim`` transaction committed.
+
+    ``completed``: the finished workflow's new snapshot (None when there was none);
+    ``claim``: the newly claimed workflow (None when nothing was due); ``barrier``:
+    its start barrier when it was committed in the same transaction (a fused start).
+    """
+
+    completed: Workflow | None
+    claim: Workflow | None
+    barrier: StartBarrier | None
 
 
 @dataclass(frozen=True)
@@ -177,6 +270,21 @@ class Store:
     @contextmanager
     def _transaction(self, action: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
         with edge.translated(action), self._pool.connection() as conn, conn.transaction():
+            yield conn
+
+    @contextmanager
+    def _pipelined(self, action: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+        """One transaction in pipeline mode: statements queue, a fetch sends them at once.
+
+        BEGIN, the queued statements and COMMIT travel together, so a transition of
+        several statements costs one or two round trips to the server, not one each.
+        """
+        with (
+            edge.translated(action),
+            self._pool.connection() as conn,
+            conn.pipeline(),
+            conn.transaction(),
+        ):
             yield conn
 
     def execute(self, query: LiteralString, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
@@ -392,21 +500,72 @@ class Store:
         Whether its effect happened is not known, so it is reconciled, never rerun blindly.
         """
         with self._transaction("recover expired leases") as conn:
-            rows = conn.execute(
-                """
-                WITH expired AS (
-                    UPDATE workflows
-                       SET state = 'unknown', owner = '', lease_until = NULL,
-                           updated_at = clock_timestamp()
-                     WHERE state = 'running' AND lease_until <= clock_timestamp()
-                    RETURNING id, fence
-                )
-                INSERT INTO events (workflow_id, kind, fence, detail)
-                SELECT id, 'lease_expired', fence, '' FROM expired
-                RETURNING workflow_id
-                """
-            ).fetchall()
+            rows = conn.execute(RECOVER_QUERY).fetchall()
         return len(rows)
+
+    def complete_and_claim(
+        self, finished: Finished | None, owner: str, lease: timedelta, *, fuse: bool
+    ) -> Step:
+        """Commit ``finished``'s completion, recover expired leases and claim the next work,
+        all in one transaction (one WAL flush), pipelined (two round trips).
+
+        The completion is ``complete``'s, re-checked here: the receipt proves the
+        effect, the stored start barrier still matches (digest and content) and the
+        fence is current, else nothing of this transaction commits and
+        ``errors.ReceiptMismatch``, ``errors.IntegrityFailure`` or ``errors.Stale``
+        names the completion's problem. Expired leases become unknown as in
+        ``recover_expired``. The claim is ``claim``'s, diversions included. With
+        ``fuse`` an idempotent claim also commits its start barrier (``pre_dispatch``'s
+        checks all hold: the row is locked, just claimed, neither cancelled nor lapsed):
+        a crash after this commit leaves a barrier, which an idempotent tool's lookup
+        settles. A non-idempotent claim never fuses: a crash between its claim and its
+        barrier must keep the database's proof that nothing was dispatched.
+        """
+        if not owner:
+            raise errors.Rejected("owner must be non-empty")
+        if lease <= timedelta(0):
+            raise errors.Rejected("lease must be positive")
+        sealed: dict[str, Any] | None = None
+        if finished is not None:
+            if not finished.receipt.proves(finished.claim.effect_key, finished.claim.fingerprint):
+                raise errors.ReceiptMismatch()
+            sealed = self.keys.seal(finished.receipt.to_json(), finished.claim.id)
+        with self._pipelined("complete and claim work") as conn:
+            completed = None
+            if finished is not None:
+                completed = _queue_completion(conn, finished, sealed)
+            conn.execute(RECOVER_QUERY)
+            snapshot: Workflow | None = None
+            while True:
+                row = conn.execute(CLAIM_QUERY).fetchone()
+                if completed is not None:
+                    # The fetch above sent every queued statement: judge the completion
+                    # first; raising here rolls the whole transaction back.
+                    snapshot = Workflow.from_row(completed())
+                    completed = None
+                if row is None:
+                    return Step(snapshot, None, None)
+                diverted = _claim_diversion(row)
+                if diverted is not None:
+                    _divert(conn, row, diverted)
+                    continue
+                claimed = conn.execute(CLAIM_WITH_EVENT, (owner, lease, row["id"], row["fence"],
+                                                          f"owner={owner}"))
+                barrier = None
+                if fuse and row["plan"].get("idempotent") is True:
+                    barrier = StartBarrier.for_claim(
+                        row["id"], row["fence"] + 1, row["attempt"] + 1, row["effect_key"],
+                        row["fingerprint"], row["trace_id"],
+                    )
+                    conn.execute(FUSED_BARRIER_INSERT, (
+                        barrier.workflow_id, barrier.fence, f"start={barrier.start_id}",
+                        barrier.start_id, barrier.workflow_id, barrier.fence, barrier.attempt,
+                        barrier.effect_key, barrier.fingerprint, barrier.trace_id,
+                        barrier.span_id, barrier.digest(),
+                    ))
+                written = claimed.fetchone()
+                assert written is not None  # the row is locked by this transaction
+                return Step(snapshot, Workflow.from_row(written), barrier)
 
     # -- around the dispatch ---------------------------------------------------------
 
@@ -952,6 +1111,71 @@ def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
                     "SELECT start_id, workflow_id, fence FROM start_barriers ORDER BY start_id"
                 ).fetchall(),
             }
+
+
+def _queue_completion(
+    conn: psycopg.Connection[dict[str, Any]], finished: Finished, sealed: dict[str, Any] | None
+) -> Callable[[], dict[str, Any]]:
+    """Queue ``complete``'s writes in a pipeline; the returned check judges their result.
+
+    The check (call it after a fetch has sent them) requires that the fenced update
+    found its row, that the stored barrier matches the one dispatched under (digest
+    and content) and that the start had no completion yet: else it raises, and the
+    caller's transaction rolls back with nothing written.
+    """
+    claim, barrier = finished.claim, finished.barrier
+    completion = Completion.success(barrier, finished.receipt.receipt_id)
+    written = conn.execute(COMPLETE_WITH_EVENT, {
+        "result": Jsonb(sealed), "id": claim.id, "fence": claim.fence,
+        "fingerprint": claim.fingerprint, "effect_key": claim.effect_key,
+        "start_id": completion.start_id, "barrier_digest": completion.barrier_digest,
+        "outcome": completion.outcome, "summary": completion.summary,
+        "receipt_id": completion.receipt_id, "digest": completion.digest(),
+    })
+
+    def check() -> dict[str, Any]:
+        row = written.fetchone()
+        if row is None:
+            raise errors.Stale("claim is no longer current: completion refused")
+        stored = row.pop("stored_barrier")
+        if stored is None or _verified_barrier(stored) != barrier:
+            raise errors.IntegrityFailure("start barrier is missing or differs from the dispatch")
+        if row.pop("completions_written") != 1:
+            raise errors.Conflict("this start already has a completion")
+        return row
+
+    return check
+
+
+def _event_queued(
+    conn: psycopg.Connection[dict[str, Any]], workflow_id: str, kind: str, fence: int, detail: str
+) -> None:
+    """``_event`` without reading its sequence number back (a pipeline need not wait)."""
+    conn.execute(
+        "INSERT INTO events (workflow_id, kind, fence, detail) VALUES (%s, %s, %s, %s)",
+        (workflow_id, kind, fence, detail),
+    )
+
+
+def _divert(
+    conn: psycopg.Connection[dict[str, Any]], row: dict[str, Any], diverted: tuple[str, str, str]
+) -> None:
+    """Write what a due ready row becomes instead of running, with its audit event."""
+    state, kind, reason = diverted
+    conn.execute(
+        """
+        UPDATE workflows
+           SET state = %s, review_reason = %s,
+               approved_by = CASE WHEN %s = 'waiting_approval'
+                                  THEN '' ELSE approved_by END,
+               approval_expires = CASE WHEN %s = 'waiting_approval'
+                                       THEN NULL ELSE approval_expires END,
+               updated_at = clock_timestamp()
+         WHERE id = %s
+        """,
+        (state, reason, state, state, row["id"]),
+    )
+    _event_queued(conn, row["id"], kind, row["fence"], "at=claim")
 
 
 def _never_dispatched(

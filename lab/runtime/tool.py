@@ -3,7 +3,7 @@
 The service is the side effect the lab protects. It authenticates a bearer
 token (compared in constant time), writes one ledger row per effect, answers
 an authoritative lookup by effect key, and has switches to inject the faults
-the experiments need. The client translates every httpx error into the lab's
+the experiments need. The client translates every transport error into the lab's
 exceptions, deciding which failures leave the outcome unknown.
 
 The fault switches, each armed for the next effect request(s) (``POST /effects``)
@@ -29,20 +29,22 @@ from __future__ import annotations
 
 import difflib
 import hmac
+import http.client
 import json
 import random
 import re
 import secrets
+import select
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Protocol
 
-import httpx
 import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
@@ -651,30 +653,101 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(HTTPStatus.OK, receipt.to_json())
 
 
+class _NotDelivered(Exception):
+    """The connection could not be opened: the request never left this process."""
+
+
+class _Lost(Exception):
+    """The request may have been sent, but no complete reply came back."""
+
+
 class ToolClient:
-    """An httpx client that only talks to a loopback tool over plain HTTP."""
+    """A client that only talks to a loopback tool over plain HTTP/1.1, keeping its
+    connections open between requests (one per concurrent caller).
+
+    It uses the standard library's ``http.client``: a request costs a fraction of
+    the CPU of a general-purpose client, which counts when the tool is called once
+    per workflow. An idle connection the tool closed (it restarted) is noticed
+    before reuse (the socket reads as ready: end of file) and replaced, so a
+    restart of the tool does not turn the next call into an unknown outcome.
+    """
 
     def __init__(self, endpoint: str, token: str, *, timeout: float = 5.0):
         self.base = loopback.check_endpoint(endpoint)
         if not token:
             raise errors.ToolError("tool token must not be empty")
-        self._http = httpx.Client(
-            base_url=self.base,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout,
-            follow_redirects=False,
-            trust_env=False,  # proxies from the environment must not redirect the call
-        )
+        address = urllib.parse.urlsplit(self.base)
+        assert address.hostname is not None and address.port is not None  # checked above
+        self._host, self._port = address.hostname, address.port
+        self._authorization = f"Bearer {token}"
+        self._timeout = timeout
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        """Close the connection pool."""
-        self._http.close()
+        """Close every idle connection (one in use closes when its request ends)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def __enter__(self) -> ToolClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _take(self) -> http.client.HTTPConnection:
+        """An open idle connection still usable, or a new (unconnected) one."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            sock = conn.sock
+            # An idle HTTP/1.1 connection has nothing to read: readable means the
+            # tool closed it (or wrote out of turn). Either way it is not reused.
+            if sock is not None and not select.select([sock], [], [], 0)[0]:
+                return conn
+            conn.close()
+
+    def _give(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """Send one request; (status, body). ``_NotDelivered`` or ``_Lost`` on failure."""
+        conn = self._take()
+        if conn.sock is None:
+            try:
+                conn.connect()
+            except TimeoutError as exc:
+                conn.close()
+                # A connect that timed out may have completed on the far side.
+                raise _Lost() from exc
+            except OSError as exc:
+                conn.close()
+                raise _NotDelivered() from exc
+        try:
+            conn.request(method, path, body=body,
+                         headers={"Authorization": self._authorization, **headers})
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _Lost() from exc
+        if response.will_close:
+            conn.close()
+        else:
+            self._give(conn)
+        return response.status, data
 
     def call(self, work: Dispatchable, start: barriers.StartBarrier | None = None) -> Receipt:
         """Ask the tool to perform ``work``'s effect under its stable effect key.
@@ -692,43 +765,46 @@ class ToolClient:
             "amount_minor": work.plan["amount_minor"],
             "currency": work.plan["currency"],
         }
-        headers = {}
+        headers = {"Content-Type": "application/json"}
         if start is not None:
             headers["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
             headers[START_HEADER] = start.start_id
         try:
-            response = self._http.post(EFFECTS_PATH, json=body, headers=headers)
-        except httpx.ConnectError as exc:
+            status, data = self._request("POST", EFFECTS_PATH, json.dumps(body).encode(), headers)
+        except _NotDelivered as exc:
             raise errors.ToolUnavailable("tool could not be reached") from exc
-        except httpx.TransportError as exc:
+        except _Lost as exc:
             raise errors.OutcomeUnknown("tool reply lost: outcome unknown") from exc
-        if response.status_code == HTTPStatus.TOO_MANY_REQUESTS:
+        if status == HTTPStatus.TOO_MANY_REQUESTS:
             raise errors.RateLimited()
-        if response.status_code >= 500:
-            raise errors.OutcomeUnknown(f"tool failed with HTTP {response.status_code}")
-        if response.status_code != HTTPStatus.OK:
-            raise errors.ToolRefused(f"tool refused the effect with HTTP {response.status_code}")
-        return _receipt(response)
+        if status >= 500:
+            raise errors.OutcomeUnknown(f"tool failed with HTTP {status}")
+        if status != HTTPStatus.OK:
+            raise errors.ToolRefused(f"tool refused the effect with HTTP {status}")
+        return _receipt(data)
 
     def lookup(self, effect_key: str) -> Receipt | None:
         """The tool's authoritative answer: the receipt for ``effect_key`` or None."""
         try:
-            response = self._http.get(f"{EFFECTS_PATH}/{effect_key}")
-        except httpx.TransportError as exc:
+            status, data = self._request(
+                "GET", f"{EFFECTS_PATH}/{urllib.parse.quote(effect_key, safe='')}", None, {}
+            )
+        except (_NotDelivered, _Lost) as exc:
             raise errors.ToolUnavailable("tool lookup failed") from exc
-        if response.status_code == HTTPStatus.NOT_FOUND:
+        if status == HTTPStatus.NOT_FOUND:
             return None
-        if response.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
             # The ledger is away for now (a 501, no authoritative lookup, stays a refusal).
             raise errors.ToolUnavailable("tool lookup answered HTTP 503: try again later")
-        if response.status_code != HTTPStatus.OK:
-            raise errors.ToolRefused(f"tool lookup answered HTTP {response.status_code}")
-        return _receipt(response)
+        if status != HTTPStatus.OK:
+            raise errors.ToolRefused(f"tool lookup answered HTTP {status}")
+        return _receipt(data)
 
 
-def _receipt(response: httpx.Response) -> Receipt:
+def _receipt(data: bytes) -> Receipt:
     try:
-        data = response.json()
-        return Receipt(str(data["receipt_id"]), str(data["effect_key"]), str(data["fingerprint"]))
+        parsed = json.loads(data)
+        return Receipt(str(parsed["receipt_id"]), str(parsed["effect_key"]),
+                       str(parsed["fingerprint"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise errors.OutcomeUnknown("tool reply was not a receipt") from exc

@@ -38,6 +38,11 @@ class Worker:
     backoff: timedelta = timedelta(milliseconds=20)
     hook: Hook | None = None
     log: list[str] = field(default_factory=list)
+    #: The looping worker's fast path (``step``): each confirmed effect's completion
+    #: commits in one transaction with the next claim, and an idempotent claim with its
+    #: start barrier (boundary ``after_claim_barrier``).
+    fused: bool = False
+    _pending: store.Finished | None = field(default=None, init=False, repr=False)
 
     def _stage(self, stage: str, claim: store.Workflow) -> None:
         if self.hook is not None:
@@ -75,6 +80,79 @@ class Worker:
         except errors.IntegrityFailure:
             # A stored record failed its digest or binding: never act on it.
             return self.db.quarantine(claim, "integrity")
+
+    def step(self) -> list[store.Workflow]:
+        """The fused path: one transaction completes the last dispatch and claims the next.
+
+        The effect confirmed by the previous ``step`` is completed in the same
+        transaction that recovers expired leases and claims the next workflow (for an
+        idempotent plan with its start barrier too), so a workflow costs two commits of
+        its own (this one and the tool's) where ``run_one`` makes four. The next item is
+        then dispatched; a confirmed effect waits for the next ``step`` (or ``flush``),
+        every other outcome is committed at once, as in ``run_one``. Returns the final
+        snapshots this call committed, oldest first: empty when no work was due.
+        """
+        finished, self._pending = self._pending, None
+        try:
+            taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True)
+        except errors.IntegrityFailure:
+            if finished is None:
+                raise
+            return [self.db.quarantine(finished.claim, "integrity")]
+        except errors.StoreError:
+            if finished is not None:
+                # Nothing of the transaction committed: the dispatch is still confirmed,
+                # so keep it for the next step (a lost database is waited for).
+                self._pending = finished
+            raise
+        done = [] if taken.completed is None else [taken.completed]
+        if taken.completed is not None:
+            self._stage(protocol.AFTER_COMPLETE, taken.completed)
+        if taken.claim is None:
+            return done
+        claim = taken.claim
+        if taken.barrier is None:
+            self._stage(protocol.AFTER_CLAIM, claim)
+        else:
+            self._stage(protocol.AFTER_CLAIM_BARRIER, claim)
+        try:
+            with self._heartbeats(claim):
+                barrier = taken.barrier
+                if barrier is None:
+                    barrier = self.db.pre_dispatch(claim)
+                    if barrier is None:
+                        return [*done, self.db.get(claim.id)]
+                    self._stage(protocol.AFTER_BARRIER, claim)
+                try:
+                    receipt = self.client.call(claim, barrier)
+                except (errors.RateLimited, errors.ToolUnavailable) as exc:
+                    return [*done, self.db.retry_later(claim, self.backoff, _cause(exc))]
+                except errors.OutcomeUnknown:
+                    return [*done, self.db.unknown(claim)]
+                except errors.ToolRefused:
+                    return [*done, self.db.fail(claim, "tool_refused")]
+            self._stage(protocol.AFTER_TOOL, claim)
+            self._pending = store.Finished(claim, barrier, receipt)
+            return done
+        except errors.IntegrityFailure:
+            return [*done, self.db.quarantine(claim, "integrity")]
+
+    @property
+    def pending(self) -> bool:
+        """True while a confirmed effect's completion waits for the next ``step``."""
+        return self._pending is not None
+
+    def flush(self) -> list[store.Workflow]:
+        """Commit the completion a ``step`` left pending, if any (the loop's last act)."""
+        finished, self._pending = self._pending, None
+        if finished is None:
+            return []
+        try:
+            completed = self.db.complete(finished.claim, finished.receipt)
+        except errors.IntegrityFailure:
+            return [self.db.quarantine(finished.claim, "integrity")]
+        self._stage(protocol.AFTER_COMPLETE, completed)
+        return [completed]
 
     def reconcile(self, workflow_id: str) -> store.Workflow:
         """Settle an ``unknown`` workflow through the tool's authoritative lookup.
