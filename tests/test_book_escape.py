@@ -1,4 +1,4 @@
-"""One escaper: every renderer of the book sends evidence through ``lab.book.escape``.
+"""One escaper: every renderer of the book sends evidence through ``lab.escape``.
 
 Two halves. The code: no module of ``lab/book`` or ``lab/faults`` but ``escape``
 imports ``html``, calls an ``escape`` function of its own, defines an escaper or
@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
-from lab.book import crashpoints, escape, model_chapter, pages, sidebyside
+from lab import escape
+from lab.book import crashpoints, model_chapter, pages, sidebyside
 from lab.faults import crashmatrix
 
 REPO = Path(__file__).resolve().parents[1]
 RENDERERS = sorted([*(REPO / "lab" / "book").glob("*.py"), *(REPO / "lab" / "faults").glob("*.py")])
-ESCAPER = REPO / "lab" / "book" / "escape.py"
+ESCAPER = REPO / "lab" / "escape.py"
 HOSTILE = [
     "[click](javascript:alert(1))",
     "![x](http://evil.example/x.png)",
@@ -40,7 +41,7 @@ _ENTITY = re.compile(r"&(lt|gt|amp|quot|#x?[0-9a-f]+);")
 
 
 def test_no_renderer_escapes_on_its_own() -> None:
-    """Only lab/book/escape.py imports html, defines an escaper or spells an entity."""
+    """Only lab/escape.py imports html, defines an escaper or spells an entity."""
     offenders: list[str] = []
     for path in RENDERERS:
         if path == ESCAPER:
@@ -65,7 +66,7 @@ def test_the_escaper_module_is_the_one_every_renderer_imports() -> None:
     """Each module that renders evidence into Markdown, HTML or SVG imports the escaper."""
     for module in ("builder", "pages", "crashpoints", "sidebyside", "model_chapter", "figures"):
         source = (REPO / "lab" / "book" / f"{module}.py").read_text(encoding="utf-8")
-        assert re.search(r"^from lab\.book import .*\bescape\b", source, re.M) or (
+        assert re.search(r"^from lab import .*\bescape\b", source, re.M) or (
             module == "builder"), module
     for path in (REPO / "lab" / "faults").glob("*.py"):  # lab.faults sits below lab.book
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -412,8 +412,8 @@ def test_model_evidence_is_judged_by_its_own_signer_not_the_runtime_pin(tmp_path
     write_model_evidence(evidence / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
     builder.build(evidence, out, trusted=trusted, root=root)
-    markdown = (out / builder.MARKDOWN_FILE).read_text()
-    head, model = markdown.split("## Model experiment", 1)
+    head = (out / "index.md").read_text()
+    model = (out / "model.md").read_text()
     assert "pinned by" in head
     assert "verified with the key it carries (integrity, not identity)" in model
     assert "against the pinned public key" not in model

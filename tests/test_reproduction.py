@@ -187,7 +187,7 @@ def test_book_section_counts_and_escapes() -> None:
     lines = book_reproduction.lines(json.dumps(_record(comparison)).encode())
     text = "\n".join(lines)
     assert "Reproduced on 2026-12-01, 1 of 2 experiments identical in their facts" in text
-    assert "| ch01\\_x/test\\_one | state | succeeded |" in text
+    assert "| ch01_x/test_one | state | succeeded |" in text
     assert "\\[click\\](javascript:alert(1)) &lt;img&gt;" in text
     assert "<img>" not in text and "[click]" not in text
     assert book_reproduction.lines(None) == []

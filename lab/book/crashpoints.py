@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lab import errors
-from lab.book import escape, figures
+from lab import errors, escape
+from lab.book import figures
 from lab.faults import crashmatrix
 from lab.faults.crashmatrix import (
     AUTOMATIC,

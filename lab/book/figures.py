@@ -38,8 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab import errors, protocol
-from lab.book import escape
+from lab import errors, escape, protocol
 
 EXPERIMENT = "E"
 POSTGRESQL = "DB"

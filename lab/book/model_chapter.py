@@ -20,7 +20,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab.book import escape
+from lab import escape
 from lab.errors import Refused
 from lab.evidence import verification
 from lab.model import candidates, signed

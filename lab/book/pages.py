@@ -41,8 +41,8 @@ from typing import Any
 
 from markdown_it import MarkdownIt
 
-from lab import errors, files
-from lab.book import crashpoints, escape, figures, model_chapter, reproduction, sidebyside
+from lab import errors, escape, files
+from lab.book import crashpoints, figures, model_chapter, reproduction, sidebyside
 from lab.evidence import hermetic, reproduction_evidence, verification
 from lab.evidence.report import Report
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from lab.book import escape
+from lab import escape
 
 _WIDTH = 80
 

@@ -7,7 +7,7 @@ measured ``outcome``; the lab column from the lab's own experiments for that win
 (``OWN_EXPERIMENTS``: their result and observed facts) plus any observation a peer
 chapter records with ``system: "lab"`` (a LangGraph node delegating to the lab). A
 window nothing measured says so. Pure: report in, Markdown lines out, every piece of
-evidence through ``lab.book.escape``.
+evidence through ``lab.escape``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lab.book import escape
+from lab import escape
 
 SYSTEMS = ("lab", "dbos", "langgraph")
 SYSTEM_TITLES = {"lab": "lab", "dbos": "DBOS", "langgraph": "LangGraph"}

@@ -26,13 +26,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from html import escape
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from lab import errors, files
+from lab import errors, escape, files
 from lab.faults import chaos
 from lab.faults.chaos_settings import Settings
 from lab.pg import embedded
@@ -312,13 +311,13 @@ def figure_svg(samples: list[dict[str, Any]], title: str) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, sans-serif" '
            f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>']
+           f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape.xml(title)}</text>']
 
     def x(t: float) -> float:
         return left + (width - left - right) * t / t_max
 
     for label, top, bottom in panels:
-        out.append(f'<text x="{left}" y="{top - 6}">{escape(label)}</text>')
+        out.append(f'<text x="{left}" y="{top - 6}">{escape.xml(label)}</text>')
         out.append(f'<line x1="{left}" y1="{bottom}" x2="{width - right}" y2="{bottom}" '
                    f'stroke="#444"/>')
         out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#444"/>')
