@@ -195,3 +195,35 @@ def test_the_command_exits_0_1_and_2(lock: Path, site: Path, tmp_path: Path) -> 
     missing = run("--lock", str(absent), "--path", str(site))
     assert missing.returncode == 2
     assert missing.stderr == f"lab.evidence.environment: lock file {absent}: no such file\n"
+
+
+def test_an_edited_dependency_fails_the_gate_and_shows_in_verify(lock: Path, site: Path) -> None:
+    """Issue 26: one file of an installed distribution edited after the install makes the
+    run's recorded environment differ from the lock; the gate fails it by name and the
+    verifier's first line says the environment differs."""
+    from lab.evidence import gate, verification
+
+    clean = environment.check(lock, [site]).to_json()
+    assert gate.environment_failures(clean) == []
+    assert "environment = uv.lock" in verification.environment_note({"environment": clean})
+    (site / "demo_pkg" / "data.txt").write_bytes(b"payload\n")
+    edited = environment.check(lock, [site]).to_json()
+    assert gate.environment_failures(edited) == [
+        "environment: the installed set differs from uv.lock: "
+        "demo-pkg 1.0: demo_pkg/data.txt differs from RECORD"
+    ]
+    assert verification.environment_note({"environment": edited}) == (
+        "environment DIFFERS from uv.lock")
+    assert gate.environment_failures(None) == []  # a checkout without a lock
+
+
+def test_the_report_records_the_checkout_lock(tmp_path: Path) -> None:
+    """The compiler records the environment only against the checkout's own uv.lock; an
+    unreadable lock is recorded as a difference, never raised."""
+    from lab.evidence import compiler
+
+    assert compiler.installed_environment(tmp_path) is None
+    (tmp_path / "uv.lock").write_bytes(b"\x00 not toml")
+    recorded = compiler.installed_environment(tmp_path)
+    assert recorded is not None and recorded["matches"] is False
+    assert recorded["differences"] and "uv.lock" in recorded["differences"][0]

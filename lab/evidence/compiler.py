@@ -32,7 +32,7 @@ from typing import Any
 
 from lab import errors, files
 from lab.errors import EvidenceError
-from lab.evidence import dsse, gate, manifest, provenance
+from lab.evidence import dsse, environment, gate, manifest, provenance
 
 SCHEMA_VERSION = 1
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -473,6 +473,7 @@ def compile_report(
         ],
         "sources": sources,
         "limits": limits(facts.database, tests, restarts=_restarts(facts)),
+        "environment": installed_environment(root),
     }
     verdict = gate.decide(report)
     report["status"] = verdict.status
@@ -481,6 +482,23 @@ def compile_report(
     report["seed_floor"] = verdict.seed_floor
     report["publishable"] = verdict.publishable
     return report
+
+
+LOCK_FILE = "uv.lock"
+
+
+def installed_environment(root: Path) -> dict[str, Any] | None:
+    """The running environment against the checkout's ``uv.lock``: the lock's digest and
+    whether every installed distribution and every file its RECORD hashes match it
+    (``lab.evidence.environment``); None for a checkout without a lock."""
+    lock = root / LOCK_FILE
+    if not lock.is_file():
+        return None
+    try:
+        return environment.check(lock).to_json()
+    except errors.InputError as exc:
+        return {"lock_sha256": None, "matches": False, "differences": [str(exc)],
+                "checked_distributions": 0}
 
 
 def _restarts(facts: RunFacts) -> dict[str, int]:

@@ -85,6 +85,7 @@ def decide(report: Mapping[str, Any]) -> Gate:
     narrowed = sorted(str(n) for n in _list(gate.get("narrowed") if isinstance(gate, Mapping)
                                             else None))
     failures = [str(p) for p in _list(report.get("problems"))]
+    failures += environment_failures(report.get("environment"))
     failures += [
         f"collection error in {c.get('nodeid')}: {c.get('message')}"
         for c in _mappings(report.get("collection_errors"))
@@ -289,3 +290,17 @@ def count_problem(label: str, declared: int, produced: int) -> str | None:
     if produced < declared:
         return f"{label} produced {produced} of {declared} results"
     return f"{label} produced {produced} results but declares {declared}"
+
+
+def environment_failures(recorded: Any) -> list[str]:
+    """The gate's word on the run's environment: a run whose installed set differs from
+    the checkout's ``uv.lock`` (a version, an extra distribution, a file of a
+    distribution edited after install) is not evidence of the locked code. Nothing
+    recorded (a checkout without a lock) is no failure here."""
+    if not isinstance(recorded, Mapping) or recorded.get("matches") is True:
+        return []
+    differences = [str(d) for d in _list(recorded.get("differences"))]
+    first = f": {differences[0]}" if differences else ""
+    more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+    return [f"environment: the installed set differs from uv.lock{first}{more}"]
+

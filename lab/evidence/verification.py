@@ -608,12 +608,24 @@ def format_verdict(verdict: Verdict) -> str:
         dirty = " (tree state unknown)"
     trust = f"pinned by {verdict.pinned_by}" if verdict.pinned_by else "UNPINNED"
     lines = [
-        f"{head} {verdict.envelope}: status {status}, {run_kind(report)} run, commit "
-        f"{commit}{dirty}, signer {verdict.signer_keyid or '?'} {trust}"
+        f"{head} {verdict.envelope}: status {status}, {run_kind(report)} run, "
+        f"{environment_note(report)}, commit {commit}{dirty}, "
+        f"signer {verdict.signer_keyid or '?'} {trust}"
     ]
     lines += [f"  failed: {p}" for p in verdict.problems]
     lines += [f"  note: {n}" for n in verdict.notes]
     return "\n".join(printable(line) for line in lines)
+
+
+def environment_note(report: Mapping[str, Any] | None) -> str:
+    """``environment = uv.lock``, ``environment DIFFERS from uv.lock`` or ``environment
+    not checked``, from the report's signed ``environment`` record."""
+    recorded = report.get("environment") if report is not None else None
+    if not isinstance(recorded, Mapping):
+        return "environment not checked against a lock"
+    if recorded.get("matches") is True:
+        return "environment = uv.lock"
+    return "environment DIFFERS from uv.lock"
 
 
 def run_kind(report: Mapping[str, Any] | None) -> str:
