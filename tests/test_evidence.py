@@ -154,7 +154,8 @@ def test_round_trip_verifies_and_says_the_key_is_ephemeral(signed: Path, repo: P
     assert any("EPHEMERAL" in note for note in verdict.notes)
     assert any("integrity, not identity" in note for note in verdict.notes)
     first = verification.format_verdict(verdict).splitlines()[0]
-    assert first.startswith(f"UNPINNED {signed / compiler.ENVELOPE_FILE}: status PASS, commit ")
+    assert first.startswith(f"UNPINNED {signed / compiler.ENVELOPE_FILE}: status PASS, local run, ")
+    assert ", commit " in first
     assert "(DIRTY" not in first and first.endswith(" UNPINNED")
     envelope = _envelope(signed)
     assert envelope["payloadType"] == "application/vnd.in-toto+json"
@@ -259,7 +260,8 @@ def test_publication_key_from_environment(
     assert cli.main(argv) == 0
     verdict = verification.verify(directory, public_key=key.public)
     assert verdict.ok and verdict.pinned_by == "--public-key"
-    assert not verdict.notes  # a clean tree, a pinned publication key: nothing to add
+    # A clean tree, a pinned publication key: nothing to add but that the run was local.
+    assert all(note.startswith("LOCAL run") for note in verdict.notes), verdict.notes
 
 
 def test_verify_command_exits_non_zero_and_names_the_failure(
@@ -533,9 +535,12 @@ def test_a_pin_is_the_only_trust(
 
     (repo / "keys" / "trusted").mkdir(parents=True)
     (repo / "keys" / "trusted" / "ci.pub.pem").write_bytes(key.public_pem.read_bytes())
+    # Only a key git tracks is trusted: commit it.
+    labtree.git(repo, "add", "keys/trusted/ci.pub.pem")
+    labtree.commit(repo)
     trusted = verification.trusted_keys(repo, environ={})
     committed = verification.verify(signed, trusted=trusted)
-    assert committed.ok and committed.pinned_by == "keys/trusted/ci.pub.pem"
+    assert committed.ok and committed.pinned_by == "keys/trusted/ci.pub.pem at HEAD"
     assert "pinned by keys/trusted/ci.pub.pem" in _first_line(committed)
 
     from_env = verification.trusted_keys(
