@@ -546,7 +546,8 @@ nav .verdict { font-weight: bold; padding: 0.2rem 0.5rem; border-radius: 4px;
 nav .PASS { background: #dcffe4; color: #0b5a1d; }
 nav .FAIL, nav .PARTIAL { background: #ffdce0; color: #86181d; }
 main { margin-left: 15rem; padding: 1rem 2rem 4rem; max-width: 72rem; }
-table { border-collapse: collapse; margin: 1rem 0; font-size: 13px; }
+table { border-collapse: collapse; margin: 1rem 0; font-size: 13px; display: block;
+        max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #d8dee4; padding: 0.25rem 0.5rem; vertical-align: top;
          text-align: left; }
 th { background: #f4f6f8; }
