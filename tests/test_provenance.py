@@ -123,3 +123,29 @@ def test_installed_file_edited_in_place_is_not_vouched_for(
     failures = gate._provenance_failures(report)
     assert f"plugin fakeplug ({module.resolve()}) was loaded from outside the hashed sources" \
         in failures
+
+
+def test_a_forged_plain_pyc_beside_a_hashed_source_is_named(tmp_path: Path) -> None:
+    """Worker and tool processes are plain interpreters that report nothing: a pyc whose
+    header matches a hashed source but whose code is other is named wherever it sits."""
+    import importlib.util
+    import os
+    import py_compile
+
+    root = tmp_path / "tree"
+    (root / "pkg").mkdir(parents=True)
+    source = root / "pkg" / "mod.py"
+    source.write_text("VALUE = 1\n")
+    payload = tmp_path / "payload.py"
+    payload.write_text("VALUE = 2\n")  # the same size as the source
+    pyc = Path(importlib.util.cache_from_source(str(source)))
+    py_compile.compile(str(payload), cfile=str(pyc), doraise=True)
+    stat = source.stat()
+    os.utime(payload, (stat.st_atime, stat.st_mtime))
+    py_compile.compile(str(payload), cfile=str(pyc), doraise=True)
+    sources = {"pkg/mod.py": provenance.sha256_file(source) or ""}
+    found = provenance.vouch([], [], root=root, sources=sources)["unvouched"]
+    assert [u["module"] for u in found] == ["pkg/mod.py"]
+    assert "not compiled from its source" in found[0]["reason"]
+    py_compile.compile(str(source), cfile=str(pyc), doraise=True)  # the honest pyc
+    assert provenance.vouch([], [], root=root, sources=sources)["unvouched"] == []

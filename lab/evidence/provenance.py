@@ -447,6 +447,25 @@ def vouch(
         if reason is not None:
             unvouched.append({"module": str(item.get("module")), "file": file,
                               "reason": reason})
+    # Worker, tool and peer processes are plain interpreters that report no modules of
+    # their own: a forged pyc beside any hashed source would run there unseen, so every
+    # one the import system would use must hold the code its source compiles to.
+    for name in sorted(sources):
+        if not name.endswith(".py"):
+            continue
+        source = root / name
+        pyc = Path(importlib.util.cache_from_source(str(source)))
+        body = _pyc_used(pyc, source) if pyc.is_file() else None
+        if body is None:
+            continue
+        try:
+            same = _same_code(body, compile(source.read_bytes(), str(source), "exec",
+                                            dont_inherit=True))
+        except (OSError, SyntaxError, ValueError):
+            same = False
+        if not same:
+            unvouched.append({"module": name, "file": str(pyc),
+                              "reason": BYTECODE_STALE + " (a plain interpreter runs it)"})
     found_hooks: list[dict[str, Any]] = []
     for hook in {str(h.get("file")): h for h in hooks}.values():
         file = str(hook.get("file"))
