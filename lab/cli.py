@@ -73,7 +73,7 @@ def _evidence(args: argparse.Namespace) -> int:
         print(signed.format_verdict(model_verdict))
         sys.stdout.flush()
         return 0 if model_verdict.ok else 1
-    trusted = [] if pinned is not None else verification.trusted_keys(root)
+    trusted = [] if pinned is not None else verification.trusted_keys_for(root, path)
     verdict = verification.verify(
         path,
         public_key=pinned,

@@ -165,7 +165,7 @@ def reproduce(
     tree = root or Path.cwd()
     show = console or summary.console_for_output()
     _target(out, evidence)
-    trusted = [] if public_key is not None else verification.trusted_keys(tree)
+    trusted = [] if public_key is not None else verification.trusted_keys_for(tree, evidence)
     original, envelope = _verified_original(evidence, public_key, trusted, tree)
     lock = check_environment(original, tree)
     commit = str(original["commit"])

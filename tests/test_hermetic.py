@@ -439,6 +439,45 @@ def test_only_keys_git_tracks_are_trusted(tmp_path: Path) -> None:
     assert stranger.exists()
 
 
+def _evidence_naming(directory: Path, commit: str | None) -> Path:
+    """An envelope whose (unsigned) report names ``commit``: enough to choose keys by."""
+    directory.mkdir(parents=True)
+    predicate = {} if commit is None else {"commit": commit}
+    payload = json.dumps({"predicate": predicate}).encode()
+    (directory / compiler.ENVELOPE_FILE).write_text(json.dumps({
+        "payloadType": dsse.PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
+        "signatures": []}))
+    return directory
+
+
+def test_keys_are_the_ones_git_tracked_at_the_evidences_commit(tmp_path: Path) -> None:
+    """Case 7, by commit: evidence is vouched for by the keys tracked at the commit it
+    names, not by HEAD's; a commit the repository does not hold, or none, gets no
+    committed key at all."""
+    root = _tree(tmp_path)
+    keys = root / "keys" / "trusted"
+    keys.mkdir(parents=True)
+    _, old = _key(keys, "old")
+    labtree.commit(root)
+    first = _git(root, "rev-parse", "HEAD").strip()
+    old.unlink()
+    _key(keys, "new")
+    labtree.commit(root)
+    second = _git(root, "rev-parse", "HEAD").strip()
+
+    (at_first,) = verification.trusted_keys_for(
+        root, _evidence_naming(tmp_path / "e1", first), environ={})
+    assert at_first.origin == f"keys/trusted/old.pub.pem at {first[:12]}"
+    (at_second,) = verification.trusted_keys_for(
+        root, _evidence_naming(tmp_path / "e2", second), environ={})
+    assert at_second.origin == f"keys/trusted/new.pub.pem at {second[:12]}"
+    assert verification.trusted_keys_for(
+        root, _evidence_naming(tmp_path / "e3", "f" * 40), environ={}) == []
+    assert verification.trusted_keys_for(
+        root, _evidence_naming(tmp_path / "e4", None), environ={}) == []
+    assert verification.trusted_keys_for(root, tmp_path / "missing", environ={}) == []
+
+
 def test_one_function_decides_signer_trust() -> None:
     """Every signature check of evidence goes through ``verification.check_signer``:
     no other module calls ``dsse.check_signature``."""

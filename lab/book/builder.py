@@ -313,7 +313,8 @@ def cli_main(args: argparse.Namespace) -> int:
     pinned: ed25519.Ed25519PublicKey | None = None
     if args.public_key:
         pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
-    trusted = [] if pinned is not None else verification.trusted_keys(root)
+    trusted = ([] if pinned is not None
+               else verification.trusted_keys_for(root, Path(args.evidence)))
     try:
         written = build(
             Path(args.evidence), Path(args.out), public_key=pinned, trusted=trusted, root=root,

@@ -108,7 +108,7 @@ def load_public_key_file(path: Path, what: str = "public key") -> ed25519.Ed2551
 
 
 def trusted_keys(
-    root: Path, environ: Mapping[str, str] | None = None, *, commit: str = "HEAD"
+    root: Path, environ: Mapping[str, str] | None = None, *, commit: str | None = "HEAD"
 ) -> list[TrustedKey]:
     """The publication keys a verifier trusts without ``--public-key``.
 
@@ -117,10 +117,13 @@ def trusted_keys(
     ``./keys/trusted/`` is not a publication key: anyone can drop one there), and each
     file or directory (its ``*.pub.pem``) given explicitly in ``LAB_TRUSTED_KEYS``,
     separated by ``os.pathsep``. A listed file that is not an Ed25519 PEM key is an error.
+    With ``commit`` None only the explicit keys count (``trusted_keys_for`` passes the
+    evidence's own commit).
     """
     env = os.environ if environ is None else environ
-    keys = [TrustedKey(_tracked_key(root, commit, name), f"{name} at {commit}")
-            for name in _tracked_key_names(root, commit)]
+    keys = [] if commit is None else [
+        TrustedKey(_tracked_key(root, commit, name), f"{name} at {commit[:12]}")
+        for name in _tracked_key_names(root, commit)]
     paths: list[tuple[Path, str]] = []
     for entry in (env.get(TRUSTED_ENV) or "").split(os.pathsep):
         if not entry:
@@ -133,6 +136,43 @@ def trusted_keys(
     return keys + [
         TrustedKey(load_public_key_file(path, "trusted key"), origin) for path, origin in paths
     ]
+
+
+def trusted_keys_for(
+    root: Path, evidence: Path, environ: Mapping[str, str] | None = None
+) -> list[TrustedKey]:
+    """The publication keys trusted for one evidence file: tracked at *its* commit.
+
+    A key is trusted when git tracks it under ``keys/trusted/`` at the commit the
+    evidence names (so a key removed since, or added later, neither vouches for nor
+    against older evidence), or when ``LAB_TRUSTED_KEYS`` names it. Evidence that names
+    no commit, or a commit this repository does not hold, gets the explicit keys only:
+    pin it with ``--public-key``.
+    """
+    commit = evidence_commit(evidence)
+    if commit is not None and _git(root, ["cat-file", "-e", f"{commit}^{{commit}}"]) is None:
+        commit = None
+    return trusted_keys(root, environ, commit=commit)
+
+
+def evidence_commit(evidence: Path) -> str | None:
+    """The full commit id the evidence's signed report names, or None.
+
+    Read before the signature is checked, only to choose which committed keys may
+    vouch for it: a forged commit cannot help a forger, whose key must still be one
+    that git tracked there.
+    """
+    try:
+        envelope = files.read_json(locate(evidence).envelope, files.ENVELOPE_LIMIT, "envelope")
+        parsed = files.parse_json(dsse.b64decode(envelope.get("payload")), "payload")
+    except (InputError, ValueError, AttributeError, TypeError):
+        return None
+    predicate = parsed.get("predicate") if isinstance(parsed, dict) else None
+    commit = predicate.get("commit") if isinstance(predicate, dict) else None
+    if isinstance(commit, str) and len(commit) == 40 and all(
+            c in "0123456789abcdef" for c in commit):
+        return commit
+    return None
 
 
 def _git(root: Path, args: Sequence[str]) -> bytes | None:
