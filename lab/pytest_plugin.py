@@ -25,9 +25,9 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -93,6 +93,10 @@ def introspection(config: pytest.Config) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "experiment: a chapter experiment of the book (added automatically)"
+    )
+    config.addinivalue_line(
+        "markers", f"{LONG_RUNNING}: an experiment that runs for a minute or so; scheduled "
+        "first, so pytest-xdist runs it beside the short ones instead of after them"
     )
     looking = introspection(config)
     if looking is not None and not hasattr(config, "workerinput"):
@@ -165,9 +169,47 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 _CONSTANT_KEY = pytest.StashKey[list[str]]()
+LONG_RUNNING = "long_running"
+T = TypeVar("T")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _flag_constant_observations(items)
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = long_ones_first(items, workers,
+                               lambda item: item.get_closest_marker(LONG_RUNNING) is not None)
+
+
+def long_ones_first(
+    items: Sequence[T], workers: int, is_long: Callable[[T], bool]
+) -> list[T]:
+    """``items`` reordered so each of ``workers`` starts with its share of the long ones.
+
+    pytest-xdist's ``worksteal`` hands each worker a contiguous slice of the collection
+    (sizes ``len // workers``, the first ones smaller) and later steals from a queue's
+    end. A run lasts at least as long as its longest chain, so the long experiments are
+    dealt round-robin to the *front* of the slices, each to a different worker, instead
+    of running one after another wherever collection put them. The rest keep their order.
+    """
+    workers = max(1, workers)
+    long = [item for item in items if is_long(item)]
+    short = [item for item in items if not is_long(item)]
+    remaining, sizes = len(items), []
+    for index in range(workers):
+        sizes.append(remaining // (workers - index))
+        remaining -= sizes[-1]
+    ordered: list[T] = []
+    for index, size in enumerate(sizes):
+        mine = long[index::workers][:size]
+        ordered += mine
+        take = size - len(mine)
+        ordered += short[:take]
+        short = short[take:]
+    leftover = [item for item in long if item not in ordered]
+    return ordered + leftover + short
+
+
+def _flag_constant_observations(items: list[pytest.Item]) -> None:
     problems: dict[Path, dict[str, list[str]]] = {}
     for item in items:
         if "experiments" not in item.path.parts:

@@ -264,6 +264,7 @@ def test_clock_steps_mid_window_keep_one_owner_per_fence(
     assert "reconciled" in kinds or kinds.count("claimed") >= 2, kinds
 
 
+@pytest.mark.long_running
 def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
     faulty_server: Any, observe, reached_database
 ) -> None:

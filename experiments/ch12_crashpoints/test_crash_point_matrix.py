@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lab import protocol
 from lab.faults import crashmatrix, crashpoints
 
 
+@pytest.mark.long_running
 def test_every_crash_point_keeps_every_invariant(
     killable_postgres, reached_database, evidence_artifact, observe
 ):
