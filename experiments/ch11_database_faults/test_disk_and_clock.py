@@ -270,17 +270,19 @@ def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
 ) -> None:
     """A chaos round on top of worker SIGKILLs, backend kills, lost replies and 429s,
     with the data directory's filesystem filled every few seconds (alternately until a
-    data file cannot grow and until WAL cannot) and the server's clock stepped up to a
-    minute forward or back: after the drain the invariant checker and the independent
+    data file cannot grow and until WAL cannot) and the server's clock stepped up to
+    twenty seconds forward or back: after the drain the invariant checker and the independent
     SQL audit agree that nothing is duplicated, lost, stale or resurrected."""
     server = _server(faulty_server)
     settings = chaos.Settings(
         # Fills every two seconds or so, so a data file and then WAL are both refused
-        # well before the work runs out on a quiet machine (the phase ends when all
-        # work is settled); on a busy one the phase ends at ``duration``.
-        workflows=250, workers=3, duration=20.0, kill_every_ms=500.0,
+        # while 600 workflows are still running on a quiet machine (the phase ends when
+        # all work is settled); on a busy one it ends at ``duration``. Steps of at most
+        # 20 s: a minute back held every killed worker's lease a minute longer and
+        # tripled the round's drain (the mid-window experiments step minutes).
+        workflows=600, workers=3, duration=20.0, kill_every_ms=500.0,
         terminate_every_ms=2000.0, disk_full_every_ms=2000.0, disk_full_for_ms=1500.0,
-        clock_step_every_ms=2000.0, clock_step_max_s=60, durable=True, seed=33,
+        clock_step_every_ms=2000.0, clock_step_max_s=20, durable=True, seed=33,
         drain_timeout=120.0,
     )
     try:
