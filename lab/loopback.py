@@ -5,7 +5,7 @@ could reach anything else is refused with the reason, before any connection.
 
 Both checks read the text the user gave, not a library's normalisation of it:
 resolvers accept spellings such as ``2130706433``, ``0x7f.1`` or ``127.1`` for
-127.0.0.1 and httpx passes them through untouched, so only canonical literals
+127.0.0.1 and HTTP clients pass them through untouched, so only canonical literals
 are accepted and everything else is refused rather than guessed at. Error
 messages never contain a password, a query or userinfo; they name the rule.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 
-import httpx
 from psycopg import conninfo
 
 from lab import errors
@@ -231,12 +231,13 @@ def check_endpoint(endpoint: str) -> str:
     port = int(port_text)
     shown = f"[{address}]" if ":" in address else address
     base = f"http://{shown}:{port}"
-    # The client parses the result with httpx: it must see exactly this target.
+    # The client (``tool.ToolClient``) splits the result with urllib: it must see
+    # exactly this target.
     try:
-        parsed = httpx.URL(base)
-    except httpx.InvalidURL:
+        parsed = urllib.parse.urlsplit(base)
+        parsed_port = parsed.port
+    except ValueError:
         raise _refuse("could not be normalised") from None
-    # httpx reports the scheme's default port (80) as None.
-    if parsed.host != address or (parsed.port or 80) != port:
+    if parsed.hostname != address or parsed_port != port:
         raise _refuse("parses differently in the HTTP client")
     return base
