@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 
 from lab import errors, files
-from lab.evidence import compiler, gate, hermetic, provenance, summary
+from lab.evidence import compiler, environment, gate, hermetic, provenance, summary
 
 EXPERIMENTS = "experiments"
 pytest_usage_error = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest here
@@ -149,11 +149,14 @@ def lock_of(tree: Path) -> tuple[str, str]:
     return str(found["path"]), str(found["sha256"])
 
 
-def _install_locked(venv: Path, tree: Path, origin: Path) -> None:
+def _install_locked(venv: Path, tree: Path, origin: Path, uv_cache: Path) -> None:
     """Install exactly the tree's uv.lock (hashes enforced, the lab itself left out) as
     the venv ``venv``, with the pinned uv of the origin's ``scripts/ensure-uv``.
 
-    The one place that knows how the locked environment is installed.
+    The one place that knows how the locked environment is installed. Files are copied
+    from a uv cache of the hermetic runs' own (``uv_cache``), never hard-linked: uv links
+    a venv's files to its cache by default, so a dependency edited in place in the
+    author's own ``.venv`` edits the shared cache, and every venv linked to it.
     """
     try:
         done = subprocess.run([str(origin / "scripts" / "ensure-uv")], capture_output=True,
@@ -170,7 +173,9 @@ def _install_locked(venv: Path, tree: Path, origin: Path) -> None:
         shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git"))
         _run([uv, "sync", "--project", str(copy), "--locked", "--no-install-project",
               "--no-python-downloads", "--python", _base_python(), "--quiet"],
-             "installing the locked environment", {"UV_PROJECT_ENVIRONMENT": str(venv)})
+             "installing the locked environment",
+             {"UV_PROJECT_ENVIRONMENT": str(venv), "UV_CACHE_DIR": str(uv_cache),
+              "UV_LINK_MODE": "copy"})
 
 
 def _run(command: Sequence[str], what: str, env: dict[str, str] | None = None) -> None:
@@ -192,30 +197,52 @@ def environment_key(lock_sha256: str) -> str:
 def install_environment(tree: Path, cache: Path, origin: Path) -> tuple[Path, str]:
     """The site-packages of the locked dependencies of ``tree``, and the lock's digest.
 
-    Reused from ``cache`` when a venv there carries this key (lock digest + python);
-    built afresh otherwise. Its files are still checked at run time: every module that
-    runs must match its distribution's RECORD (``provenance.vouch``).
+    Reused from ``cache`` when a venv there carries this key (lock digest + python)
+    *and* still matches the lock file by file (every distribution's version and the
+    hashes its RECORD lists); built afresh otherwise, from a uv cache of the hermetic
+    runs' own, which is emptied first when a venv built from it failed that check. A
+    fresh build that does not match the lock is an ``EnvironmentFailure`` naming the
+    first difference. Its files are checked again at run time: every module that runs
+    must match its distribution's RECORD (``provenance.vouch``).
     """
-    _, lock_sha256 = lock_of(tree)
+    lock_name, lock_sha256 = lock_of(tree)
     key = environment_key(lock_sha256)
     venv = cache / key[:24]
+    uv_cache = cache / "uv-cache"
     stamp = venv / _STAMP
     try:
         reusable = json.loads(stamp.read_text(encoding="utf-8")).get("key") == key
     except (OSError, ValueError, AttributeError):
         reusable = False
+    if reusable and _differences(tree / lock_name, venv):
+        # Edited since it was built: neither it nor the cache it came from is trusted.
+        reusable = False
+        shutil.rmtree(uv_cache, ignore_errors=True)
     if not reusable:
         shutil.rmtree(venv, ignore_errors=True)
         cache.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=f"{key[:24]}.", dir=cache)) / "venv"
-        _install_locked(building, tree, origin)
-        (building / _STAMP).write_text(json.dumps({"key": key, "lock": lock_sha256}),
-                                       encoding="utf-8")
-        with contextlib.suppress(OSError):  # another run built it meanwhile
-            building.rename(venv)
-        shutil.rmtree(building.parent, ignore_errors=True)
+        try:
+            _install_locked(building, tree, origin, uv_cache)
+            found = _differences(tree / lock_name, building)
+            if found:
+                shutil.rmtree(uv_cache, ignore_errors=True)
+                raise errors.EnvironmentFailure(
+                    f"the locked environment as installed differs from {lock_name}: "
+                    f"{found[0]}")
+            (building / _STAMP).write_text(json.dumps({"key": key, "lock": lock_sha256}),
+                                           encoding="utf-8")
+            with contextlib.suppress(OSError):  # another run built it meanwhile
+                building.rename(venv)
+        finally:
+            shutil.rmtree(building.parent, ignore_errors=True)
     site = _site_packages(venv)
     return site, lock_sha256
+
+
+def _differences(lock: Path, venv: Path) -> tuple[str, ...]:
+    """How the venv's installed files differ from ``lock`` (empty: they match)."""
+    return environment.check(lock, [str(_site_packages(venv))]).differences
 
 
 def _base_python() -> str:

@@ -227,3 +227,59 @@ def test_the_report_records_the_checkout_lock(tmp_path: Path) -> None:
     recorded = compiler.installed_environment(tmp_path)
     assert recorded is not None and recorded["matches"] is False
     assert recorded["differences"] and "uv.lock" in recorded["differences"][0]
+
+
+def test_a_hermetic_venv_edited_after_its_build_is_rebuilt_from_an_emptied_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached hermetic venv is reused only while it still matches the lock file by
+    file: one edited in place (as a hard link to uv's cache would let an author's own
+    venv do) is thrown away with the cache it came from and installed again."""
+    from lab import runner
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "uv.lock").write_text(LOCK, encoding="utf-8")
+    cache = tmp_path / "hermetic"
+    builds: list[Path] = []
+
+    def lay_out(venv: Path, _tree: Path, _origin: Path, uv_cache: Path) -> None:
+        # What uv sync leaves: the locked distribution, its files matching RECORD.
+        builds.append(uv_cache)
+        uv_cache.mkdir(parents=True, exist_ok=True)
+        install(runner._site_packages(venv), "demo-pkg", "1.0",
+                {"demo_pkg/__init__.py": b"VALUE = 1\n"})
+
+    monkeypatch.setattr(runner, "_install_locked", lay_out)
+    site, _ = runner.install_environment(tree, cache, ROOT)
+    assert len(builds) == 1 and (site / "demo_pkg" / "__init__.py").is_file()
+    assert runner.install_environment(tree, cache, ROOT)[0] == site and len(builds) == 1
+    (cache / "uv-cache" / "marker").write_text("from the first build")
+    with (site / "demo_pkg" / "__init__.py").open("a") as module:
+        module.write("import os  # a payload\n")
+    again, _ = runner.install_environment(tree, cache, ROOT)
+    assert len(builds) == 2, "the edited venv was reused"
+    assert (again / "demo_pkg" / "__init__.py").read_bytes() == b"VALUE = 1\n"
+    assert not (cache / "uv-cache" / "marker").exists(), "the cache it came from was kept"
+
+
+def test_a_fresh_hermetic_build_that_differs_from_the_lock_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An install whose files do not match their RECORD (a poisoned cache) is an
+    environment failure naming the difference, and leaves no venv to reuse."""
+    from lab import runner
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "uv.lock").write_text(LOCK, encoding="utf-8")
+
+    def poisoned(venv: Path, _tree: Path, _origin: Path, _uv_cache: Path) -> None:
+        site = runner._site_packages(venv)
+        install(site, "demo-pkg", "1.0", {"demo_pkg/__init__.py": b"VALUE = 1\n"})
+        (site / "demo_pkg" / "__init__.py").write_bytes(b"VALUE = 2\n")
+
+    monkeypatch.setattr(runner, "_install_locked", poisoned)
+    with pytest.raises(errors.EnvironmentFailure, match="demo_pkg/__init__.py differs"):
+        runner.install_environment(tree, tmp_path / "hermetic", ROOT)
+    assert [p.name for p in (tmp_path / "hermetic").iterdir()] == []
