@@ -160,7 +160,8 @@ def _install_locked(venv: Path, tree: Path, origin: Path, uv_cache: Path) -> Non
     """
     try:
         done = subprocess.run([str(origin / "scripts" / "ensure-uv")], capture_output=True,
-                              text=True, timeout=_INSTALL_TIMEOUT, check=False)
+                              text=True, timeout=_INSTALL_TIMEOUT, check=False,
+                              env=_install_environ({}))
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise errors.EnvironmentFailure(f"installing uv: {exc}") from exc
     if done.returncode != 0 or not done.stdout.strip():
@@ -178,10 +179,19 @@ def _install_locked(venv: Path, tree: Path, origin: Path, uv_cache: Path) -> Non
               "UV_LINK_MODE": "copy"})
 
 
+def _install_environ(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment for the installers, without what would run code of its
+    own in an interpreter they start (``PYTHONPATH``'s ``sitecustomize``, a start-up file,
+    a preloaded library): the install of a hermetic run is no place for them either."""
+    kept = {name: value for name, value in os.environ.items()
+            if not name.startswith(("PYTHON", "LD_"))}
+    return {**kept, **extra}
+
+
 def _run(command: Sequence[str], what: str, env: dict[str, str] | None = None) -> None:
     try:
         done = subprocess.run(command, timeout=_INSTALL_TIMEOUT, check=False,
-                              env={**os.environ, **env} if env else None)
+                              env=_install_environ(env or {}))
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise errors.EnvironmentFailure(f"{what}: {exc}") from exc
     if done.returncode != 0:
