@@ -50,26 +50,49 @@ DEFAULT_OUT = "reproduction"
 LOCK_FILE = "uv.lock"
 # A re-run of the whole suite: (commit, evidence directory to write) -> None. Only a
 # verified PASS is reproduced, and a narrowed run is never one, so there is no selection.
-Rerun = Callable[[str, Path], None]
+Rerun = Callable[[str, Path, str | None], None]
 _MAX_MEASUREMENTS = 4
 _WIDTH = 40
 
 
-def rerun_hermetic(commit: str, evidence: Path) -> None:
-    """Run ``commit`` hermetically into ``evidence`` with ``lab run --hermetic`` (issue 27).
+def rerun_hermetic(commit: str, evidence: Path, workers: str | None = None) -> None:
+    """Run ``commit`` hermetically into ``evidence`` with ``lab run --hermetic`` (issue 27),
+    on ``workers`` pytest-xdist workers as the original run did (None: none).
 
     The hermetic run clones the commit into a fresh directory and installs its locked
     environment; this function only asks for it. A ``lab`` without ``--hermetic`` writes
     no evidence and says so: that is an environment that cannot reproduce (exit 3).
     """
     command = [sys.executable, "-m", "lab.cli", "run", "--hermetic", "--commit", commit,
-               "--evidence", str(evidence)]
+               "--evidence", str(evidence), *(["-n", workers] if workers else [])]
     completed = subprocess.run(command, check=False)
     if not (evidence / compiler.ENVELOPE_FILE).is_file():
         raise errors.ProvisioningError(
             f"`lab run --hermetic --commit {commit[:12]}` exited {completed.returncode} "
             "without writing evidence: this lab cannot re-run a commit hermetically"
         )
+
+
+def recorded_workers(report: Mapping[str, Any]) -> str | None:
+    """The ``-n``/``--numprocesses`` value of the original run's pytest command, if any:
+    a reproduction schedules its experiments as the original did."""
+    command = report.get("command")
+    if not isinstance(command, list):
+        return None
+    value: str | None = None
+    for index, word in enumerate(command):
+        if not isinstance(word, str):
+            continue
+        if word in ("-n", "--numprocesses") and index + 1 < len(command):
+            following = command[index + 1]
+            value = following if isinstance(following, str) else None
+        elif word.startswith("--numprocesses="):
+            value = word.partition("=")[2]
+        elif word.startswith("-n") and word[2:].isdigit():
+            value = word[2:]
+    if value is None or not (value.isdigit() and 1 <= int(value) <= 64):
+        return None
+    return value
 
 
 def recorded_lock(report: Mapping[str, Any]) -> str | None:
@@ -180,7 +203,7 @@ def reproduce(
             relative = f"{reproduction_evidence.RUNS_DIR}/run-{number}"
             began = time.monotonic()
             show.print(f"[dim]re-run {number} of {runs}: commit {commit[:12]}[/dim]")
-            rerun(commit, staging / relative)
+            rerun(commit, staging / relative, recorded_workers(original))
             report, run_envelope = _verified_rerun(staging / relative, trusted, commit, tree)
             reports.append(report)
             entries.append({"evidence": relative, "envelope_sha256":

@@ -280,6 +280,6 @@ def test_a_fresh_hermetic_build_that_differs_from_the_lock_is_refused(
         (site / "demo_pkg" / "__init__.py").write_bytes(b"VALUE = 2\n")
 
     monkeypatch.setattr(runner, "_install_locked", poisoned)
-    with pytest.raises(errors.EnvironmentFailure, match="demo_pkg/__init__.py differs"):
+    with pytest.raises(errors.EnvironmentFailure, match=r"demo_pkg/__init__\.py differs"):
         runner.install_environment(tree, tmp_path / "hermetic", ROOT)
     assert [p.name for p in (tmp_path / "hermetic").iterdir()] == []

@@ -241,8 +241,9 @@ class CloneAndRun:
     def __init__(self, repo: Path, scratch: Path, dsn: str) -> None:
         self.repo, self.scratch, self.dsn, self.count = repo, scratch, dsn, 0
 
-    def __call__(self, commit: str, evidence: Path) -> None:
+    def __call__(self, commit: str, evidence: Path, workers: str | None) -> None:
         self.count += 1
+        self.workers = workers
         clone = self.scratch / f"clone-{self.count}"
         subprocess.run(["git", "clone", "-q", str(self.repo), str(clone)], check=True)
         subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)
@@ -367,3 +368,19 @@ def test_the_book_takes_only_a_verified_reproduction_of_its_own_run(tmp_path: Pa
     (directory / reproduction_evidence.RECORD_FILE).write_text("{}")
     with pytest.raises(errors.Refused, match="not the signed subject"):
         reproduction_evidence.book_files(tmp_path, b"original")
+
+
+@pytest.mark.parametrize(("command", "workers"), [
+    (["pytest", "experiments", "-n", "3"], "3"),
+    (["pytest", "experiments", "--numprocesses=2"], "2"),
+    (["pytest", "experiments", "-n4"], "4"),
+    (["pytest", "experiments"], None),
+    (["pytest", "-n", "auto"], None),
+    (["pytest", "-n", "-p"], None),
+    ("pytest -n 3", None),
+])
+def test_a_reproduction_schedules_its_experiments_as_the_original_did(
+    command: Any, workers: str | None
+) -> None:
+    """The re-run gets the original's pytest-xdist worker count, when it recorded a plain one."""
+    assert reproduce.recorded_workers({"command": command}) == workers
