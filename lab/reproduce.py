@@ -204,7 +204,7 @@ def reproduce(
             began = time.monotonic()
             show.print(f"[dim]re-run {number} of {runs}: commit {commit[:12]}[/dim]")
             rerun(commit, staging / relative, recorded_workers(original))
-            report, run_envelope = _verified_rerun(staging / relative, trusted, commit, tree)
+            report, run_envelope = _verified_rerun(staging / relative, signer, commit, tree)
             reports.append(report)
             entries.append({"evidence": relative, "envelope_sha256":
                             reproduction_evidence.sha256(run_envelope),
@@ -239,9 +239,16 @@ def reproduce(
 
 
 def _verified_rerun(
-    directory: Path, trusted: Sequence[verification.TrustedKey], commit: str, root: Path
+    directory: Path, signer: dsse.Signer, commit: str, root: Path
 ) -> tuple[dict[str, Any], bytes]:
-    verdict = verification.verify(directory, trusted=trusted, root=root)
+    """The re-run's report and envelope, verified as this reproduction's own work.
+
+    The re-run signs with the key this reproduction signs with (``LAB_EVIDENCE_KEY``,
+    inherited), so that key pins it; an ephemeral signer is a fresh key in every
+    process, and the re-run is then checked for integrity only.
+    """
+    pinned = signer.key.public_key() if signer.source != "ephemeral" else None
+    verdict = verification.verify(directory, public_key=pinned, root=root)
     if not verdict.ok or verdict.report is None:
         first = verdict.problems[0] if verdict.problems else "no report"
         raise errors.CheckFailed(verification.printable(f"re-run evidence: {first}"))
