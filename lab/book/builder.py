@@ -33,12 +33,12 @@ beside the evidence is never trusted, only checked to be the signer's key.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +303,17 @@ def _param(nodeid: str) -> str | None:
 # --------------------------------------------------------------------------- command
 
 
-def cli_main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class BuildOptions:
+    """What ``lab book build`` is asked to do (its flags)."""
+
+    evidence: str = EVIDENCE_DIR
+    out: str = DEFAULT_OUT
+    public_key: str | None = None
+    png: bool = False
+
+
+def cli_main(options: BuildOptions) -> int:
     """``lab book build``: 0 when the book was written; a refusal is raised as ``Refused``.
 
     The signer is pinned by ``--public-key`` when given, else trusted when it is one of
@@ -311,23 +321,23 @@ def cli_main(args: argparse.Namespace) -> int:
     """
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
-    if args.public_key:
-        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    if options.public_key:
+        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
     trusted = ([] if pinned is not None
-               else verification.trusted_keys_for(root, Path(args.evidence)))
+               else verification.trusted_keys_for(root, Path(options.evidence)))
+    out = Path(options.out)
     try:
         written = build(
-            Path(args.evidence), Path(args.out), public_key=pinned, trusted=trusted, root=root,
-            png=bool(getattr(args, "png", False)),
+            Path(options.evidence), out, public_key=pinned, trusted=trusted, root=root,
+            png=options.png,
         )
     except OSError as exc:
-        raise Refused(f"{exc.filename or args.out}: {exc.strerror or exc}") from exc
+        raise Refused(f"{exc.filename or options.out}: {exc.strerror or exc}") from exc
     figures_count = sum(1 for name in written
                         if name.startswith(f"{FIGURES_DIR}/") and name.endswith(".svg"))
     page_count = sum(1 for name in written if "/" not in name and name.endswith(".html"))
     print(
-        f"wrote {len(written)} files to {args.out} ({page_count} pages, {figures_count} "
-        f"figures; open {Path(args.out) / INDEX_FILE}); digests in "
-        f"{Path(args.out) / MANIFEST_FILE}"
+        f"wrote {len(written)} files to {options.out} ({page_count} pages, {figures_count} "
+        f"figures; open {out / INDEX_FILE}); digests in {out / MANIFEST_FILE}"
     )
     return 0

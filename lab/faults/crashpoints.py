@@ -43,7 +43,6 @@ way the checker judges the history, and the cell records which happened.
 
 from __future__ import annotations
 
-import argparse
 import random
 import secrets
 import time
@@ -57,7 +56,7 @@ from typing import Any
 
 from lab import errors, protocol
 from lab.faults import crashmatrix, invariants
-from lab.pg import edge
+from lab.pg import edge, providers
 from lab.runtime import plan, processes, sealing, store, tool, worker
 from lab.runtime import toolprocess as toolprocesses
 
@@ -592,7 +591,18 @@ def print_summary(matrix: Mapping[str, Any]) -> None:
                   style="bold green" if crashmatrix.passed(matrix) else "bold red")
 
 
-def cli_main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class CrashpointsOptions:
+    """What ``lab crashpoints`` is asked to do (its flags)."""
+
+    jobs: int = 2
+    seed: int = 17
+    only: tuple[str, ...] = ()
+    output: str = "evidence/crashpoints.json"
+    lab_postgres: str = providers.AUTO
+
+
+def cli_main(options: CrashpointsOptions) -> int:
     """Body of ``lab crashpoints``: provision PostgreSQL, run the matrix, print, write JSON.
 
     Exit 0 when every cell reached its boundary with no violation and every
@@ -603,25 +613,25 @@ def cli_main(args: argparse.Namespace) -> int:
     from lab.pg import cluster
 
     progress = Console(stderr=True)
-    if not 1 <= args.jobs <= 16:
+    if not 1 <= options.jobs <= 16:
         raise errors.UsageError("--jobs must be between 1 and 16")
-    if not any(cell_id(*c).startswith(tuple(args.only or [""])) for c in cells()):
-        raise errors.UsageError(f"--only {' '.join(args.only)} matches no cell")
+    if not any(cell_id(*c).startswith(options.only or ("",)) for c in cells()):
+        raise errors.UsageError(f"--only {' '.join(options.only)} matches no cell")
     # Durable (fsync and synchronous commits on), as every run that crashes the server is.
-    running = cluster.start(mode=args.lab_postgres, durable=True)
+    running = cluster.start(mode=options.lab_postgres, durable=True)
     try:
         database = running.provisioned.describe()
         restart = running.crash_restart if running.can_crash_restart else None
         progress.log(f"PostgreSQL {database.get('server_version')} via "
-                     f"{database.get('provider')}; {args.jobs} jobs; server restarts "
+                     f"{database.get('provider')}; {options.jobs} jobs; server restarts "
                      f"{'on' if restart else 'impossible: no PostgreSQL column'}")
-        matrix = run(running.provisioned.dsn, seed=args.seed, jobs=args.jobs, only=args.only,
-                     log=progress.log, restart=restart)
+        matrix = run(running.provisioned.dsn, seed=options.seed, jobs=options.jobs,
+                     only=list(options.only), log=progress.log, restart=restart)
     finally:
         running.stop()
     matrix["postgres"] = database
     print_summary(matrix)
-    output = Path(args.output)
+    output = Path(options.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(crashmatrix.canonical_json(matrix))
     progress.log(f"matrix written to {output}")
