@@ -1,23 +1,67 @@
 """The lab command: admit, run, verify, publish.
 
-Subcommands are thin: each parses its arguments and calls one module's entry
-point, so every behaviour lives (and is tested) in its module.
+Subcommands are thin: each parses its arguments, turns them into the command's typed
+options (``options_from``, the one place a parsed namespace becomes options) and calls
+one module's entry point with them, so every behaviour lives (and is tested) in its
+module. This is the only module of ``lab/`` that knows argparse, apart from the child
+processes run with ``python -m`` that parse their own argv.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from lab import errors, protocol
 from lab.pg import providers
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Options = TypeVar("Options", bound="DataclassInstance")
+Commands = argparse._SubParsersAction  # the type of ``add_subparsers()``'s result
+
+# Parsed attributes that choose the handler rather than carry an option (unless the
+# options ask for one by name, as ``lab evidence``'s and ``lab manifest``'s do).
+_DISPATCH = frozenset({"command", "handler", "evidence_command", "manifest_command",
+                       "model_command", "bench_command", "review_command", "book_command"})
+
+
+def options_from(kind: type[Options], args: argparse.Namespace) -> Options:
+    """The one place where parsed arguments become a command's typed, frozen options.
+
+    Every parsed option must be a field of ``kind`` and every field a parsed option, so
+    no flag is dropped or invented on the way; a list (``action="append"``, a remainder)
+    becomes a tuple.
+    """
+    fields = {field.name for field in dataclasses.fields(kind)}
+    parsed = {name: value for name, value in vars(args).items()
+              if name in fields or name not in _DISPATCH}
+    if parsed.keys() != fields:
+        raise TypeError(f"{kind.__name__} does not match the parser: "
+                        f"{sorted(parsed.keys() ^ fields)}")
+    return kind(**{name: tuple(value) if isinstance(value, list) else value
+                   for name, value in parsed.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class EvidenceOptions:
+    """What ``lab evidence verify|show`` is asked to do: the subcommand and its flags."""
+
+    evidence_command: str
+    path: str = "evidence"
+    public_key: str | None = None
+    check_sources: bool = False
+
 
 def _plancheck(args: argparse.Namespace) -> int:
+    """``lab plancheck``: admit one proposal from stdin (no options); never execute."""
     # Imported here: jsonschema would add to every worker process's start-up.
     from lab.runtime import proposal
 
@@ -44,30 +88,34 @@ def _plancheck(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from lab.runtime import processes
 
-    return processes.worker_main(args)
+    return processes.worker_main(options_from(processes.WorkerOptions, args))
 
 
 def _run(args: argparse.Namespace) -> int:
     from lab import runner
 
-    return runner.run_main(args)
+    return runner.run_main(options_from(runner.RunOptions, args))
 
 
 def _evidence(args: argparse.Namespace) -> int:
+    return verify_evidence(options_from(EvidenceOptions, args))
+
+
+def verify_evidence(options: EvidenceOptions) -> int:
     """``lab evidence verify|show``: both verify; 0 only when the evidence verifies.
 
     ``show`` also needs a PASS to exit 0, and says what it could not verify.
     """
     from lab.evidence import gate, summary, verification
 
-    path = Path(args.path)
+    path = Path(options.path)
     root = Path.cwd()
     pinned = None
-    if args.public_key:
-        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    if options.public_key:
+        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
     from lab.model import signed
 
-    if args.evidence_command == "verify" and signed.is_model_evidence(path):
+    if options.evidence_command == "verify" and signed.is_model_evidence(path):
         model_trusted = [] if pinned is not None else verification.trusted_keys(root)
         model_verdict = signed.verify(path, public_key=pinned, trusted=model_trusted)
         print(signed.format_verdict(model_verdict))
@@ -78,12 +126,12 @@ def _evidence(args: argparse.Namespace) -> int:
         path,
         public_key=pinned,
         trusted=trusted,
-        check_sources=bool(args.check_sources),
+        check_sources=options.check_sources,
         root=root,
     )
     if verdict.unreadable is not None:
         raise errors.InputError(verification.printable(verdict.unreadable))
-    if args.evidence_command == "show":
+    if options.evidence_command == "show":
         if verdict.report is None:
             # Nothing trustworthy in shape to show: the first problem names the file.
             problem = verdict.problems[0] if verdict.problems else f"{path}: no report"
@@ -105,61 +153,75 @@ def _evidence(args: argparse.Namespace) -> int:
 def _manifest(args: argparse.Namespace) -> int:
     from lab.evidence import manifest
 
-    return manifest.cli_main(args)
+    return manifest.cli_main(options_from(manifest.ManifestOptions, args))
 
 
-def _model(args: argparse.Namespace) -> int:
+def _model_run(args: argparse.Namespace) -> int:
     from lab.model import command as model_command
 
-    return model_command.cli_main(args)
+    return model_command.run_main(options_from(model_command.RunOptions, args))
+
+
+def _model_check(args: argparse.Namespace) -> int:
+    from lab.model import command as model_command
+
+    return model_command.check_main(options_from(model_command.CheckOptions, args))
 
 
 def _publish(args: argparse.Namespace) -> int:
     from lab import publish
 
-    return publish.cli_main(args)
+    return publish.cli_main(options_from(publish.PublishOptions, args))
 
 
 def _chaos(args: argparse.Namespace) -> int:
     from lab.faults import chaos_command
 
-    return chaos_command.cli_main(args)
+    return chaos_command.cli_main(options_from(chaos_command.ChaosOptions, args))
 
 
 def _soak(args: argparse.Namespace) -> int:
     from lab.faults import soak
 
-    return soak.cli_main(args)
+    return soak.cli_main(options_from(soak.SoakOptions, args))
 
 
 def _bench(args: argparse.Namespace) -> int:
     from lab.bench import command as bench_command
 
-    return bench_command.cli_main(args)
+    kinds: dict[str, type[bench_command.BenchOptions]] = {
+        "throughput": bench_command.ThroughputOptions, "claim": bench_command.ClaimOptions,
+        "suite": bench_command.SuiteOptions, "startup": bench_command.StartupOptions,
+    }
+    return bench_command.cli_main(options_from(kinds[args.bench_command], args))
 
 
 def _book(args: argparse.Namespace) -> int:
     from lab.book import builder
 
-    return builder.cli_main(args)
+    return builder.cli_main(options_from(builder.BuildOptions, args))
 
 
 def _crashpoints(args: argparse.Namespace) -> int:
     from lab.faults import crashpoints
 
-    return crashpoints.cli_main(args)
+    return crashpoints.cli_main(options_from(crashpoints.CrashpointsOptions, args))
 
 
 def _review(args: argparse.Namespace) -> int:
     from lab import review
 
-    return review.cli_main(args)
+    kinds: dict[str, type[review.ReviewOptions]] = {
+        "list": review.ReviewOptions, "show": review.ShowOptions,
+        "requeue": review.RequeueOptions, "resolve": review.ResolveOptions,
+    }
+    return review.cli_main(options_from(kinds[args.review_command], args))
 
 
 def _reproduce(args: argparse.Namespace) -> int:
     from lab import reproduce
 
-    return reproduce.cli_main(args)
+    return reproduce.cli_main(options_from(reproduce.ReproduceOptions, args))
 
 
 def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,14 +240,11 @@ def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest clock offset, forward or back, in seconds")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``lab`` command."""
-    parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def _lab_postgres_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
 
-    check = commands.add_parser("plancheck", help="admit one proposal from stdin; never execute")
-    check.set_defaults(handler=_plancheck)
 
+def _add_worker(commands: Commands[argparse.ArgumentParser]) -> None:
     worker = commands.add_parser("worker", help="run one work item as an OS process")
     worker.add_argument("--schema", required=True, help="the experiment's isolated schema")
     worker.add_argument("--tool", required=True, help="loopback tool endpoint")
@@ -211,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(handler=_worker)
 
+
+def _add_run(commands: Commands[argparse.ArgumentParser]) -> None:
     run = commands.add_parser("run", help="run the experiments and sign the evidence")
     run.add_argument("--chapter", action="append", default=[], help="only this chapter")
     run.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
@@ -223,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest arguments")
     run.set_defaults(handler=_run)
 
+
+def _add_reproduce(commands: Commands[argparse.ArgumentParser]) -> None:
     again = commands.add_parser(
         "reproduce", help="re-run signed evidence's commit hermetically, compare its facts")
     again.add_argument("evidence", help="the evidence directory to reproduce")
@@ -232,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="PEM of the expected signer of the evidence (the only key accepted)")
     again.set_defaults(handler=_reproduce)
 
+
+def _add_evidence(commands: Commands[argparse.ArgumentParser]) -> None:
     ev = commands.add_parser("evidence", help="verify or show signed evidence")
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
@@ -245,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="compare every signed digest and the manifest with this tree")
     ev.set_defaults(handler=_evidence)
 
+
+def _add_manifest(commands: Commands[argparse.ArgumentParser]) -> None:
     man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")
     man_commands = man.add_subparsers(dest="manifest_command", required=True)
     for sub, text in (("sync", "rewrite it from collection (exact counts), show the diff"),
@@ -255,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="default: EXPERIMENTS/manifest.json")
     man.set_defaults(handler=_manifest)
 
+
+def _add_model(commands: Commands[argparse.ArgumentParser]) -> None:
     mdl = commands.add_parser("model", help="model-generation traces")
     mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
     mrun = mdl_commands.add_parser("run", help="generate proposals, admit them, sign the traces")
@@ -265,10 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     mrun.add_argument("--case", action="append", default=[], help="only this case id")
     mrun.add_argument("--evidence", default="evidence/model", help="model evidence directory")
     mrun.add_argument("--threads", type=int, default=None, help="CPU threads (default 2)")
+    mrun.set_defaults(handler=_model_run)
     mcheck = mdl_commands.add_parser("check", help="re-check a model experiment report")
     mcheck.add_argument("report")
-    mdl.set_defaults(handler=_model)
+    mcheck.set_defaults(handler=_model_check)
 
+
+def _add_publish(commands: Commands[argparse.ArgumentParser]) -> None:
     pub = commands.add_parser("publish", help="run, verify and build the publication, or refuse")
     pub.add_argument("--out", required=True, help="directory for evidence/ and book/")
     pub.add_argument("--model", default=None, help="GGUF model for the case set")
@@ -278,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
     pub.set_defaults(handler=_publish)
 
+
+def _add_chaos(commands: Commands[argparse.ArgumentParser]) -> None:
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
     chaos.add_argument("--workflows", type=int, default=500)
     chaos.add_argument("--workers", type=int, default=4)
@@ -305,9 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run PostgreSQL with fsync=on and synchronous_commit=on")
     _database_fault_arguments(chaos)
     chaos.add_argument("--output", default="evidence/chaos.json")
-    chaos.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
+    _lab_postgres_argument(chaos)
     chaos.set_defaults(handler=_chaos)
 
+
+def _add_soak(commands: Commands[argparse.ArgumentParser]) -> None:
     soak = commands.add_parser("soak", help="a long run mixing every fault, memory sampled")
     soak.add_argument("--workflows", type=int, default=100_000)
     soak.add_argument("--round", type=int, default=2_000, metavar="N",
@@ -330,9 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--sample-every", type=float, default=2.0, metavar="S")
     soak.add_argument("--output", default="evidence/soak.json")
     soak.add_argument("--figure", default="evidence/soak.svg")
-    soak.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
+    _lab_postgres_argument(soak)
     soak.set_defaults(handler=_soak)
 
+
+def _add_crashpoints(commands: Commands[argparse.ArgumentParser]) -> None:
     crash = commands.add_parser(
         "crashpoints", help="every named boundary, fault and tool kind, then the invariants"
     )
@@ -341,9 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     crash.add_argument("--only", action="append", default=[],
                        help="only cells whose id (boundary/fault/kind) starts with this")
     crash.add_argument("--output", default="evidence/crashpoints.json")
-    crash.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
+    _lab_postgres_argument(crash)
     crash.set_defaults(handler=_crashpoints)
 
+
+def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_commands.add_parser(
@@ -368,11 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands.add_parser("suite", help="experiment suite wall time, serial and parallel")
     bench_commands.add_parser("startup", help="provisioning and worker spawn-to-ready times")
     for sub_parser in (throughput, claim):
-        sub_parser.add_argument("--lab-postgres", default=providers.AUTO,
-                                choices=providers.MODES)
+        _lab_postgres_argument(sub_parser)
     bench.add_argument("--output-dir", default="evidence/bench")
     bench.set_defaults(handler=_bench)
 
+
+def _add_review(commands: Commands[argparse.ArgumentParser]) -> None:
     review = commands.add_parser("review", help="list and decide work in manual review")
     review.add_argument("--schema", required=True, help="the schema holding the workflows")
     review.add_argument("--tenant", default="tenant-a")
@@ -392,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("--reason", required=True)
     review.set_defaults(handler=_review)
 
+
+def _add_book(commands: Commands[argparse.ArgumentParser]) -> None:
     book = commands.add_parser("book", help="publication artifacts from verified evidence")
     book_commands = book.add_subparsers(dest="book_command", required=True)
     build = book_commands.add_parser(
@@ -403,6 +486,19 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--png", action="store_true",
                        help="also write a PNG beside each SVG figure (the book extra)")
     book.set_defaults(handler=_book)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lab`` command: one small builder per command group."""
+    parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("plancheck", help="admit one proposal from stdin; never execute")
+    check.set_defaults(handler=_plancheck)
+    # In this order: ``lab --help`` lists the commands as they are added.
+    for add in (_add_worker, _add_run, _add_reproduce, _add_evidence, _add_manifest, _add_model,
+                _add_publish, _add_chaos, _add_soak, _add_crashpoints, _add_bench, _add_review,
+                _add_book):
+        add(commands)
     return parser
 
 

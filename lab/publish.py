@@ -18,13 +18,13 @@ another module's entry point.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -34,7 +34,25 @@ from lab.errors import Refused
 from lab.evidence import dsse, hermetic, verification
 from lab.model import signed
 
-Step = Callable[[argparse.Namespace], int]
+if TYPE_CHECKING:
+    # The steps' modules are imported when a step runs (see ``_run_experiments``).
+    from lab import runner
+    from lab.model import command as model_command
+
+RunStep = Callable[["runner.RunOptions"], int]
+ModelStep = Callable[["model_command.RunOptions"], int]
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    """What ``lab publish`` is asked to do (its flags)."""
+
+    out: str
+    model: str | None = None
+    expect_sha256: str | None = None
+    public_key: str | None = None
+    threads: int | None = None
+    numprocesses: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,79 +107,80 @@ def _refuse_dirty(root: Path, when: str) -> None:
         raise Refused(f"dirty {when}: {changed[0]}{more} changed in {root}; commit first")
 
 
-def prepare(args: argparse.Namespace, root: Path, environ: dict[str, str]) -> Plan:
+def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Plan:
     """Check everything that can be checked before running; raise ``Refused`` naming it."""
     if not environ.get(dsse.KEY_ENV):
         raise Refused(f"unsigned: set {dsse.KEY_ENV} to the publication key's private PEM")
     signer = dsse.load_signer(environ)
     pinned = signer.key.public_key()
-    if args.public_key:
+    if options.public_key:
         # Bounded, regular files only: a FIFO or a huge file is refused, not read.
-        expected = verification.load_public_key_file(Path(args.public_key), "--public-key")
+        expected = verification.load_public_key_file(Path(options.public_key), "--public-key")
         if dsse.raw_public_key(expected) != dsse.raw_public_key(pinned):
             raise Refused(
                 f"unpinned: {dsse.KEY_ENV} signs as {signer.keyid}, not as the --public-key "
                 f"{dsse.keyid(expected)}"
             )
         pinned = expected
-    if args.model and not args.expect_sha256:
-        raise Refused(f"unpinned: --model {args.model} needs --expect-sha256")
-    if args.expect_sha256 and not args.model:
+    if options.model and not options.expect_sha256:
+        raise Refused(f"unpinned: --model {options.model} needs --expect-sha256")
+    if options.expect_sha256 and not options.model:
         raise errors.UsageError("--expect-sha256 needs --model")
     _refuse_dirty(root, "before the run")
-    out = Path(args.out).resolve()
+    out = Path(options.out).resolve()
     if out == root or root.is_relative_to(out):
-        raise errors.UsageError(f"--out {args.out} would hold the working tree itself")
+        raise errors.UsageError(f"--out {options.out} would hold the working tree itself")
     return Plan(
         out=out,
         root=root,
         pinned=pinned,
-        model=Path(args.model) if args.model else None,
-        expect_sha256=args.expect_sha256,
-        threads=args.threads,
-        numprocesses=args.numprocesses,
+        model=Path(options.model) if options.model else None,
+        expect_sha256=options.expect_sha256,
+        threads=options.threads,
+        numprocesses=options.numprocesses,
     )
 
 
-def _run_experiments(args: argparse.Namespace) -> int:
+def _run_experiments(options: runner.RunOptions) -> int:
     from lab import runner
 
-    return runner.run_main(args)
+    return runner.run_main(options)
 
 
-def _run_model(args: argparse.Namespace) -> int:
+def _run_model(options: model_command.RunOptions) -> int:
     from lab.model import command as model_command
 
-    return model_command.run_main(args)
+    return model_command.run_main(options)
 
 
 def publish(
     plan: Plan,
     *,
-    run_experiments: Step = _run_experiments,
-    run_model: Step = _run_model,
+    run_experiments: RunStep = _run_experiments,
+    run_model: ModelStep = _run_model,
 ) -> list[str]:
     """Run, verify and build as ``plan`` says; the book's files, or ``Refused`` naming why."""
     # Model evidence of an earlier publication must not reach this book.
     if plan.model_evidence.exists():
         shutil.rmtree(plan.model_evidence)
+    from lab import runner
+    from lab.model import command as model_command
+
     # Always hermetic: the committed HEAD in a fresh clone on the locked environment, so
     # nothing left in this working tree or this interpreter reaches the published run.
     code = run_experiments(
-        argparse.Namespace(
-            chapter=[], numprocesses=plan.numprocesses, evidence=str(plan.evidence),
-            pytest_args=[], hermetic=True, commit=None,
-        )
-    )  # fmt: skip
+        runner.RunOptions(numprocesses=plan.numprocesses, evidence=str(plan.evidence),
+                          hermetic=True)
+    )
     if code != 0:
         raise Refused(f"not PASS: the experiments exited {code}; see {plan.evidence}")
     if plan.model is not None:
         code = run_model(
-            argparse.Namespace(
-                model=str(plan.model), expect_sha256=plan.expect_sha256, cases=None, case=[],
+            model_command.RunOptions(
+                model=str(plan.model), expect_sha256=plan.expect_sha256,
                 evidence=str(plan.model_evidence), threads=plan.threads,
             )
-        )  # fmt: skip
+        )
         if code != 0:
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
         model_verdict = signed.verify(
@@ -181,10 +200,10 @@ def publish(
     return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def cli_main(options: PublishOptions) -> int:
     """``lab publish``: 0 with the book written from verified evidence; refusals are raised."""
     root = Path.cwd().resolve()
-    plan = prepare(args, root, dict(os.environ))
+    plan = prepare(options, root, dict(os.environ))
     written = publish(plan)
     model = f", model evidence in {plan.model_evidence}" if plan.model else ", no model"
     print(

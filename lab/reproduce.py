@@ -20,7 +20,6 @@ cannot re-run the commit.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import shutil
@@ -29,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -313,12 +313,22 @@ def closing_line(comparison: reproduction.Comparison, wall_s: float, out: Path) 
     return "; ".join(parts)
 
 
-def cli_main(args: argparse.Namespace) -> int:
-    """``lab reproduce``: parse, pin, reproduce."""
+@dataclass(frozen=True)
+class ReproduceOptions:
+    """What ``lab reproduce`` is asked to do (its arguments)."""
+
+    evidence: str
+    runs: int = 1
+    out: str = "reproduction"
+    public_key: str | None = None
+
+
+def cli_main(options: ReproduceOptions) -> int:
+    """``lab reproduce``: pin, check the evidence exists, reproduce."""
     pinned = None
-    if args.public_key:
-        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
-    evidence = Path(args.evidence)
+    if options.public_key:
+        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+    evidence = Path(options.evidence)
     if not evidence.exists():
         raise errors.InputError(f"evidence {evidence}: no such file or directory")
-    return reproduce(evidence, runs=args.runs, out=Path(args.out), public_key=pinned)
+    return reproduce(evidence, runs=options.runs, out=Path(options.out), public_key=pinned)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -14,25 +14,53 @@ from lab import errors, protocol
 from lab.runtime import store
 
 
-def cli_main(args: argparse.Namespace) -> int:
-    """Body of ``lab review list|show|requeue|resolve``; the DSN comes from BOOK_LAB_DSN."""
+@dataclass(frozen=True, kw_only=True)
+class ReviewOptions:
+    """``lab review list``, and what every ``lab review`` subcommand is given."""
+
+    schema: str
+    tenant: str = "tenant-a"
+    reviewer: str = "reviewer"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShowOptions(ReviewOptions):
+    """``lab review show WORKFLOW``."""
+
+    workflow: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequeueOptions(ReviewOptions):
+    """``lab review requeue WORKFLOW [--force --reason TEXT]``."""
+
+    workflow: str
+    force: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolveOptions(ReviewOptions):
+    """``lab review resolve WORKFLOW --as OUTCOME --reason TEXT``."""
+
+    workflow: str
+    outcome: str
+    reason: str
+
+
+def cli_main(options: ReviewOptions) -> int:
+    """Body of ``lab review list|show|requeue|resolve`` (by the options' kind); the DSN
+    comes from BOOK_LAB_DSN."""
     dsn = os.environ.get(protocol.DSN_ENV, "")
     if not dsn:
         raise errors.UsageError(f"lab review needs {protocol.DSN_ENV} in its environment")
-    reviewer = store.Actor(tenant=args.tenant, subject=args.reviewer, role="reviewer")
+    reviewer = store.Actor(tenant=options.tenant, subject=options.reviewer, role="reviewer")
     # A pipe gets whole identifiers rather than a table cut to 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 200)
-    with store.Store.open(dsn, args.schema, max_connections=1,
+    with store.Store.open(dsn, options.schema, max_connections=1,
                           application_name="lab-review") as db:
-        if args.review_command == "list":
-            table = Table("workflow", "attempt", "fence", "reason", "cancel requested")
-            for item in db.in_review():
-                table.add_row(item.id, str(item.attempt), str(item.fence),
-                              item.review_reason or "(not yet reviewed)",
-                              "yes" if item.cancel_requested else "no")
-            console.print(table)
-        elif args.review_command == "show":
-            item = db.get(args.workflow)
+        if isinstance(options, ShowOptions):
+            item = db.get(options.workflow)
             start = db.barrier_for(item.id, item.fence)
             print(json.dumps({
                 "workflow": item.id,
@@ -48,11 +76,19 @@ def cli_main(args: argparse.Namespace) -> int:
                 "events": [f"{e['kind']} fence={e['fence']} {e['detail']}".strip()
                            for e in db.events(item.id)],
             }, indent=2))
-        elif args.review_command == "requeue":
-            item = db.requeue_reviewed(reviewer, args.workflow, force=args.force,
-                                       reason=args.reason)
+        elif isinstance(options, RequeueOptions):
+            item = db.requeue_reviewed(reviewer, options.workflow, force=options.force,
+                                       reason=options.reason)
             print(f"requeued {item.id}: state {item.state}")
-        else:
-            item = db.resolve_reviewed(reviewer, args.workflow, args.outcome, args.reason)
+        elif isinstance(options, ResolveOptions):
+            item = db.resolve_reviewed(reviewer, options.workflow, options.outcome,
+                                       options.reason)
             print(f"resolved {item.id}: state {item.state}")
+        else:
+            table = Table("workflow", "attempt", "fence", "reason", "cancel requested")
+            for item in db.in_review():
+                table.add_row(item.id, str(item.attempt), str(item.fence),
+                              item.review_reason or "(not yet reviewed)",
+                              "yes" if item.cancel_requested else "no")
+            console.print(table)
     return 0

@@ -16,8 +16,8 @@ caller's ``--evidence`` directory.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -46,9 +46,21 @@ _GIT_TIMEOUT = 300
 _INSTALL_TIMEOUT = 3600
 
 
-def pytest_command(args: argparse.Namespace, python: str | None = None) -> list[str]:
-    """The pytest invocation of ``lab run`` for its parsed arguments."""
-    chapters: Sequence[str] = args.chapter or []
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """What ``lab run`` is asked to do (its flags)."""
+
+    chapter: tuple[str, ...] = ()
+    numprocesses: str | None = None
+    evidence: str = "evidence"
+    hermetic: bool = False
+    commit: str | None = None
+    pytest_args: tuple[str, ...] = ()
+
+
+def pytest_command(options: RunOptions, python: str | None = None) -> list[str]:
+    """The pytest invocation of ``lab run`` for its options."""
+    chapters: Sequence[str] = options.chapter
     targets = [f"{EXPERIMENTS}/{chapter}" for chapter in chapters] or [EXPERIMENTS]
     # Experiments use no hypothesis; its plugin costs ~1.6 s of imports per process.
     command = [python or sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider",
@@ -56,23 +68,23 @@ def pytest_command(args: argparse.Namespace, python: str | None = None) -> list[
     if python is not None:
         # The hermetic venv installs the dependencies only: the plugin comes from the clone.
         command += ["-p", "lab.pytest_plugin"]
-    command += ["--lab-evidence", str(args.evidence)]
-    if args.numprocesses:
-        command += ["-n", str(args.numprocesses)]
-    extra = list(args.pytest_args or [])
+    command += ["--lab-evidence", str(options.evidence)]
+    if options.numprocesses:
+        command += ["-n", str(options.numprocesses)]
+    extra = list(options.pytest_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
     return command + extra
 
 
-def run_main(args: argparse.Namespace, console: Console | None = None) -> int:
+def run_main(options: RunOptions, console: Console | None = None) -> int:
     """Run the experiments, print the summary; exit 0 only when the gate says PASS."""
     out = console or summary.console_for_output()
-    if getattr(args, "commit", None) and not getattr(args, "hermetic", False):
+    if options.commit and not options.hermetic:
         raise errors.UsageError("--commit needs --hermetic: only a hermetic run runs a commit")
-    if getattr(args, "hermetic", False):
-        return run_hermetic(args, out)
-    chapters: Sequence[str] = args.chapter or []
+    if options.hermetic:
+        return run_hermetic(options, out)
+    chapters: Sequence[str] = options.chapter
     missing = [c for c in chapters if not (Path(EXPERIMENTS) / c).is_dir()]
     if not Path(EXPERIMENTS).is_dir() or missing:
         named = ", ".join(missing) or EXPERIMENTS
@@ -82,9 +94,9 @@ def run_main(args: argparse.Namespace, console: Console | None = None) -> int:
             f"[yellow]Only {', '.join(chapters)}: a narrowed run is PARTIAL by design and "
             "never passes the gate.[/yellow]"
         )
-    command = pytest_command(args)
+    command = pytest_command(options)
     out.print(f"[dim]$ {' '.join(command)}[/dim]")
-    directory = Path(args.evidence)
+    directory = Path(options.evidence)
     # Evidence of an earlier run must not survive a run that writes none (a usage
     # error, a crash): whatever is in the directory afterwards is this run's.
     for name in compiler.RUN_FILES:
@@ -277,13 +289,13 @@ def run_venv(scratch: Path, tree: Path, dependencies: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def run_hermetic(args: argparse.Namespace, out: Console) -> int:
+def run_hermetic(options: RunOptions, out: Console) -> int:
     """``lab run --hermetic``: the committed revision in a fresh clone, on the locked
     environment, isolated; the evidence lands in the caller's ``--evidence``."""
     origin = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd(),
                        "--hermetic runs a commit of a git repository"))
-    sha = resolve_commit(origin, getattr(args, "commit", None) or "HEAD")
-    directory = Path(args.evidence).resolve()
+    sha = resolve_commit(origin, options.commit or "HEAD")
+    directory = Path(options.evidence).resolve()
     for name in compiler.RUN_FILES:
         (directory / name).unlink(missing_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
@@ -292,7 +304,7 @@ def run_hermetic(args: argparse.Namespace, out: Console) -> int:
         tree = scratch / "src"
         out.print(f"[dim]hermetic: cloning {sha[:12]} of {origin}[/dim]")
         clone(origin, sha, tree)
-        chapters: Sequence[str] = args.chapter or []
+        chapters: Sequence[str] = options.chapter
         missing = [c for c in chapters if not (tree / EXPERIMENTS / c).is_dir()]
         if missing:
             raise errors.UsageError(f"no such experiments directory at {sha[:12]}: "
@@ -314,8 +326,8 @@ def run_hermetic(args: argparse.Namespace, out: Console) -> int:
                            timeout=_INSTALL_TIMEOUT, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise errors.EnvironmentFailure(f"compiling the run's bytecode: {exc}") from exc
-        run_args = argparse.Namespace(**{**vars(args), "evidence": str(directory)})
-        command = pytest_command(run_args, python=str(python))
+        run_options = dataclasses.replace(options, evidence=str(directory))
+        command = pytest_command(run_options, python=str(python))
         out.print(f"[dim]$ {' '.join(command)}  (in the clone, {len(env)} allowlisted "
                   "variables)[/dim]")
         completed = subprocess.run(command, cwd=tree, env=env, check=False)

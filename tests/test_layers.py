@@ -192,3 +192,19 @@ def test_every_environment_variable_is_in_the_readme_table() -> None:
     unlisted = sorted(name for name in _variables_in(code) - listed
                       if not any(known.startswith(name + "_") for known in listed))
     assert unlisted == [], "add these to the README's environment table"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    """A function (or method) of ``lab/`` longer than 80 lines, decorators aside, fails:
+    split it into named steps."""
+    long = sorted(
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (length := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_FUNCTION_LINES
+    )
+    assert long == []

@@ -8,7 +8,6 @@ as the publication model is. ``test_model_at_lab_model_path`` runs a real model
 
 from __future__ import annotations
 
-import argparse
 import copy
 import ctypes
 import hashlib
@@ -650,13 +649,12 @@ def test_command_writes_signed_evidence_and_shows_progress(
 
 
 def test_threads_come_from_the_arguments_when_given(tiny_path: Path, tmp_path: Path) -> None:
-    args = argparse.Namespace(
-        model_command="run", model=str(tiny_path), expect_sha256=None, cases=None,
-        case=["account-a"], threads=1, evidence=str(tmp_path / "ev"),
-    )  # fmt: skip
     from lab.model import command as model_command
 
-    assert model_command.cli_main(args) == 0
+    options = model_command.RunOptions(
+        model=str(tiny_path), case=("account-a",), threads=1, evidence=str(tmp_path / "ev")
+    )
+    assert model_command.run_main(options) == 0
     assert json.loads((tmp_path / "ev" / "model-experiment.json").read_text())["threads"] == 1
 
 

@@ -9,19 +9,20 @@ the whole experiment suite; CI's own steps run the real entry points.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import canned_model
 import pytest
 from conftest import KeyFiles
 
-from lab import cli, publish
+from lab import cli, publish, runner
 from lab.errors import Refused
 from lab.evidence import dsse
+from lab.model import command as model_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,13 +40,8 @@ def _git_tree(path: Path) -> Path:
     return path
 
 
-def _args(out: Path, **changes: object) -> argparse.Namespace:
-    values: dict[str, object] = {
-        "out": str(out), "model": None, "expect_sha256": None, "public_key": None,
-        "threads": None, "numprocesses": None,
-    }  # fmt: skip
-    values.update(changes)
-    return argparse.Namespace(**values)
+def _args(out: Path, **changes: Any) -> publish.PublishOptions:
+    return publish.PublishOptions(out=str(out), **changes)
 
 
 def _lab(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -105,15 +101,15 @@ def test_a_run_that_is_not_pass_is_refused(
     tree = _git_tree(tmp_path / "tree")
     env = {dsse.KEY_ENV: str(make_key("k").private_pem)}
     plan = publish.prepare(_args(tmp_path / "o"), tree, env)
-    seen: list[argparse.Namespace] = []
+    seen: list[runner.RunOptions] = []
 
-    def failing(args: argparse.Namespace) -> int:
-        seen.append(args)
+    def failing(options: runner.RunOptions) -> int:
+        seen.append(options)
         return 1
 
     with pytest.raises(Refused, match="not PASS: the experiments exited 1"):
         publish.publish(plan, run_experiments=failing)
-    assert seen[0].evidence == str(plan.evidence)
+    assert seen[0] == runner.RunOptions(evidence=str(plan.evidence), hermetic=True)
     assert not plan.book.exists()
 
 
@@ -133,10 +129,10 @@ def test_model_evidence_under_another_key_is_refused(
     stale.parent.mkdir(parents=True)
     stale.write_text("{}")
 
-    def model_step(args: argparse.Namespace) -> int:
+    def model_step(options: model_command.RunOptions) -> int:
         assert not stale.exists(), "an earlier publication's model evidence was kept"
         # Real signed model evidence, but under an ephemeral key, not the pinned one.
-        canned_model.write_evidence(Path(args.evidence), tmp_path / "scratch", ["account-a"])
+        canned_model.write_evidence(Path(options.evidence), tmp_path / "scratch", ["account-a"])
         return 0
 
     with pytest.raises(
@@ -152,5 +148,7 @@ def test_publish_is_a_lab_subcommand() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["publish", "--out", "x", "--model", "m", "--expect-sha256", "s"])
     assert args.handler is not None
-    assert (args.out, args.model, args.expect_sha256) == ("x", "m", "s")
+    assert cli.options_from(publish.PublishOptions, args) == publish.PublishOptions(
+        out="x", model="m", expect_sha256="s"
+    )
     assert REPO.joinpath("lab", "publish.py").is_file()

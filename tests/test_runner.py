@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -15,8 +14,8 @@ from lab import cli, errors, runner
 from lab.evidence import compiler, summary
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    return cli.build_parser().parse_args(["run", *argv])
+def _args(*argv: str) -> runner.RunOptions:
+    return cli.options_from(runner.RunOptions, cli.build_parser().parse_args(["run", *argv]))
 
 
 def test_command_runs_pytest_on_the_experiments_with_evidence() -> None:

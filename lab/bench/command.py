@@ -16,8 +16,8 @@ writes. Failures are raised as ``errors.LabError`` for ``lab.cli`` to report.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -25,28 +25,77 @@ from rich.console import Console
 from lab import errors
 from lab.bench import claim, measure, startup, suite, throughput
 from lab.bench.measure import fmt
+from lab.pg import providers
+
+OUTPUT_DIR = "evidence/bench"
 
 
-def cli_main(args: argparse.Namespace, console: Console | None = None) -> int:
-    """Run one ``lab bench`` subcommand; print its table and write its JSON."""
+@dataclass(frozen=True)
+class SuiteOptions:
+    """``lab bench suite``: where to write the figures."""
+
+    output_dir: str = OUTPUT_DIR
+
+
+@dataclass(frozen=True)
+class StartupOptions:
+    """``lab bench startup``: where to write the figures."""
+
+    output_dir: str = OUTPUT_DIR
+
+
+@dataclass(frozen=True)
+class ClaimOptions:
+    """``lab bench claim``: the finished-history sizes to measure (none: the defaults)."""
+
+    output_dir: str = OUTPUT_DIR
+    history: tuple[int, ...] = ()
+    lab_postgres: str = providers.AUTO
+
+
+@dataclass(frozen=True)
+class ThroughputOptions:
+    """``lab bench throughput``: the workload, the peer, and the sweep's configurations
+    (comma-separated lists, as the flags take them)."""
+
+    output_dir: str = OUTPUT_DIR
+    workflows: int = 1000
+    workers: int = 2
+    peer: str | None = None
+    repeat: int = 1
+    sweep: bool = False
+    lab_processes: str = "2,4"
+    dbos_processes: str = "2,4"
+    dbos_concurrency: str = "1,8,16"
+    dbos_poll: str = "0.005,0.05"
+    noise: bool = False
+    lab_postgres: str = providers.AUTO
+
+
+BenchOptions = SuiteOptions | StartupOptions | ClaimOptions | ThroughputOptions
+
+
+def cli_main(options: BenchOptions, console: Console | None = None) -> int:
+    """Run one ``lab bench`` subcommand (by the options' kind); print its table and write
+    its JSON."""
     out = console or Console()
     if console is None and not out.is_terminal:
         out.width = 140  # piped output keeps whole table rows
-    command: str = args.bench_command
-    _validate(args)
-    if command == "suite":
+    if isinstance(options, ThroughputOptions):
+        _validate(options)
+    if isinstance(options, SuiteOptions):
         report = {"environment": measure.environment(None, None), **suite.suite()}
         out.print(suite.suite_table(report))
         n4 = report["runs"]["-n 4"]["fraction_of_serial"]
         out.print(f"-n 4 wall time / serial: {fmt(n4)} (goal <= "
                   f"{suite.GOAL_N4_OVER_SERIAL}); floor set by the longest test and "
                   f"start-up: {fmt(report['parallel_floor_fraction'])}")
-        name = command
+        name = "suite"
     else:
-        mode = getattr(args, "lab_postgres", "auto")
+        mode = providers.AUTO if isinstance(options, StartupOptions) else options.lab_postgres
         with measure.postgres(mode) as (dsn, provision):
             environment = measure.environment(dsn, provision)
-            name, report = _measure(command, args, dsn)
+            name, report = _measure(options, dsn)
             report = {"environment": environment, **report}
         server = environment["postgres"]
         out.print(f"PostgreSQL {server['server_version']} "
@@ -59,7 +108,7 @@ def cli_main(args: argparse.Namespace, console: Console | None = None) -> int:
                       "compare systems use an fsync-on server (--lab-postgres dsn)",
                       style="yellow")
         _print(name, report, out)
-    path = measure.write(args.output_dir, name, report)
+    path = measure.write(options.output_dir, name, report)
     out.print(f"wrote {path}")
     return 0
 
@@ -78,42 +127,41 @@ def _floats(text: str) -> list[float]:
         raise errors.UsageError(f"not a comma-separated list of numbers: {text!r}") from None
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(options: ThroughputOptions) -> None:
     """Refuse bad arguments before a server is provisioned for nothing."""
-    if args.bench_command != "throughput":
-        return
-    counts = [args.workflows, args.workers, args.repeat]
-    if args.sweep:
-        if args.peer != "dbos":
+    counts = [options.workflows, options.workers, options.repeat]
+    if options.sweep:
+        if options.peer != "dbos":
             raise errors.UsageError("--sweep compares with a peer: add --peer dbos")
-        counts += [*_ints(args.lab_processes), *_ints(args.dbos_processes),
-                   *_ints(args.dbos_concurrency)]
-        if not all(poll > 0 for poll in _floats(args.dbos_poll)):
+        counts += [*_ints(options.lab_processes), *_ints(options.dbos_processes),
+                   *_ints(options.dbos_concurrency)]
+        if not all(poll > 0 for poll in _floats(options.dbos_poll)):
             raise errors.UsageError("--dbos-poll intervals must be positive")
     if any(count < 1 for count in counts):
         raise errors.UsageError("workflows, workers, repeat and sweep values must be positive")
 
 
-def _measure(command: str, args: argparse.Namespace, dsn: str) -> tuple[str, dict[str, Any]]:
-    if command == "throughput" and args.sweep:
+def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
+    if isinstance(options, ThroughputOptions) and options.sweep:
         return "throughput-sweep", throughput.sweep(
-            dsn, args.workflows, args.repeat,
-            lab_processes=_ints(args.lab_processes),
-            dbos_processes=_ints(args.dbos_processes),
-            dbos_concurrency=_ints(args.dbos_concurrency),
-            dbos_poll=_floats(args.dbos_poll),
-            noise=args.noise,
+            dsn, options.workflows, options.repeat,
+            lab_processes=_ints(options.lab_processes),
+            dbos_processes=_ints(options.dbos_processes),
+            dbos_concurrency=_ints(options.dbos_concurrency),
+            dbos_poll=_floats(options.dbos_poll),
+            noise=options.noise,
         )
-    if command == "throughput":
-        return command, throughput.throughput(
-            dsn, args.workflows, args.workers, args.peer, args.repeat, noise=args.noise
+    if isinstance(options, ThroughputOptions):
+        return "throughput", throughput.throughput(
+            dsn, options.workflows, options.workers, options.peer, options.repeat,
+            noise=options.noise,
         )
-    if command == "claim":
-        sizes = list(args.history) or list(claim.DEFAULT_HISTORY)
-        return command, claim.claim_latency(dsn, sizes)
-    if command == "startup":
-        return command, startup.startup(dsn)
-    raise errors.UsageError(f"unknown bench command {command!r}")
+    if isinstance(options, ClaimOptions):
+        sizes = list(options.history) or list(claim.DEFAULT_HISTORY)
+        return "claim", claim.claim_latency(dsn, sizes)
+    if isinstance(options, StartupOptions):
+        return "startup", startup.startup(dsn)
+    raise errors.UsageError(f"unknown bench command {type(options).__name__}")
 
 
 def _print(name: str, report: Mapping[str, Any], out: Console) -> None:

@@ -33,12 +33,12 @@ beside the evidence is never trusted, only checked to be the signer's key.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,36 +101,9 @@ def build(
         raise Refused(f"--out {out} would overwrite the book's sources: build into "
                       f"{DEFAULT_OUT} or another folder")
     texts = pages.load_sources(sources)
-    copies: dict[str, bytes] = {}
-    with tempfile.TemporaryDirectory(prefix="lab-book-") as scratch:
-        # Verify a private copy and build from it: nothing can change between the check and use.
-        staged = Path(scratch)
-        for name, limit in _STAGED:
-            source = evidence_dir / name
-            if source.exists() or source.is_symlink():
-                data = files.read_bytes(source, limit, name)
-                (staged / name).write_bytes(data)
-                copies[f"{EVIDENCE_DIR}/{name}"] = data
-        verdict = verification.verify(
-            staged,
-            public_key=public_key,
-            trusted=trusted,
-            check_sources=True,
-            root=root or Path.cwd(),
-        )
-    if verdict.report is not None and verdict.report["dirty"] is True:
-        # Said first: whatever else failed, a dirty tree is never published.
-        raise Refused(
-            f"{evidence_dir}: the run's working tree had uncommitted changes: "
-            "dirty evidence is not publishable"
-        )
-    if not verdict.ok or verdict.report is None:
-        # Name the caller's files, not the private copy.
-        problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
-        problems = problems or ["no report"]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise Refused(verification.printable(f"{evidence_dir}: {problems[0]}{more}"))
-    report = verdict.report
+    report, pinned_by, copies = _verified_copies(
+        evidence_dir, public_key=public_key, trusted=trusted, root=root or Path.cwd()
+    )
     copies[f"{EVIDENCE_DIR}/{compiler.PUBLIC_KEY_FILE}"] = _public_key(
         evidence_dir / compiler.PUBLIC_KEY_FILE, report
     )
@@ -151,12 +124,54 @@ def build(
     if matrix is not None:
         copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     files_out = dict(copies)
-    files_out.update(_render(report, copies, pinned_by=verdict.pinned_by,
+    files_out.update(_render(report, copies, pinned_by=pinned_by,
                              model_pinned_by=model_pinned_by, sources=texts, png=png))
     if png:
         files_out.update(figures.pngs(files_out))
     _write(out, files_out)
     return sorted(files_out)
+
+
+def _verified_copies(
+    evidence_dir: Path,
+    *,
+    public_key: ed25519.Ed25519PublicKey | None,
+    trusted: Sequence[verification.TrustedKey],
+    root: Path,
+) -> tuple[Report, str | None, dict[str, bytes]]:
+    """Copy the run's evidence files privately and verify the copy: its report, the pin
+    that vouched for the signer, and the copies (by their path in the book), or
+    ``Refused`` naming the first problem (a dirty run first of all)."""
+    copies: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="lab-book-") as scratch:
+        # Verify a private copy and build from it: nothing can change between the check and use.
+        staged = Path(scratch)
+        for name, limit in _STAGED:
+            source = evidence_dir / name
+            if source.exists() or source.is_symlink():
+                data = files.read_bytes(source, limit, name)
+                (staged / name).write_bytes(data)
+                copies[f"{EVIDENCE_DIR}/{name}"] = data
+        verdict = verification.verify(
+            staged,
+            public_key=public_key,
+            trusted=trusted,
+            check_sources=True,
+            root=root,
+        )
+    if verdict.report is not None and verdict.report["dirty"] is True:
+        # Said first: whatever else failed, a dirty tree is never published.
+        raise Refused(
+            f"{evidence_dir}: the run's working tree had uncommitted changes: "
+            "dirty evidence is not publishable"
+        )
+    if not verdict.ok or verdict.report is None:
+        # Name the caller's files, not the private copy.
+        problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
+        problems = problems or ["no report"]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise Refused(verification.printable(f"{evidence_dir}: {problems[0]}{more}"))
+    return verdict.report, verdict.pinned_by, copies
 
 
 def _public_key(path: Path, report: Report) -> bytes:
@@ -303,7 +318,17 @@ def _param(nodeid: str) -> str | None:
 # --------------------------------------------------------------------------- command
 
 
-def cli_main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class BuildOptions:
+    """What ``lab book build`` is asked to do (its flags)."""
+
+    evidence: str = EVIDENCE_DIR
+    out: str = DEFAULT_OUT
+    public_key: str | None = None
+    png: bool = False
+
+
+def cli_main(options: BuildOptions) -> int:
     """``lab book build``: 0 when the book was written; a refusal is raised as ``Refused``.
 
     The signer is pinned by ``--public-key`` when given, else trusted when it is one of
@@ -311,23 +336,23 @@ def cli_main(args: argparse.Namespace) -> int:
     """
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
-    if args.public_key:
-        pinned = verification.load_public_key_file(Path(args.public_key), "--public-key")
+    if options.public_key:
+        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
     trusted = ([] if pinned is not None
-               else verification.trusted_keys_for(root, Path(args.evidence)))
+               else verification.trusted_keys_for(root, Path(options.evidence)))
+    out = Path(options.out)
     try:
         written = build(
-            Path(args.evidence), Path(args.out), public_key=pinned, trusted=trusted, root=root,
-            png=bool(getattr(args, "png", False)),
+            Path(options.evidence), out, public_key=pinned, trusted=trusted, root=root,
+            png=options.png,
         )
     except OSError as exc:
-        raise Refused(f"{exc.filename or args.out}: {exc.strerror or exc}") from exc
+        raise Refused(f"{exc.filename or options.out}: {exc.strerror or exc}") from exc
     figures_count = sum(1 for name in written
                         if name.startswith(f"{FIGURES_DIR}/") and name.endswith(".svg"))
     page_count = sum(1 for name in written if "/" not in name and name.endswith(".html"))
     print(
-        f"wrote {len(written)} files to {args.out} ({page_count} pages, {figures_count} "
-        f"figures; open {Path(args.out) / INDEX_FILE}); digests in "
-        f"{Path(args.out) / MANIFEST_FILE}"
+        f"wrote {len(written)} files to {options.out} ({page_count} pages, {figures_count} "
+        f"figures; open {out / INDEX_FILE}); digests in {out / MANIFEST_FILE}"
     )
     return 0

@@ -498,20 +498,7 @@ def svg(
     for i, line in enumerate(wrapped):
         out.append(f'<text class="caption" x="16" y="{52 + 18 * i}" font-size="13" '
                    f'fill="#333333">{escape.xml(line)}</text>')
-    out.append('<g class="lanes">')
-    for lane in figure.lanes:
-        x = centers[lane.key]
-        out += [
-            f'<line x1="{x}" y1="{top + 44}" x2="{x}" y2="{bottom}" stroke="#9e9e9e" '
-            f'stroke-dasharray="4 4"/>',
-            f'<rect x="{x - 80}" y="{top}" width="160" height="44" rx="6" fill="#eceff1" '
-            f'stroke="#607d8b"/>',
-            f'<text x="{x}" y="{top + 19}" text-anchor="middle" font-weight="bold">'
-            f"{escape.xml(_fit(lane.label, 150, 12.0, bold=True))}</text>",
-            f'<text x="{x}" y="{top + 35}" text-anchor="middle" font-size="11" '
-            f'fill="#546e7a">{escape.xml(_fit(lane.role, 150, 11.0))}</text>',
-        ]
-    out.append("</g>")
+    out += _svg_lanes(figure, centers, top, bottom)
     out.append('<g class="steps">')
     for i, step in enumerate(figure.steps):
         out += _svg_step(step, centers, first_row + i * _ROW, clock)
@@ -526,6 +513,25 @@ def svg(
     )
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _svg_lanes(figure: Figure, centers: Mapping[str, int], top: int, bottom: int) -> list[str]:
+    """The lanes' group: each lane's header box (label and role) and its dashed line."""
+    out = ['<g class="lanes">']
+    for lane in figure.lanes:
+        x = centers[lane.key]
+        out += [
+            f'<line x1="{x}" y1="{top + 44}" x2="{x}" y2="{bottom}" stroke="#9e9e9e" '
+            f'stroke-dasharray="4 4"/>',
+            f'<rect x="{x - 80}" y="{top}" width="160" height="44" rx="6" fill="#eceff1" '
+            f'stroke="#607d8b"/>',
+            f'<text x="{x}" y="{top + 19}" text-anchor="middle" font-weight="bold">'
+            f"{escape.xml(_fit(lane.label, 150, 12.0, bold=True))}</text>",
+            f'<text x="{x}" y="{top + 35}" text-anchor="middle" font-size="11" '
+            f'fill="#546e7a">{escape.xml(_fit(lane.role, 150, 11.0))}</text>',
+        ]
+    out.append("</g>")
+    return out
 
 
 def _fit(text: str, width: float, size: float, *, bold: bool = False) -> str:

@@ -16,7 +16,6 @@ compares a run against it, exactly. Two commands keep it honest:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import json
@@ -265,17 +264,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # --------------------------------------------------------------------------- the command
 
 
-def _paths(args: argparse.Namespace) -> tuple[Path, Path]:
-    experiments = Path(args.experiments)
-    manifest_path = Path(args.manifest) if args.manifest else experiments / MANIFEST_FILE
+@dataclass(frozen=True)
+class ManifestOptions:
+    """What ``lab manifest sync|check`` is asked to do: the subcommand and its flags."""
+
+    manifest_command: str
+    experiments: str = "experiments"
+    manifest: str | None = None
+
+
+def _paths(options: ManifestOptions) -> tuple[Path, Path]:
+    experiments = Path(options.experiments)
+    manifest_path = Path(options.manifest) if options.manifest else experiments / MANIFEST_FILE
     return experiments, manifest_path
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def cli_main(options: ManifestOptions) -> int:
     """``lab manifest sync|check``: 0 when in step (or synced), 1 naming each difference."""
-    experiments, path = _paths(args)
+    experiments, path = _paths(options)
     found = collect(experiments)
-    if args.manifest_command == "check":
+    if options.manifest_command == "check":
         current = load(path)
         problems = differences(current.entries, found)
         for problem in problems:

@@ -64,6 +64,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -278,30 +279,14 @@ class Chaos:
         restarter = threading.Thread(target=self._restart_loop, name="chaos-restarter",
                                      daemon=True)
         try:
-            for population in self.populations:
-                population.start()
-                assert population.service is not None
-                if self.settings.proxied:
-                    population.tool_proxy = proxy.Proxy(
-                        "127.0.0.1", int(population.service.endpoint.rsplit(":", 1)[1]),
-                        f"{WORKERS_TOOL}:{population.code}",
-                    ).start()
-                    self.proxies[population.tool_proxy.name] = population.tool_proxy
-            for fault_proxy in self.proxies.values():
-                fault_proxy.set_latency(self.settings.latency_ms / 1000.0)
+            self._start_populations()
             self._create_workflows()
             assert self.populations[0].db is not None
             durability = self.populations[0].db.server_settings()
             setup_s = time.monotonic() - began
             self._log(f"{self.settings.workflows} workflows approved in {setup_s:.1f}s; "
                       f"schemas {', '.join(p.schema for p in self.populations)}")
-            for population, seed in zip(self.populations, self._tool_seeds, strict=False):
-                assert population.service is not None
-                population.service.randomize_faults(
-                    drop_reply_rate=self.settings.drop_replies,
-                    reject_rate=self.settings.reject_429,
-                    seed=seed,
-                )
+            self._arm_tool_faults()
             recoverer.start()
             warm_up_began = time.monotonic()
             self._warm_up()
@@ -320,12 +305,7 @@ class Chaos:
             drain_began = time.monotonic()
             self._log(f"fault phase over after {drain_began - faults_began:.1f}s "
                       f"({open_after_faults} open); draining")
-            for population in self.populations:
-                assert population.service is not None
-                population.service.randomize_faults(drop_reply_rate=0.0, reject_rate=0.0, seed=0)
-            self.partitions.heal(time.monotonic(), force=True)
-            for fault_proxy in self.proxies.values():
-                fault_proxy.set_latency(0.0)
+            self._heal()
             self._drain(recoverer)
             check_began = time.monotonic()
             report = self._report(durability)
@@ -352,6 +332,40 @@ class Chaos:
             for thread in self._fault_threads:
                 if thread.is_alive():
                     thread.join(timeout=120)
+
+    def _start_populations(self) -> None:
+        """Start every population's tool and workers, behind a tool proxy (with the
+        asked-for latency on every link) when the run has network faults."""
+        for population in self.populations:
+            population.start()
+            assert population.service is not None
+            if self.settings.proxied:
+                population.tool_proxy = proxy.Proxy(
+                    "127.0.0.1", int(population.service.endpoint.rsplit(":", 1)[1]),
+                    f"{WORKERS_TOOL}:{population.code}",
+                ).start()
+                self.proxies[population.tool_proxy.name] = population.tool_proxy
+        for fault_proxy in self.proxies.values():
+            fault_proxy.set_latency(self.settings.latency_ms / 1000.0)
+
+    def _arm_tool_faults(self) -> None:
+        """Let each tool drop replies and answer 429 at the asked-for rates, seeded."""
+        for population, seed in zip(self.populations, self._tool_seeds, strict=False):
+            assert population.service is not None
+            population.service.randomize_faults(
+                drop_reply_rate=self.settings.drop_replies,
+                reject_rate=self.settings.reject_429,
+                seed=seed,
+            )
+
+    def _heal(self) -> None:
+        """End every fault before the drain: tool faults off, partitions healed, no latency."""
+        for population in self.populations:
+            assert population.service is not None
+            population.service.randomize_faults(drop_reply_rate=0.0, reject_rate=0.0, seed=0)
+        self.partitions.heal(time.monotonic(), force=True)
+        for fault_proxy in self.proxies.values():
+            fault_proxy.set_latency(0.0)
 
     def close(self) -> list[str]:
         """Stop workers, tools and proxies; drop the schemas unless kept.
@@ -740,55 +754,17 @@ class Chaos:
                 time.sleep(patience.failed())
 
     def _report(self, durability: dict[str, str]) -> dict[str, Any]:
+        """The run's report: every population's history checked by the invariants and by
+        the independent SQL audit, with what was asked for, the faults and the recovery."""
         s = self.settings
-        per_population: list[dict[str, Any]] = []
-        violations: list[dict[str, str]] = []
-        found_all: list[invariants.Violation] = []
-        findings: list[audit.Finding] = []
-        states: Counter[str] = Counter()
-        reviews: Counter[str] = Counter()
-        events: Counter[str] = Counter()
-        effects = dropped = rejected = calls = lookups = 0
+        tally = _Tally()
         for population in self.populations:
-            assert population.service is not None
-            history = self._load(population)
-            found = invariants.check(history)
-            violations += [{"schema": population.schema, **v.to_json()} for v in found]
-            found_all += found
-            findings += self._audit(population)
-            pop_states = Counter(wf.state for wf in history.workflows)
-            pop_reviews = Counter(
-                wf.review_reason for wf in history.workflows if wf.state == "unknown"
-            )
-            pop_events = Counter(e.kind for e in history.events)
-            service = population.service
-            per_population.append({
-                "label": population.label,
-                "schema": population.schema,
-                "workflows": len(history.workflows),
-                "worker_processes": len(population.slots),
-                "states": dict(sorted(pop_states.items())),
-                "effects": len(history.effects),
-                "tool_calls": service.calls,
-                "dropped_replies": service.dropped,
-                "rejected_429": service.rejected,
-                "lookups": service.lookups,
-                "manual_reviews": dict(sorted(pop_reviews.items())),
-                "events": dict(sorted(pop_events.items())),
-                "violations": len(found),
-            })
-            states += pop_states
-            reviews += pop_reviews
-            events += pop_events
-            effects += len(history.effects)
-            dropped += service.dropped
-            rejected += service.rejected
-            calls += service.calls
-            lookups += service.lookups
+            self._tally(population, tally)
         c = self.counts
-        comparison = audit.compare(findings, [(v.kind, v.effect_key) for v in found_all])
+        comparison = audit.compare(tally.findings,
+                                   [(v.kind, v.effect_key) for v in tally.found])
         return {
-            "audit": {**comparison, "findings": [vars(f) for f in findings[:20]]},
+            "audit": {**comparison, "findings": [vars(f) for f in tally.findings[:20]]},
             "checkers_agree": comparison["agree"],
             "run": s.describe(max_attempts=store.DEFAULT_MAX_ATTEMPTS,
                               proxied_links=sorted(self.proxies)),
@@ -800,23 +776,10 @@ class Chaos:
                 "down_s": round(sum(r["down_s"] for r in c.restarts), 3),
                 "unreachable_reads": c.unreachable_reads,
             },
-            "states": dict(sorted(states.items())),
-            "effects": effects,
-            "faults": {
-                "kills": c.kills,
-                "kill_timer_without_target": c.kill_misses,
-                "backend_terminations": c.backend_terminations,
-                "termination_timer_without_backend": c.termination_misses,
-                "dropped_replies": dropped,
-                "rejected_429": rejected,
-                "postgres_restarts": len(c.restarts),
-                "partitions": len(self.partitions.log),
-                "partition_log": self.partitions.log,
-                "proxy_resets": sum(p.resets for p in self.proxies.values()),
-                "disk_full": self.disk.report() if self.disk is not None else {"count": 0},
-                "clock_steps": self.clock.report() if self.clock is not None else {"count": 0},
-            },
-            "tool": {"calls": calls, "lookups": lookups},
+            "states": dict(sorted(tally.states.items())),
+            "effects": tally.effects,
+            "faults": self._faults_report(tally),
+            "tool": {"calls": tally.calls, "lookups": tally.lookups},
             "workers": {
                 "starts": c.worker_starts,
                 "exits": dict(sorted(c.worker_exits.items())),
@@ -829,15 +792,86 @@ class Chaos:
                 "undispatched_out_of_review": dict(sorted(c.undispatched.items())),
                 "retried_next_pass": dict(sorted(c.recoverer_errors.items())),
             },
-            "manual_reviews": sum(reviews.values()),
-            "manual_review_reasons": dict(sorted(reviews.items())),
-            "events": dict(sorted(events.items())),
-            "populations": per_population,
-            "violations": violations,
-            "violation_count": len(violations),
-            "violations_by_kind": invariants.count_by_kind(found_all),
+            "manual_reviews": sum(tally.reviews.values()),
+            "manual_review_reasons": dict(sorted(tally.reviews.items())),
+            "events": dict(sorted(tally.events.items())),
+            "populations": tally.populations,
+            "violations": tally.violations,
+            "violation_count": len(tally.violations),
+            "violations_by_kind": invariants.count_by_kind(tally.found),
         }
 
+    def _tally(self, population: _Population, tally: _Tally) -> None:
+        """Check one population's history, add its row and its counts to ``tally``."""
+        assert population.service is not None
+        history = self._load(population)
+        found = invariants.check(history)
+        tally.violations += [{"schema": population.schema, **v.to_json()} for v in found]
+        tally.found += found
+        tally.findings += self._audit(population)
+        states = Counter(wf.state for wf in history.workflows)
+        reviews = Counter(wf.review_reason for wf in history.workflows if wf.state == "unknown")
+        events = Counter(e.kind for e in history.events)
+        service = population.service
+        tally.populations.append({
+            "label": population.label,
+            "schema": population.schema,
+            "workflows": len(history.workflows),
+            "worker_processes": len(population.slots),
+            "states": dict(sorted(states.items())),
+            "effects": len(history.effects),
+            "tool_calls": service.calls,
+            "dropped_replies": service.dropped,
+            "rejected_429": service.rejected,
+            "lookups": service.lookups,
+            "manual_reviews": dict(sorted(reviews.items())),
+            "events": dict(sorted(events.items())),
+            "violations": len(found),
+        })
+        tally.states += states
+        tally.reviews += reviews
+        tally.events += events
+        tally.effects += len(history.effects)
+        tally.dropped += service.dropped
+        tally.rejected += service.rejected
+        tally.calls += service.calls
+        tally.lookups += service.lookups
+
+    def _faults_report(self, tally: _Tally) -> dict[str, Any]:
+        """The report's ``faults``: what was injected, and what the tool refused or lost."""
+        c = self.counts
+        return {
+            "kills": c.kills,
+            "kill_timer_without_target": c.kill_misses,
+            "backend_terminations": c.backend_terminations,
+            "termination_timer_without_backend": c.termination_misses,
+            "dropped_replies": tally.dropped,
+            "rejected_429": tally.rejected,
+            "postgres_restarts": len(c.restarts),
+            "partitions": len(self.partitions.log),
+            "partition_log": self.partitions.log,
+            "proxy_resets": sum(p.resets for p in self.proxies.values()),
+            "disk_full": self.disk.report() if self.disk is not None else {"count": 0},
+            "clock_steps": self.clock.report() if self.clock is not None else {"count": 0},
+        }
+
+
+@dataclass
+class _Tally:
+    """What the report adds up over the populations."""
+
+    populations: list[dict[str, Any]] = field(default_factory=list)
+    violations: list[dict[str, str]] = field(default_factory=list)
+    found: list[invariants.Violation] = field(default_factory=list)
+    findings: list[audit.Finding] = field(default_factory=list)
+    states: Counter[str] = field(default_factory=Counter)
+    reviews: Counter[str] = field(default_factory=Counter)
+    events: Counter[str] = field(default_factory=Counter)
+    effects: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    calls: int = 0
+    lookups: int = 0
 
 def run(
     dsn: str,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,65 @@ from rich.table import Table
 from lab import errors
 from lab.faults.chaos import Chaos
 from lab.faults.chaos_settings import Settings
+from lab.pg import providers
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    """What ``lab chaos`` is asked to do (its flags; ms and seconds as the flags say)."""
+
+    workflows: int = 500
+    workers: int = 4
+    duration: float = 60.0
+    kill_every: float = 200.0
+    drop_replies: float = 0.1
+    reject_429: float = 0.1
+    terminate_backends: float = 2000.0
+    non_idempotent_share: float = 0.2
+    seed: int = 42
+    restart_postgres_every: float = 0.0
+    min_restarts: int = 2
+    partition_every: float = 0.0
+    partition_for: float = 1000.0
+    latency: float = 0.0
+    durable: bool = False
+    disk_full_every: float = 0.0
+    disk_full_for: float = 2000.0
+    disk_full_mb: int = 96
+    disk_full_fs: str = "auto"
+    clock_step_every: float = 0.0
+    clock_step_max: int = 60
+    output: str = "evidence/chaos.json"
+    lab_postgres: str = providers.AUTO
+
+
+def settings_from(options: ChaosOptions) -> Settings:
+    """The run's settings from ``lab chaos`` options: restarts imply a durable server,
+    and ``--min-restarts`` counts only when there are restarts."""
+    restarts = options.restart_postgres_every > 0
+    return Settings(
+        workflows=options.workflows,
+        workers=options.workers,
+        duration=options.duration,
+        kill_every_ms=options.kill_every,
+        drop_replies=options.drop_replies,
+        reject_429=options.reject_429,
+        terminate_every_ms=options.terminate_backends,
+        non_idempotent_share=options.non_idempotent_share,
+        seed=options.seed,
+        restart_every_ms=options.restart_postgres_every,
+        partition_every_ms=options.partition_every,
+        partition_for_ms=options.partition_for,
+        latency_ms=options.latency,
+        durable=options.durable or restarts,
+        min_restarts=options.min_restarts if restarts else 0,
+        disk_full_every_ms=options.disk_full_every,
+        disk_full_for_ms=options.disk_full_for,
+        disk_full_mb=options.disk_full_mb,
+        disk_full_fs=options.disk_full_fs,
+        clock_step_every_ms=options.clock_step_every,
+        clock_step_max_s=options.clock_step_max,
+    )
 
 
 def summary_tables(report: dict[str, Any]) -> list[Table]:
@@ -125,7 +184,7 @@ def disk_fs(report: dict[str, Any]) -> str:
     return str(details.get("volume", "?"))
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def cli_main(options: ChaosOptions) -> int:
     """Body of ``lab chaos``: provision PostgreSQL, run, print, write ``--output``, clean up.
 
     Returns 0 when every invariant held, 1 when any was violated; a run that
@@ -140,11 +199,11 @@ def cli_main(args: argparse.Namespace) -> int:
     # The pool's reconnect warnings are this run's faults working as meant; the report
     # counts them. Anything worse than a warning still shows.
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-    settings = Settings.from_args(args)
+    settings = settings_from(options)
     settings.validate()
     volume = (embedded.Volume(settings.disk_full_mb, settings.disk_full_fs)
               if settings.disk_full_every_ms > 0 else None)
-    running = cluster.start(mode=args.lab_postgres, durable=settings.durable, volume=volume,
+    running = cluster.start(mode=options.lab_postgres, durable=settings.durable, volume=volume,
                             faketime=settings.clock_step_every_ms > 0)
     try:
         if settings.restart_every_ms > 0 and not running.can_crash_restart:
@@ -166,7 +225,7 @@ def cli_main(args: argparse.Namespace) -> int:
             problems = chaos.close()
         report["postgres"] = database
         report["cleanup"] = []
-        output = Path(args.output)
+        output = Path(options.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         print_summary(report, console)

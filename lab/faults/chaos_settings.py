@@ -5,7 +5,6 @@ Pure: no I/O. ``lab.faults.chaos`` runs a round with these settings.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 from collections import Counter
@@ -51,33 +50,6 @@ class Settings:
     backoff: float = BACKOFF_S
     idle_exit: float = IDLE_EXIT_S
     drain_timeout: float = DRAIN_TIMEOUT_S
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Settings:
-        """Settings from ``lab chaos`` arguments."""
-        return cls(
-            workflows=args.workflows,
-            workers=args.workers,
-            duration=args.duration,
-            kill_every_ms=args.kill_every,
-            drop_replies=args.drop_replies,
-            reject_429=args.reject_429,
-            terminate_every_ms=args.terminate_backends,
-            non_idempotent_share=args.non_idempotent_share,
-            seed=args.seed,
-            restart_every_ms=args.restart_postgres_every,
-            partition_every_ms=args.partition_every,
-            partition_for_ms=args.partition_for,
-            latency_ms=args.latency,
-            durable=args.durable or args.restart_postgres_every > 0,
-            min_restarts=args.min_restarts if args.restart_postgres_every > 0 else 0,
-            disk_full_every_ms=args.disk_full_every,
-            disk_full_for_ms=args.disk_full_for,
-            disk_full_mb=args.disk_full_mb,
-            disk_full_fs=args.disk_full_fs,
-            clock_step_every_ms=args.clock_step_every,
-            clock_step_max_s=args.clock_step_max,
-        )
 
     @property
     def proxied(self) -> bool:

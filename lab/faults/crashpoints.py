@@ -43,7 +43,6 @@ way the checker judges the history, and the cell records which happened.
 
 from __future__ import annotations
 
-import argparse
 import random
 import secrets
 import time
@@ -57,7 +56,7 @@ from typing import Any
 
 from lab import errors, protocol
 from lab.faults import crashmatrix, invariants
-from lab.pg import edge
+from lab.pg import edge, providers
 from lab.runtime import plan, processes, sealing, store, tool, worker
 from lab.runtime import toolprocess as toolprocesses
 
@@ -361,15 +360,10 @@ def _drive(
     idempotent: bool,
     name: str,
 ) -> dict[str, Any]:
-    rng = random.Random(f"{ctx.seed}:{name}")
-    proposed = plan.Plan(
-        version=plan.SUPPORTED_PLAN_VERSION, action=plan.ACTION,
-        account=rng.choice(plan.ACCOUNTS),
-        amount_minor=rng.randint(plan.MIN_AMOUNT_MINOR, plan.MAX_AMOUNT_MINOR),
-        currency=plan.CURRENCY, idempotent=idempotent,
-    )
-    created = db.create(PROPOSER, f"crashpoint-{name}", proposed)
-    job = db.approve(APPROVER, created.id, created.fingerprint, APPROVAL_TTL)
+    """One cell: approve its workflow, start its tool, run a worker through the cell's
+    script (a reconciler after a prelude that leaves the workflow unknown), recover as an
+    operator would, and judge the history."""
+    job = _approved_workflow(ctx, db, idempotent, name)
     tools.start(*cell.tool_flags)
 
     def spawn(label: str, *flags: str) -> processes.WorkerProcess:
@@ -391,6 +385,40 @@ def _drive(
             raise errors.CheckFailed(f"{name}: the prelude did not leave the workflow unknown")
     flags = (*cell.worker_flags, "--reconcile", job.id) if cell.reconciler else cell.worker_flags
     subject = spawn("reconciler" if cell.reconciler else "worker", *flags)
+    fault_at, exits = _play(ctx, tools, subject, cell)
+    if subject.alive():
+        exits.append(_exit_code(subject))
+    recovered_from = fault_at if fault_at is not None else time.monotonic()
+    final, actions = _recover(db, tools, job.id)
+    recovery_s = time.monotonic() - recovered_from
+    reported = [line.split()[1] for child in children for line in child.all_lines()
+                if line.startswith(f"{protocol.STAGE} ")] + tools.stages()
+    return _judge(ctx, db, tools, name, reported, final, {
+        "recovery_s": round(recovery_s, 2), "recovery": actions, "process_exits": exits,
+    })
+
+
+def _approved_workflow(
+    ctx: _Run, db: store.Store, idempotent: bool, name: str
+) -> store.Workflow:
+    """The cell's workflow, created from a plan drawn from the cell's seed and approved."""
+    rng = random.Random(f"{ctx.seed}:{name}")
+    proposed = plan.Plan(
+        version=plan.SUPPORTED_PLAN_VERSION, action=plan.ACTION,
+        account=rng.choice(plan.ACCOUNTS),
+        amount_minor=rng.randint(plan.MIN_AMOUNT_MINOR, plan.MAX_AMOUNT_MINOR),
+        currency=plan.CURRENCY, idempotent=idempotent,
+    )
+    created = db.create(PROPOSER, f"crashpoint-{name}", proposed)
+    return db.approve(APPROVER, created.id, created.fingerprint, APPROVAL_TTL)
+
+
+def _play(
+    ctx: _Run, tools: toolprocesses.ToolProcess, subject: processes.WorkerProcess,
+    cell: Script,
+) -> tuple[float | None, list[int]]:
+    """Run the cell's script against ``subject`` and the tool: when its first fault
+    happened (None: no fault step) and the exit codes of the processes it ended."""
     fault_at: float | None = None
     exits: list[int] = []
     for step in cell.steps:
@@ -423,13 +451,15 @@ def _drive(
             raise AssertionError(verb)
         if verb in FAULT_STEPS and fault_at is None:
             fault_at = time.monotonic()
-    if subject.alive():
-        exits.append(_exit_code(subject))
-    recovered_from = fault_at if fault_at is not None else time.monotonic()
-    final, actions = _recover(db, tools, job.id)
-    recovery_s = time.monotonic() - recovered_from
-    reported = [line.split()[1] for child in children for line in child.all_lines()
-                if line.startswith(f"{protocol.STAGE} ")] + tools.stages()
+    return fault_at, exits
+
+
+def _judge(
+    ctx: _Run, db: store.Store, tools: toolprocesses.ToolProcess, name: str,
+    reported: list[str], final: store.Workflow, recovery: dict[str, Any],
+) -> dict[str, Any]:
+    """The cell's result: its status from the invariants over its history and whether its
+    boundary was reported, with what happened (``recovery``: time, actions, exits)."""
     boundary = name.split("/")[0]
     history = invariants.load(ctx.dsn, db.schema, open_result=ctx.keys.open)
     found = invariants.check(history)
@@ -451,9 +481,7 @@ def _drive(
         "effects": len(history.effects),
         "tool_calls": requests.get("call", 0),
         "lookups": requests.get("lookup", 0),
-        "recovery_s": round(recovery_s, 2),
-        "recovery": actions,
-        "process_exits": exits,
+        **recovery,
         "events": [e.kind for e in sorted(history.events, key=lambda e: e.seq)],
         "violations": [v.to_json() for v in found],
     }
@@ -592,7 +620,18 @@ def print_summary(matrix: Mapping[str, Any]) -> None:
                   style="bold green" if crashmatrix.passed(matrix) else "bold red")
 
 
-def cli_main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class CrashpointsOptions:
+    """What ``lab crashpoints`` is asked to do (its flags)."""
+
+    jobs: int = 2
+    seed: int = 17
+    only: tuple[str, ...] = ()
+    output: str = "evidence/crashpoints.json"
+    lab_postgres: str = providers.AUTO
+
+
+def cli_main(options: CrashpointsOptions) -> int:
     """Body of ``lab crashpoints``: provision PostgreSQL, run the matrix, print, write JSON.
 
     Exit 0 when every cell reached its boundary with no violation and every
@@ -603,25 +642,25 @@ def cli_main(args: argparse.Namespace) -> int:
     from lab.pg import cluster
 
     progress = Console(stderr=True)
-    if not 1 <= args.jobs <= 16:
+    if not 1 <= options.jobs <= 16:
         raise errors.UsageError("--jobs must be between 1 and 16")
-    if not any(cell_id(*c).startswith(tuple(args.only or [""])) for c in cells()):
-        raise errors.UsageError(f"--only {' '.join(args.only)} matches no cell")
+    if not any(cell_id(*c).startswith(options.only or ("",)) for c in cells()):
+        raise errors.UsageError(f"--only {' '.join(options.only)} matches no cell")
     # Durable (fsync and synchronous commits on), as every run that crashes the server is.
-    running = cluster.start(mode=args.lab_postgres, durable=True)
+    running = cluster.start(mode=options.lab_postgres, durable=True)
     try:
         database = running.provisioned.describe()
         restart = running.crash_restart if running.can_crash_restart else None
         progress.log(f"PostgreSQL {database.get('server_version')} via "
-                     f"{database.get('provider')}; {args.jobs} jobs; server restarts "
+                     f"{database.get('provider')}; {options.jobs} jobs; server restarts "
                      f"{'on' if restart else 'impossible: no PostgreSQL column'}")
-        matrix = run(running.provisioned.dsn, seed=args.seed, jobs=args.jobs, only=args.only,
-                     log=progress.log, restart=restart)
+        matrix = run(running.provisioned.dsn, seed=options.seed, jobs=options.jobs,
+                     only=list(options.only), log=progress.log, restart=restart)
     finally:
         running.stop()
     matrix["postgres"] = database
     print_summary(matrix)
-    output = Path(args.output)
+    output = Path(options.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(crashmatrix.canonical_json(matrix))
     progress.log(f"matrix written to {output}")

@@ -34,7 +34,7 @@ import psycopg
 from lab import errors, escape, files
 from lab.faults import chaos
 from lab.faults.chaos_settings import Settings
-from lab.pg import embedded
+from lab.pg import embedded, providers
 
 ROLES = ("controller", "postgres", "workers", "other")
 PROC_LIMIT = 64 * files.KIB
@@ -353,26 +353,57 @@ def figure_svg(samples: list[dict[str, Any]], title: str) -> str:
 # -- the command ------------------------------------------------------------------------------
 
 
-def settings_from_args(args: Any) -> SoakSettings:
-    """``lab soak`` arguments as soak settings (every fault on unless set to 0)."""
+@dataclass(frozen=True)
+class SoakOptions:
+    """What ``lab soak`` is asked to do (its flags; every fault on unless set to 0)."""
+
+    workflows: int = 100_000
+    round: int = 2_000
+    workers: int = 4
+    kill_every: float = 1000.0
+    drop_replies: float = 0.05
+    reject_429: float = 0.05
+    terminate_backends: float = 3000.0
+    non_idempotent_share: float = 0.2
+    seed: int = 42
+    restart_postgres_every: float = 30_000.0
+    partition_every: float = 15_000.0
+    partition_for: float = 800.0
+    disk_full_every: float = 30_000.0
+    disk_full_for: float = 2000.0
+    disk_full_mb: int = 256
+    disk_full_fs: str = "auto"
+    clock_step_every: float = 20_000.0
+    clock_step_max: int = 10
+    fault_phase: float = 60.0
+    sample_every: float = 2.0
+    output: str = "evidence/soak.json"
+    figure: str = "evidence/soak.svg"
+    lab_postgres: str = providers.AUTO
+
+
+def settings_from(options: SoakOptions) -> SoakSettings:
+    """``lab soak`` options as soak settings (every fault on unless set to 0)."""
     chaos_settings = Settings(
-        workflows=min(args.round, args.workflows), workers=args.workers,
-        duration=args.fault_phase,
-        kill_every_ms=args.kill_every, drop_replies=args.drop_replies,
-        reject_429=args.reject_429, terminate_every_ms=args.terminate_backends,
-        non_idempotent_share=args.non_idempotent_share, seed=args.seed,
-        restart_every_ms=args.restart_postgres_every, partition_every_ms=args.partition_every,
-        partition_for_ms=args.partition_for, durable=True,
-        disk_full_every_ms=args.disk_full_every, disk_full_for_ms=args.disk_full_for,
-        disk_full_mb=args.disk_full_mb, disk_full_fs=args.disk_full_fs,
-        clock_step_every_ms=args.clock_step_every, clock_step_max_s=args.clock_step_max,
+        workflows=min(options.round, options.workflows), workers=options.workers,
+        duration=options.fault_phase,
+        kill_every_ms=options.kill_every, drop_replies=options.drop_replies,
+        reject_429=options.reject_429, terminate_every_ms=options.terminate_backends,
+        non_idempotent_share=options.non_idempotent_share, seed=options.seed,
+        restart_every_ms=options.restart_postgres_every,
+        partition_every_ms=options.partition_every,
+        partition_for_ms=options.partition_for, durable=True,
+        disk_full_every_ms=options.disk_full_every, disk_full_for_ms=options.disk_full_for,
+        disk_full_mb=options.disk_full_mb, disk_full_fs=options.disk_full_fs,
+        clock_step_every_ms=options.clock_step_every,
+        clock_step_max_s=options.clock_step_max,
         drain_timeout=600.0,
     )
-    return SoakSettings(workflows=args.workflows, round_size=args.round,
-                        sample_every=args.sample_every, chaos=chaos_settings)
+    return SoakSettings(workflows=options.workflows, round_size=options.round,
+                        sample_every=options.sample_every, chaos=chaos_settings)
 
 
-def cli_main(args: Any) -> int:
+def cli_main(options: SoakOptions) -> int:
     """Body of ``lab soak``: start the server, run the rounds, write the JSON and the SVG.
 
     Returns 0 when every round kept every invariant and the checkers agreed, else 1.
@@ -384,7 +415,7 @@ def cli_main(args: Any) -> int:
     from lab.pg import cluster
 
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-    settings = settings_from_args(args)
+    settings = settings_from(options)
     settings.validate()
     c = settings.chaos
 
@@ -392,7 +423,7 @@ def cli_main(args: Any) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
     volume = embedded.Volume(c.disk_full_mb, c.disk_full_fs) if c.disk_full_every_ms else None
-    with cluster.start(mode=args.lab_postgres, durable=True, volume=volume,
+    with cluster.start(mode=options.lab_postgres, durable=True, volume=volume,
                        faketime=c.clock_step_every_ms > 0) as running:
         if c.restart_every_ms > 0 and not running.can_crash_restart:
             raise errors.ProvisioningError(
@@ -406,10 +437,10 @@ def cli_main(args: Any) -> int:
                      restart=running.crash_restart if c.restart_every_ms > 0 else None,
                      log=say)
         report["postgres"] = described
-    output = Path(args.output)
+    output = Path(options.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    figure = Path(args.figure)
+    figure = Path(options.figure)
     figure.parent.mkdir(parents=True, exist_ok=True)
     figure.write_text(figure_svg(report["samples"], f"lab soak: {report['workflows_run']} "
                                  f"workflows, {report['wall_s']:.0f} s"), encoding="utf-8")

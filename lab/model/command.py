@@ -2,17 +2,17 @@
 
 ``lab model run`` loads one GGUF file (``engine``), generates every case of the
 case set (``cases``) unconstrained and grammar-constrained, judges every
-candidate (``candidates``), writes the report (``modelreport``) and signs it
-with every trace (``modelevidence``). ``lab model check REPORT`` re-checks a
+candidate (``candidates``), writes the report (``generation``) and signs it
+with every trace (``signed``). ``lab model check REPORT`` re-checks a
 written report's rows. This module is only the commands' glue.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from lab import errors
@@ -20,7 +20,26 @@ from lab.evidence import dsse
 from lab.model import cases, engine, generation, signed
 
 
-def run_main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``lab model run`` is asked to do (its flags)."""
+
+    model: str | None = None
+    expect_sha256: str | None = None
+    cases: str | None = None
+    case: tuple[str, ...] = ()
+    evidence: str = "evidence/model"
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What ``lab model check`` is asked to do: the report to re-check."""
+
+    report: str
+
+
+def run_main(options: RunOptions) -> int:
     """``lab model run``: 0 with the signed evidence written and no unsafe plan, else 1.
 
     Every input is checked before the model is loaded and nothing is written
@@ -29,26 +48,26 @@ def run_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    model_path = Path(args.model) if args.model else engine.default_model_path()
+    model_path = Path(options.model) if options.model else engine.default_model_path()
     if model_path is None:
         raise errors.UsageError(
             f"no --model given, {engine.MODEL_PATH_ENV} unset and no {engine.TINY_DEFAULT_PATH} "
             "(scripts/fetch-model --tiny fetches it)"
         )
-    model = engine.verify_model(model_path, args.expect_sha256)
-    case_set = cases.load(Path(args.cases) if args.cases else None)
-    if args.case:
-        case_set = cases.subset(case_set, list(args.case))
-    signed.check_target(Path(args.evidence))
+    model = engine.verify_model(model_path, options.expect_sha256)
+    case_set = cases.load(Path(options.cases) if options.cases else None)
+    if options.case:
+        case_set = cases.subset(case_set, list(options.case))
+    signed.check_target(Path(options.evidence))
     signer = dsse.load_signer()
-    model_engine = engine.Engine(model, args.threads or engine.THREADS)
+    model_engine = engine.Engine(model, options.threads or engine.THREADS)
     columns = (
         "[progress.description]{task.description}",
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    directory = Path(args.evidence)
+    directory = Path(options.evidence)
     with tempfile.TemporaryDirectory(prefix="lab-model-") as scratch:
         traces = Path(scratch) / generation.TRACES_DIR
         with Progress(*columns, console=Console(stderr=True)) as progress:
@@ -64,9 +83,9 @@ def run_main(args: argparse.Namespace) -> int:
     return 1 if any(unsafe.values()) else 0
 
 
-def check_main(args: argparse.Namespace) -> int:
+def check_main(options: CheckOptions) -> int:
     """``lab model check REPORT``: 0 when the report's rows hold, 1 naming each problem."""
-    path = Path(args.report)
+    path = Path(options.report)
     try:
         with path.open("rb") as handle:
             data = handle.read(signed.MAX_REPORT_BYTES + 1)
@@ -82,10 +101,3 @@ def check_main(args: argparse.Namespace) -> int:
         return 1
     print(f"{path}: {len(report['cases'])} generations checked")
     return 0
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    """``lab model``: dispatch to ``run`` or ``check``."""
-    if args.model_command == "check":
-        return check_main(args)
-    return run_main(args)

@@ -216,52 +216,13 @@ def run(
     for case, mode in itertools.product(case_set.cases, MODES):
         if progress is not None:
             progress.update(task, description=f"{case.id} {mode}")
-        began = time.monotonic()
-        response = model_engine.generate(case.prompt, mode)
-        elapsed = time.monotonic() - began
-        choice = response["choices"][0]
-        text = choice["message"]["content"] or ""
-        finish_reason = choice.get("finish_reason")
-        usage = response.get("usage", {})
-        trace_name = f"{case.id}.{mode}.json"
-        row: dict[str, Any] = {
-            "case": case.id,
-            "mode": mode,
-            **_case_fields(case),
-            "finish_reason": finish_reason,
-            "generated_text": text,
-            "generated_text_sha256": sha256_text(text),
-        }
-        row.update(candidates.judge(text, finish_reason, mode, case))
-        completion_tokens = int(usage.get("completion_tokens", 0))
-        row.update(
-            {
-                "prompt_tokens": int(usage.get("prompt_tokens", 0)),
-                "completion_tokens": completion_tokens,
-                "elapsed_seconds": round(elapsed, 3),
-                "tokens_per_second": round(completion_tokens / elapsed, 1) if elapsed else None,
-                "trace": f"{TRACES_DIR}/{trace_name}",
-            }
-        )
-        trace = {
-            "case": case.id,
-            "mode": mode,
-            "messages": engine.chat_messages(case.prompt),
-            "chat_format": model_engine.chat_format(),
-            "grammar": grammar.PROPOSAL.gbnf if mode == "constrained" else None,
-            "sampling": engine.sampling(model_engine.threads),
-            "response": response,
-            "elapsed_seconds": round(elapsed, 3),
-        }
-        (traces / trace_name).write_text(
-            json.dumps(trace, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
-        )
+        row, elapsed = _generate(model_engine, case, mode, traces)
         results.append(row)
         if progress is not None:
             verdict = "admitted" if row["admission"]["admitted"] else row["admission"]["reason"]
             unsafe = " UNSAFE" if row["unsafe"] else ""
             progress.console.print(
-                f"{case.id} {mode}: {finish_reason}, {completion_tokens} tokens, "
+                f"{case.id} {mode}: {row['finish_reason']}, {row['completion_tokens']} tokens, "
                 f"{elapsed:.2f} s: {row['outcome']}{unsafe}: {verdict}",
                 markup=False,
                 highlight=False,
@@ -272,6 +233,68 @@ def run(
         "tested_at_utc": tested_at,
         **ident,
         "gguf_metadata": _gguf_summary(metadata),
+        **_setup(model_engine, case_set),
+        "load_seconds": round(model_engine.load_seconds, 3),
+        "total_seconds": round(model_engine.load_seconds + time.monotonic() - started, 3),
+        "performance": performance(results, model_engine.load_seconds),
+        "cases": results,
+        "summary": summary(results),
+        "limitations": _limitations(ident, len(case_set.cases)),
+    }
+
+
+def _generate(
+    model_engine: Engine, case: Case, mode: str, traces: Path
+) -> tuple[dict[str, Any], float]:
+    """One generation of ``case`` in ``mode``, judged: its report row (its raw trace
+    written to ``traces``) and its elapsed seconds."""
+    began = time.monotonic()
+    response = model_engine.generate(case.prompt, mode)
+    elapsed = time.monotonic() - began
+    choice = response["choices"][0]
+    text = choice["message"]["content"] or ""
+    finish_reason = choice.get("finish_reason")
+    usage = response.get("usage", {})
+    trace_name = f"{case.id}.{mode}.json"
+    row: dict[str, Any] = {
+        "case": case.id,
+        "mode": mode,
+        **_case_fields(case),
+        "finish_reason": finish_reason,
+        "generated_text": text,
+        "generated_text_sha256": sha256_text(text),
+    }
+    row.update(candidates.judge(text, finish_reason, mode, case))
+    completion_tokens = int(usage.get("completion_tokens", 0))
+    row.update(
+        {
+            "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+            "completion_tokens": completion_tokens,
+            "elapsed_seconds": round(elapsed, 3),
+            "tokens_per_second": round(completion_tokens / elapsed, 1) if elapsed else None,
+            "trace": f"{TRACES_DIR}/{trace_name}",
+        }
+    )
+    trace = {
+        "case": case.id,
+        "mode": mode,
+        "messages": engine.chat_messages(case.prompt),
+        "chat_format": model_engine.chat_format(),
+        "grammar": grammar.PROPOSAL.gbnf if mode == "constrained" else None,
+        "sampling": engine.sampling(model_engine.threads),
+        "response": response,
+        "elapsed_seconds": round(elapsed, 3),
+    }
+    (traces / trace_name).write_text(
+        json.dumps(trace, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
+    )
+    return row, elapsed
+
+
+def _setup(model_engine: Engine, case_set: CaseSet) -> dict[str, Any]:
+    """The report's description of how it was generated: engine, platform, sampling,
+    prompt, cases, modes, grammar, admission and what its timings mean."""
+    return {
         "engine": "llama-cpp-python",
         "engine_version": model_engine.version(),
         "engine_system_info": model_engine.system_info(),
@@ -297,12 +320,6 @@ def run(
         "load_seconds is the model load; total_seconds adds every generation and both "
         "admissions of every candidate (the plancheck subprocesses included)",
         "traces_dir": TRACES_DIR,
-        "load_seconds": round(model_engine.load_seconds, 3),
-        "total_seconds": round(model_engine.load_seconds + time.monotonic() - started, 3),
-        "performance": performance(results, model_engine.load_seconds),
-        "cases": results,
-        "summary": summary(results),
-        "limitations": _limitations(ident, len(case_set.cases)),
     }
 
 

@@ -2,7 +2,7 @@
 
 ``lab model run`` writes into one directory (default ``evidence/model``)::
 
-    model-experiment.json   the report (``modelreport``)
+    model-experiment.json   the report (``generation``)
     cases.json              the case set, byte for byte
     traces/<case>.<mode>.json
     model.intoto.json       DSSE envelope over an in-toto statement

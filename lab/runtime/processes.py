@@ -10,7 +10,6 @@ the child SIGKILLs itself the moment it reports that boundary.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import queue
@@ -20,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO
 
@@ -32,7 +32,27 @@ WORKER_APP_PREFIX = "lab-worker:"
 DB_PATIENCE_S = 60.0
 
 
-def worker_main(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What ``lab worker`` is asked to do (its flags; times in seconds)."""
+
+    schema: str
+    tool: str
+    name: str = "worker-process"
+    pause: str | None = None
+    crash_at: str | None = None
+    start_gate: bool = False
+    reconcile: str | None = None
+    lease: float = 3.0
+    loop: bool = False
+    idle_exit: float = 2.0
+    max_items: int = 0
+    heartbeat: float = 0.5
+    backoff: float = 0.1
+    fused: bool = False
+
+
+def worker_main(options: WorkerOptions) -> int:
     """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
     egress.install()
     dsn = os.environ.get(protocol.DSN_ENV, "")
@@ -43,7 +63,7 @@ def worker_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    crash_at = getattr(args, "crash_at", None)
+    crash_at = options.crash_at
     # The heartbeat thread reports too: one line at a time.
     say = threading.Lock()
 
@@ -56,30 +76,30 @@ def worker_main(args: argparse.Namespace) -> int:
             if crash_at == stage:
                 # Stop dead at the boundary: no other thread runs another line.
                 os.kill(os.getpid(), signal.SIGKILL)
-        if args.pause == stage:
+        if options.pause == stage:
             wait_for_newline()
 
     try:
-        with _open_store(dsn, args.schema, args.name) as db, tool.ToolClient(
-            args.tool, token
+        with _open_store(dsn, options.schema, options.name) as db, tool.ToolClient(
+            options.tool, token
         ) as client:
             runner = worker.Worker(
                 db=db,
                 client=client,
-                name=args.name,
-                lease=timedelta(seconds=args.lease),
-                heartbeat_every=timedelta(seconds=args.heartbeat),
-                backoff=timedelta(seconds=args.backoff),
+                name=options.name,
+                lease=timedelta(seconds=options.lease),
+                heartbeat_every=timedelta(seconds=options.heartbeat),
+                backoff=timedelta(seconds=options.backoff),
                 hook=hook,
-                fused=bool(getattr(args, "fused", False)),
+                fused=options.fused,
             )
-            if args.start_gate:
+            if options.start_gate:
                 print(protocol.READY, flush=True)
                 wait_for_newline()
-            if args.reconcile:
-                runner.reconcile(args.reconcile)
-            if args.loop:
-                _loop(runner, idle_exit=args.idle_exit, max_items=args.max_items)
+            if options.reconcile:
+                runner.reconcile(options.reconcile)
+            if options.loop:
+                _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items)
             else:
                 runner.run_one()
     except errors.LabError as exc:
