@@ -121,6 +121,17 @@ def verify_evidence(options: EvidenceOptions) -> int:
         print(signed.format_verdict(model_verdict))
         sys.stdout.flush()
         return 0 if model_verdict.ok else 1
+    from lab.evidence import reproduction_evidence
+
+    if options.evidence_command == "verify" and path.is_dir() and \
+            reproduction_evidence.is_reproduction(path):
+        # A reproduction names no commit of its own: the keys committed at HEAD, or the pin.
+        checked = reproduction_evidence.verify(
+            path, public_key=pinned,
+            trusted=[] if pinned is not None else verification.trusted_keys(root))
+        print(reproduction_evidence.format_verdict(checked))
+        sys.stdout.flush()
+        return 0 if checked.ok else 1
     trusted = [] if pinned is not None else verification.trusted_keys_for(root, path)
     verdict = verification.verify(
         path,

@@ -26,7 +26,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console
 
-from lab import errors, reproduce
+from lab import cli, errors, reproduce
 from lab.book import reproduction as book_reproduction
 from lab.evidence import compiler, dsse, gate, observations, reproduction, reproduction_evidence
 
@@ -162,7 +162,9 @@ def _record(comparison: reproduction.Comparison, envelope: bytes = b"original") 
     }
 
 
-def test_signed_record_verifies_and_tampering_is_named(tmp_path: Path) -> None:
+def test_signed_record_verifies_and_tampering_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The record is signed; an edited reproduction.json no longer verifies."""
     again = copy.deepcopy(ORIGINAL)
     again["test_one"]["effects"] = 2
@@ -172,10 +174,17 @@ def test_signed_record_verifies_and_tampering_is_named(tmp_path: Path) -> None:
     checked = reproduction_evidence.verify(tmp_path)
     assert checked.ok, checked.problems
     assert checked.record is not None and checked.record["comparison"]["verdict"] == "differs"
+    # ``lab evidence verify`` knows a reproduction when it sees one.
+    assert cli.main(["evidence", "verify", str(tmp_path)]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith(f"OK {tmp_path}: reproduction of commit ") and "differs, " in line
+    assert "1 of 2 experiments identical" in line and "UNPINNED" in line
     path = tmp_path / reproduction_evidence.RECORD_FILE
     path.write_text(path.read_text().replace('"differs"', '"identical"'))
     assert "reproduction.json: its sha256 is not the signed subject's" in (
         reproduction_evidence.verify(tmp_path).problems)
+    assert cli.main(["evidence", "verify", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.startswith(f"FAIL {tmp_path}: reproduction.json: its sha256")
 
 
 def test_book_section_counts_and_escapes() -> None:

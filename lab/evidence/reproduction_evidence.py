@@ -157,6 +157,22 @@ class Verified:
         return not self.problems
 
 
+def format_verdict(checked: Verified) -> str:
+    """One line: OK or FAIL, what was reproduced and how it came out, and the signer."""
+    signer = (f"signer pinned by {checked.pinned_by}" if checked.pinned_by
+              else "signer UNPINNED (integrity, not identity)")
+    record = checked.record
+    if not checked.ok or record is None:
+        first = checked.problems[0] if checked.problems else "no record"
+        return f"FAIL {checked.directory}: {verification.printable(first)}"
+    summary = record["comparison"]["summary"]
+    return (f"OK {checked.directory}: reproduction of commit {record['original']['commit']} "
+            f"(envelope sha256 {record['original']['envelope_sha256'][:16]}): "
+            f"{record['comparison']['verdict']}, {summary['identical_in_facts']} of "
+            f"{summary['experiments']} experiments identical in their facts over "
+            f"{record['comparison']['runs']} re-run(s); {signer}")
+
+
 def is_reproduction(directory: Path) -> bool:
     """True when ``directory`` holds a reproduction envelope."""
     return (directory / ENVELOPE_FILE).is_file()
