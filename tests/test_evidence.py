@@ -548,10 +548,17 @@ def test_a_pin_is_the_only_trust(
     )
     assert verification.verify(signed, trusted=from_env).ok
 
-    # Through the command, from the working tree's committed keys.
+    # Through the command, from the keys git tracks at the evidence's own commit: the
+    # evidence names the commit before the key was committed, so the key does not vouch.
     monkeypatch.chdir(repo)
+    assert cli.main(["evidence", "verify", str(signed)]) == 1
+    assert "UNPINNED" in capsys.readouterr().out
+    head = labtree.git(repo, "rev-parse", "HEAD").strip()
+    _forge(signed, lambda r: r.update(commit=head), signer=dsse.Signer(key.private, "key_file"))
     assert cli.main(["evidence", "verify", str(signed)]) == 0
-    assert capsys.readouterr().out.startswith(f"OK {signed / compiler.ENVELOPE_FILE}")
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK {signed / compiler.ENVELOPE_FILE}")
+    assert f"pinned by keys/trusted/ci.pub.pem at {head[:12]}" in out
 
     # A trusted key list that does not hold the signer: the pin does not vouch.
     stranger = verification.trusted_keys(
