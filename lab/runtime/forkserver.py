@@ -1,0 +1,355 @@
+"""Lab child processes forked from a warm server process, not exec'd afresh.
+
+Starting ``python -m lab.cli worker`` costs about half a second of CPU: the interpreter,
+psycopg and the lab's own modules. An experiment that crashes a worker at every boundary
+starts hundreds of them, and on a 2-core machine that start-up CPU is most of the main
+job's time. The fork server pays it once: it is started as ``python -m
+lab.runtime.forkserver`` by the same interpreter, imports the worker's modules, and then
+forks one child per request.
+
+Each child is a real OS process like an exec'd one: its own pid, its own stdin, stdout
+and stderr pipes (passed as file descriptors), exactly the environment and working
+directory asked for, and the asked module's entry point called with the asked
+arguments, as its ``__main__`` block does under ``python -m``. SIGKILL ends it
+mid-window with no cleanup code run. What it does not redo is importing: its modules
+are the ones the server imported, from the same interpreter and the same files. No
+preloaded module (``PRELOAD``) reads the environment at import time, so a child sees
+its own.
+
+The server forks from one thread and holds no connection, no thread and no lock when it
+does. It reaps its children and reports each one's exit code (``-N`` for signal N, as
+``subprocess`` does) on the child's own control socket. The parent signals a child
+through a pidfd, so a signal can never reach a recycled pid.
+
+``spawn`` is the entry point: it returns a ``Child`` with the part of ``subprocess.Popen``
+that ``lab.runtime.processes`` uses, or ``None`` where no fork server can run (then the
+caller execs as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import importlib
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO, Any
+
+# The modules a child may run, each with its entry point (what its ``__main__`` block
+# calls with the command line's arguments).
+ENTRY_POINTS = {"lab.cli": "main", "lab.runtime.toolprocess": "serve_main"}
+PRELOAD = (*ENTRY_POINTS, "lab.runtime.processes")
+# Requests are one datagram each (SOCK_SEQPACKET keeps message boundaries).
+MAX_REQUEST = 256 * 1024
+PR_SET_NAME = 15  # prctl(2)
+ENV_SWITCH = "LAB_FORKSERVER"  # "0": exec every child (the pre-fork-server behaviour)
+
+
+class Child:
+    """A forked child: ``pid``, text ``stdin``/``stdout``/``stderr``, ``poll``, ``wait``,
+    ``send_signal``, ``kill`` and ``returncode``, as ``subprocess.Popen`` has them."""
+
+    def __init__(self, pid: int, control: socket.socket, stdin: IO[str], stdout: IO[str],
+                 stderr: IO[str], early: bytes = b"") -> None:
+        self.pid = pid
+        self.stdin: IO[str] | None = stdin
+        self.stdout: IO[str] | None = stdout
+        self.stderr: IO[str] | None = stderr
+        self.returncode: int | None = None
+        self._control = control
+        self._report = early  # the exit code's bytes read so far
+        self._lock = threading.Lock()
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None  # the child exited already, or no pidfd here: kill by pid
+
+    def _collect(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            # The server writes the exit code, then closes: read to the end.
+            while True:
+                ready, _, _ = select.select([self._control], [], [], timeout)
+                if not ready:
+                    return None
+                chunk = self._control.recv(64)
+                if not chunk:
+                    break
+                self._report += chunk
+            # Nothing: the server died before it could report (the child went with it or
+            # was orphaned); its exit code is lost, so it reads as killed.
+            text = self._report.strip()
+            self.returncode = int(text) if text else -signal.SIGKILL
+            self._control.close()
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+            return self.returncode
+
+    def poll(self) -> int | None:
+        """The exit code if the child has exited, else None."""
+        return self._collect(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit code; ``subprocess.TimeoutExpired`` after ``timeout``."""
+        code = self._collect(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout or 0.0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the child unless it has been reaped (never a recycled pid)."""
+        with self._lock:
+            if self.returncode is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, signum)
+                else:
+                    os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the child."""
+        self.send_signal(signal.SIGKILL)
+
+
+class _Server:
+    """The parent's end of one fork server process."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.owner = os.getpid()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lab.runtime.forkserver", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.channel = ours
+        self.lock = threading.Lock()
+        ready = ours.recv(16)
+        if ready != b"ready":
+            raise OSError("the fork server did not start")
+
+    def spawn(self, module: str, args: list[str], env: dict[str, str]) -> Child:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        request = json.dumps({"module": module, "args": args, "env": env,
+                              "cwd": os.getcwd()}).encode()
+        try:
+            with self.lock:
+                socket.send_fds(self.channel, [request],
+                                [in_r, out_w, err_w, control_theirs.fileno()])
+        except OSError:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            control.close()
+            control_theirs.close()
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        control_theirs.close()
+        received = b""
+        while b"\n" not in received:
+            chunk = control.recv(64)
+            if not chunk:
+                break
+            received += chunk
+        first, _, rest = received.partition(b"\n")
+        if not first.startswith(b"pid ") or not first[4:].isdigit():
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            control.close()
+            raise OSError(f"the fork server could not fork: {first.decode(errors='replace')}")
+        return Child(
+            int(first[4:]), control,
+            open(in_w, "w", buffering=1, encoding="utf-8"),
+            open(out_r, encoding="utf-8"),
+            open(err_r, encoding="utf-8"),
+            early=rest,
+        )
+
+
+_servers: dict[int, _Server] = {}
+_servers_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """True unless ``LAB_FORKSERVER=0`` asks for exec'd children, or this is no Linux."""
+    return (os.environ.get(ENV_SWITCH, "1") != "0" and sys.platform == "linux"
+            and hasattr(socket, "send_fds"))
+
+
+def spawn(argv: list[str], env: dict[str, str]) -> Child | None:
+    """Fork ``argv`` (``[sys.executable, "-m", module, *args]``) from this process's fork
+    server, started on first use; None when it cannot be (the caller execs instead)."""
+    if (not enabled() or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m"
+            or argv[2] not in ENTRY_POINTS):
+        return None
+    with _servers_lock:
+        server = _servers.get(os.getpid())
+        if server is None or server.process.poll() is not None:
+            try:
+                server = _Server()
+            except OSError:
+                return None
+            _servers[os.getpid()] = server
+    try:
+        return server.spawn(argv[2], argv[3:], env)
+    except OSError:
+        return None
+
+
+# -- the server process -----------------------------------------------------------------------
+
+
+def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
+    """In the forked child: become ``python -m module args`` with the asked stdio and env."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        # The signal dispositions an exec'd interpreter starts with.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in closing:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        # The streams wrap fds 0-2, which now are the child's pipes (the server never
+        # read or buffered anything): unbuffered, as the exec'd children run.
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(line_buffering=True, write_through=True)
+        _name_process(request["module"], request["args"])
+        module = sys.modules[request["module"]]
+        sys.argv = [module.__file__ or request["module"], *request["args"]]
+        try:
+            code = getattr(module, ENTRY_POINTS[request["module"]])(request["args"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+        except BaseException:  # a child reports a crash as an exec'd interpreter does
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+    finally:
+        os._exit(code)
+
+
+def command_name(module: str, args: list[str]) -> str:
+    """The name a forked child shows in ``/proc/PID/comm`` (at most 15 bytes): ``lab
+    worker`` for ``lab.cli worker ...``, the module's last part otherwise. An exec'd child
+    shows its command line; a forked one would show the server's without this."""
+    if module == "lab.cli" and args:
+        return f"lab {args[0]}"[:15]
+    return module.rsplit(".", 1)[-1][:15]
+
+
+def _name_process(module: str, args: list[str]) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, command_name(module, args).encode(), 0, 0, 0)
+
+
+def serve(channel_fd: int) -> None:
+    """The server loop: fork a child per request, report each one's exit code."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    channel = socket.socket(fileno=channel_fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the parent
+    controls: dict[int, socket.socket] = {}
+    channel.send(b"ready")
+    open_ = True
+    while open_ or controls:
+        try:
+            ready, _, _ = select.select([channel.fileno(), wake_r] if open_ else [wake_r],
+                                        [], [], 1.0)
+        except InterruptedError:
+            ready = []
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        if channel.fileno() in ready:
+            try:
+                data, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST, 4)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                open_ = False  # the parent is gone: serve the children left, then stop
+            else:
+                _fork(json.loads(data), fds, controls,
+                      closing=[channel.fileno(), wake_r, wake_w])
+        _reap(controls)
+
+
+def _fork(request: dict[str, Any], fds: list[int], controls: dict[int, socket.socket],
+          closing: list[int]) -> None:
+    control = socket.socket(fileno=fds[3])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            control.sendall(f"error {errno.errorcode.get(exc.errno or 0, 'fork')}\n".encode())
+        control.close()
+        for fd in fds[:3]:
+            os.close(fd)
+        return
+    if pid == 0:
+        _child(request, fds[:3], closing + [fds[3]] + [c.fileno() for c in controls.values()])
+    for fd in fds[:3]:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        control.sendall(f"pid {pid}\n".encode())
+    controls[pid] = control
+
+
+def _reap(controls: dict[int, socket.socket]) -> None:
+    while controls:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        control = controls.pop(pid, None)
+        if control is not None:
+            with contextlib.suppress(OSError):
+                control.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+            control.close()
+
+
+def main() -> None:
+    """``python -m lab.runtime.forkserver FD``: serve the parent on the socket ``FD``."""
+    serve(int(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main()
