@@ -10,10 +10,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from lab import errors
+from lab import errors, protocol
 from lab.faults import clocksteps, diskfull, soak
 from lab.faults.chaos_settings import Settings
 from lab.pg import embedded
+from lab.runtime import forkserver
 
 
 def test_rounds_cover_exactly_the_asked_workflows() -> None:
@@ -46,12 +47,33 @@ def test_a_sample_sees_a_child_process_and_its_memory() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert child.pid in soak.descendants(os.getpid())
-        assert soak.rss_anon_kib(child.pid) > 0
+        assert soak.anon_kib(child.pid) > 0
         taken = soak.sample("postgresql://nobody@127.0.0.1:1/none", 0.0)
         assert taken["processes"]["other"] >= 1 and taken["connections"] is None
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_forked_from_the_fork_server_counts_as_a_worker() -> None:
+    env = {"PATH": os.environ.get("PATH", ""), protocol.DSN_ENV: "postgresql://127.0.0.1:9/x",
+           protocol.TOKEN_ENV: "token"}  # a worker retrying a database that is not there
+    child = forkserver.spawn([sys.executable, "-m", "lab.cli", "worker", "--schema", "s",
+                              "--tool", "http://127.0.0.1:9"], env)
+    assert child is not None
+    try:
+        assert child.pid in soak.descendants(os.getpid())  # below the fork server, below us
+        assert soak.role(child.pid) == "workers"
+    finally:
+        child.kill()
+        child.wait(30)
+
+
+def test_the_heap_trim_reports_memory_before_and_after() -> None:
+    held = [bytearray(4096) for _ in range(5000)]
+    del held
+    trimmed = soak.release_free_heap()
+    assert 0 < trimmed["after_mb"] <= trimmed["before_mb"] + 1.0
 
 
 def test_the_server_log_is_counted_by_kind() -> None:
