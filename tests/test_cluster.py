@@ -21,7 +21,7 @@ from docker_standin import DockerStandIn
 from psycopg import conninfo
 
 from lab import errors
-from lab.pg import cluster
+from lab.pg import cluster, embedded
 
 DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 BINDIR = Path("/opt/pg/bin")
@@ -284,6 +284,24 @@ def test_embedded_cluster_starts_on_loopback_and_leaves_nothing(
     assert data.parent.name.startswith("lab-pg-")
     assert not data.is_relative_to(Path.home())  # the server user could not reach it
     _check_stopped(running, data, pid)
+
+
+@pytest.mark.parametrize("method", ["initdb", "cached-copy"])
+def test_a_data_directory_on_a_size_limited_volume_starts_either_way(
+    bindir: Path, cache_dir: Path, method: str
+) -> None:
+    """Regression: with no template yet (an empty cache, a first run), the server on a
+    mounted volume is made by initdb in the directory the mount made."""
+    if os.geteuid() != 0:
+        with pytest.raises(errors.ProvisioningError, match="needs root"):
+            cluster.start_embedded(bindir, method=method, cache_dir=cache_dir, durable=True,
+                                   volume=embedded.Volume(64))
+        return
+    with cluster.start_embedded(bindir, method=method, cache_dir=cache_dir, durable=True,
+                                volume=embedded.Volume(64)) as running:
+        assert running.provisioned.details["method"] == method
+        assert running.provisioned.details["volume"].endswith("64 MB")
+        _check_running(running)
 
 
 def test_binaries_the_server_user_cannot_reach_are_copied_once(

@@ -1017,8 +1017,9 @@ def _start_cluster(
         if template is not None:
             _copy_tree(runner, template / "data", cluster.data)
         else:
-            cluster.data.mkdir(mode=0o700)
-            runner.give(cluster.data)
+            if options.volume is None:  # else ``mount_volume`` made it, on the volume
+                cluster.data.mkdir(mode=0o700)
+                runner.give(cluster.data)
             _initdb(runner, cluster.data)
         port = _launch_on_free_port(cluster)
         password = secrets.token_urlsafe(24)
