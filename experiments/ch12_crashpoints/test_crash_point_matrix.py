@@ -18,7 +18,7 @@ def test_every_crash_point_keeps_every_invariant(
     reached, the invariant checker finds nothing, and every cell ends settled automatically
     or waiting for a person with a reason."""
     # Its own durable server: the run's shared one cannot be killed under other experiments.
-    matrix = crashpoints.run(killable_postgres.provisioned.dsn, seed=17, jobs=2,
+    matrix = crashpoints.run(killable_postgres.provisioned.dsn, seed=17, jobs=4,
                              restart=killable_postgres.crash_restart)
     reached_database()
     data = crashmatrix.canonical_json(matrix)
