@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -85,3 +86,20 @@ def test_only_the_lab_entry_points_are_forked_and_the_switch_turns_it_off(
     child = processes.WorkerProcess([*WORKER[:4], "--help"], {}, "exec'd")
     assert isinstance(child._proc, subprocess.Popen)
     assert child.finish(timeout=60) == 0
+
+
+def test_a_kill_is_not_held_up_by_a_wait_in_another_thread() -> None:
+    env = {"PATH": os.environ.get("PATH", ""), protocol.DSN_ENV: "postgresql://127.0.0.1:9/x",
+           protocol.TOKEN_ENV: "token"}
+    child = _forked(WORKER, env)
+    codes: list[int] = []
+    waiter = threading.Thread(target=lambda: codes.append(child.wait(120)))
+    waiter.start()
+    try:
+        time.sleep(0.5)  # the waiter is blocked reading the exit code
+        child.kill()
+        waiter.join(60)  # a kill that waited for the wait would come after 120 s
+        assert codes == [-signal.SIGKILL]
+    finally:
+        child.kill()
+        waiter.join(130)

@@ -66,14 +66,17 @@ class Child:
         self.returncode: int | None = None
         self._control = control
         self._report = early  # the exit code's bytes read so far
-        self._lock = threading.Lock()
+        # Reading the exit code may block (``wait``); signalling must not wait for it, so
+        # the state a signal needs (exited yet? the pidfd) has a lock of its own.
+        self._reading = threading.Lock()
+        self._state = threading.Lock()
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
             self._pidfd = None  # the child exited already, or no pidfd here: kill by pid
 
     def _collect(self, timeout: float | None) -> int | None:
-        with self._lock:
+        with self._reading:
             if self.returncode is not None:
                 return self.returncode
             # The server writes the exit code, then closes: read to the end.
@@ -85,14 +88,15 @@ class Child:
                 if not chunk:
                     break
                 self._report += chunk
+            self._control.close()
             # Nothing: the server died before it could report (the child went with it or
             # was orphaned); its exit code is lost, so it reads as killed.
             text = self._report.strip()
-            self.returncode = int(text) if text else -signal.SIGKILL
-            self._control.close()
-            if self._pidfd is not None:
-                os.close(self._pidfd)
-                self._pidfd = None
+            with self._state:
+                self.returncode = int(text) if text else -signal.SIGKILL
+                if self._pidfd is not None:
+                    os.close(self._pidfd)
+                    self._pidfd = None
             return self.returncode
 
     def poll(self) -> int | None:
@@ -108,7 +112,7 @@ class Child:
 
     def send_signal(self, signum: int) -> None:
         """Signal the child unless it has been reaped (never a recycled pid)."""
-        with self._lock:
+        with self._state:
             if self.returncode is not None:
                 return
             with contextlib.suppress(ProcessLookupError):
@@ -135,8 +139,15 @@ class _Server:
         theirs.close()
         self.channel = ours
         self.lock = threading.Lock()
-        ready = ours.recv(16)
+        ours.settimeout(60)  # a server that cannot import its modules is no server
+        try:
+            ready = ours.recv(16)
+        except TimeoutError:
+            ready = b""
+        ours.settimeout(None)
         if ready != b"ready":
+            self.process.kill()
+            self.process.wait()
             raise OSError("the fork server did not start")
 
     def spawn(self, module: str, args: list[str], env: dict[str, str]) -> Child:
