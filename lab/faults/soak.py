@@ -122,9 +122,10 @@ def anon_kib(pid: int) -> int:
 def role(pid: int) -> str:
     """Which part of the run a process is (see ``ROLES``)."""
     # Backends retitle themselves ("postgres: ..."), but keep the executable's name.
-    if _proc(pid, "comm").strip() == "postgres":
+    comm = _proc(pid, "comm").strip()
+    if comm == "postgres":
         return "postgres"
-    if _proc(pid, "comm").strip() == forkserver.command_name("lab.cli", ["worker"]):
+    if comm == forkserver.command_name("lab.cli", ["worker"]):
         return "workers"  # forked from the fork server: named, its command line is the server's
     command = _proc(pid, "cmdline").split("\0")
     if "lab.cli" in command and "worker" in command:

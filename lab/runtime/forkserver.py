@@ -131,7 +131,6 @@ class _Server:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.owner = os.getpid()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lab.runtime.forkserver", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
