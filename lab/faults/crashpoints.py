@@ -385,7 +385,13 @@ def _drive(
             raise errors.CheckFailed(f"{name}: the prelude did not leave the workflow unknown")
     flags = (*cell.worker_flags, "--reconcile", job.id) if cell.reconciler else cell.worker_flags
     subject = spawn("reconciler" if cell.reconciler else "worker", *flags)
-    fault_at, exits = _play(ctx, tools, subject, cell)
+    try:
+        fault_at, exits = _play(ctx, tools, subject, cell)
+    except TimeoutError as exc:
+        # Name the cell and show both sides: a stall is the tool's or the worker's.
+        said = " | ".join(subject.all_lines()[-8:]) or "(nothing)"
+        raise TimeoutError(f"{name}: {exc}; {subject.name} alive={subject.alive()} said: "
+                           f"{said}; {subject.name} {subject.tail()}") from exc
     if subject.alive():
         exits.append(_exit_code(subject))
     recovered_from = fault_at if fault_at is not None else time.monotonic()

@@ -223,8 +223,9 @@ def spawn(argv: list[str], env: dict[str, str]) -> Child | None:
 # -- the server process -----------------------------------------------------------------------
 
 
-def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
-    """In the forked child: become ``python -m module args`` with the asked stdio and env."""
+def _child(request: dict[str, Any], fds: list[int], closing: list[int], set_up: int) -> None:
+    """In the forked child: become ``python -m module args`` with the asked stdio and env;
+    close ``set_up`` once it has (its server reports the pid only then)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -247,6 +248,7 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
             if isinstance(stream, io.TextIOWrapper):
                 stream.reconfigure(line_buffering=True, write_through=True)
         _name_process(request["module"], request["args"])
+        os.close(set_up)  # from here on the child is what its parent asked for
         module = sys.modules[request["module"]]
         sys.argv = [module.__file__ or request["module"], *request["args"]]
         try:
@@ -323,9 +325,12 @@ def _fork(request: dict[str, Any], fds: list[int], controls: dict[int, socket.so
     control = socket.socket(fileno=fds[3])
     sys.stdout.flush()
     sys.stderr.flush()
+    set_up_r, set_up_w = os.pipe()
     try:
         pid = os.fork()
     except OSError as exc:
+        os.close(set_up_r)
+        os.close(set_up_w)
         with contextlib.suppress(OSError):
             control.sendall(f"error {errno.errorcode.get(exc.errno or 0, 'fork')}\n".encode())
         control.close()
@@ -333,9 +338,17 @@ def _fork(request: dict[str, Any], fds: list[int], controls: dict[int, socket.so
             os.close(fd)
         return
     if pid == 0:
-        _child(request, fds[:3], closing + [fds[3]] + [c.fileno() for c in controls.values()])
+        _child(request, fds[:3],
+               closing + [fds[3], set_up_r] + [c.fileno() for c in controls.values()],
+               set_up_w)
     for fd in fds[:3]:
         os.close(fd)
+    # Report the pid once the child has its stdio, environment, directory and name (or
+    # is gone), as Popen returns after the exec: a caller never sees a half-made child.
+    os.close(set_up_w)
+    with contextlib.suppress(OSError):
+        os.read(set_up_r, 1)
+    os.close(set_up_r)
     with contextlib.suppress(OSError):
         control.sendall(f"pid {pid}\n".encode())
     controls[pid] = control

@@ -243,7 +243,7 @@ class WorkerProcess:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s; {self._tail()}")
+                raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s; {self.tail()}")
             try:
                 line = self.lines.get(timeout=remaining)
             except queue.Empty:
@@ -252,7 +252,7 @@ class WorkerProcess:
                 self._proc.wait(timeout=5)
                 raise AssertionError(
                     f"{self.name} exited ({self._proc.returncode}) before {prefix!r}; "
-                    f"{self._tail()}"
+                    f"{self.tail()}"
                 )
             self.seen.append(line)
             if line.startswith(prefix):
@@ -300,7 +300,7 @@ class WorkerProcess:
             reader.join(timeout=5)
         if expect_exit is not None and code != expect_exit:
             raise AssertionError(
-                f"{self.name} exited {code}, expected {expect_exit}; {self._tail()}"
+                f"{self.name} exited {code}, expected {expect_exit}; {self.tail()}"
             )
         self._on_event(self.name, f"exited {code}")
         return code
@@ -333,7 +333,8 @@ class WorkerProcess:
                     with contextlib.suppress(OSError):
                         stream.close()
 
-    def _tail(self) -> str:
+    def tail(self) -> str:
+        """The end of what the process wrote to stderr, for an error message."""
         return f"stderr: {self.stderr.strip()[-2000:] or '(empty)'}"
 
 
