@@ -96,7 +96,8 @@ def _go_on(child: harness.WorkerProcess, link: proxy.Proxy, window: str) -> None
 
 
 def _settle(lab: harness.Harness, rig: harness.Rig, workflow_id: str,
-            child: harness.WorkerProcess, window: str, within: float = 90.0) -> store.Workflow:
+            child: harness.WorkerProcess, window: str, server: Any,
+            within: float = 90.0) -> store.Workflow:
     """Play the operator's recoverer until the workflow is finished or awaits a person."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -117,7 +118,10 @@ def _settle(lab: harness.Harness, rig: harness.Rig, workflow_id: str,
         if current.state in store.TERMINAL_STATES or current.review_reason:
             return current
         time.sleep(0.1)
-    raise AssertionError(f"bounded wait: {workflow_id} did not settle within {within}s")
+    # Why, from the server's side: a server that does not come back says so in its log.
+    log_tail = "\n".join(server.log_from(0)[0].splitlines()[-25:])
+    raise AssertionError(f"bounded wait: {workflow_id} did not settle within {within}s; "
+                         f"the server alive={server.alive()}, its log ends:\n{log_tail}")
 
 
 def _both_checkers(lab: harness.Harness) -> tuple[list[invariants.Violation],
@@ -162,7 +166,7 @@ def test_disk_full_mid_window_fails_writes_and_recovers_without_violation(
         record = fault.free(0.0)
         lab.mark("postgresql", f"ballast freed; restarted by the lab: "
                                f"{record['postmaster_restarted_by_lab']}")
-        final = _settle(lab, rig, job.id, child, window)
+        final = _settle(lab, rig, job.id, child, window, server)
         found, findings = _both_checkers(lab)
     finally:
         child.cleanup()
@@ -230,7 +234,7 @@ def test_clock_steps_mid_window_keep_one_owner_per_fence(
         lab.mark("experiment", f"clock {back['step_s']}s")
         time.sleep(2.2)  # every backend has re-read its clock file
         _go_on(child, link, window)
-        final = _settle(lab, rig, job.id, child, window)
+        final = _settle(lab, rig, job.id, child, window, server)
         found, findings = _both_checkers(lab)
     finally:
         child.cleanup()

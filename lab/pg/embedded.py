@@ -615,12 +615,21 @@ class _Embedded:
         """Whether the postmaster process is still running."""
         return self.postmaster is not None and self.postmaster.poll() is None
 
-    def revive(self, patience: float = 60.0) -> bool:
-        """Start the postmaster again if it exited by itself (a failed crash recovery);
-        True when it had to. A postmaster that is up is left alone."""
+    def revive(self, patience: float = 60.0, recovery_limit: float = 30.0) -> bool:
+        """Start the postmaster again if it exited by itself (a failed crash recovery), or
+        if it is still not ready ``recovery_limit`` seconds from now (a crash recovery that
+        hangs once the disk it failed on has room again: seen with PostgreSQL 18 in CI);
+        True when it had to. A postmaster that is ready, or gets there, is left alone."""
         with self._restart_lock:
-            if self.postmaster is None or self.port == 0 or self.alive():
+            if self.postmaster is None or self.port == 0:
                 return False
+            if self.alive():
+                if self._ready_within(recovery_limit):
+                    return False
+                # As an operator would: stop it dead, start it again on the same data.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.postmaster.pid, signal.SIGKILL)
+                self.postmaster.wait(timeout=30)
             deadline = time.monotonic() + patience
             while True:
                 try:
@@ -630,6 +639,19 @@ class _Embedded:
                     if time.monotonic() >= deadline:
                         raise
                     time.sleep(0.1)
+
+    def _ready_within(self, seconds: float) -> bool:
+        """Whether the running postmaster says "ready" in its pid file within ``seconds``
+        (it says "starting" while it recovers after a crash); False if it exits."""
+        assert self.postmaster is not None
+        deadline = time.monotonic() + seconds
+        while self.postmaster.poll() is None:
+            if self._says_ready():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return False
 
     def launch(self, port: int) -> None:
         """Start the postmaster and wait until it accepts connections.
@@ -664,20 +686,15 @@ class _Embedded:
                 **self.runner.user_kwargs(),
             )
         deadline = time.monotonic() + _START_TIMEOUT
-        pidfile = self.data / "postmaster.pid"
         while time.monotonic() < deadline:
             if self.postmaster.poll() is not None:
                 raise errors.ProvisioningError(
                     f"the embedded postgres exited with code {self.postmaster.returncode}: "
                     f"{self.log_tail()}"
                 )
-            with contextlib.suppress(OSError):
-                lines = pidfile.read_text().splitlines()
-                # The pid too: a postmaster killed before this one left a "ready" file.
-                if (len(lines) >= 8 and lines[0].strip() == str(self.postmaster.pid)
-                        and lines[7].strip() == "ready"):
-                    self.port = port
-                    return
+            if self._says_ready():
+                self.port = port
+                return
             time.sleep(0.005)
         raise errors.ProvisioningError(
             f"the embedded postgres did not become ready in {_START_TIMEOUT:.0f} s: "
@@ -708,6 +725,17 @@ class _Embedded:
                     if time.monotonic() >= deadline:
                         raise
                     time.sleep(0.05)
+
+    def _says_ready(self) -> bool:
+        """Whether ``postmaster.pid`` is this postmaster's and says "ready". The pid too: a
+        postmaster killed before this one left a "ready" file."""
+        assert self.postmaster is not None
+        try:
+            lines = (self.data / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        return (len(lines) >= 8 and lines[0].strip() == str(self.postmaster.pid)
+                and lines[7].strip() == "ready")
 
     def log_tail(self) -> str:
         try:
