@@ -244,6 +244,9 @@ def lab_round(
                 processes.spawn_worker(
                     scratch.store_dsn, schema, service.endpoint, service.token, f"bench-{index}",
                     *LAB_WORKER_FLAGS, "--idle-exit", str(IDLE_EXIT_SECONDS), "--start-gate",
+                    # Exec'd, as DBOS's are: the meter counts this process's reaped
+                    # children, and a forked worker is the fork server's child.
+                    fork=False,
                 )
             )
         _release_together(children, meter)
