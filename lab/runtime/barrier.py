@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from lab import errors
-from lab.runtime.plan import canonical_json
+from lab.runtime.plan import canonical_json, scalar_fields
 
 BARRIER_DOMAIN = b"lab/start-barrier@v1\0"
 COMPLETION_DOMAIN = b"lab/completion@v1\0"
@@ -86,7 +86,7 @@ class StartBarrier:
 
     def record(self) -> dict[str, Any]:
         """The canonical content the digest covers."""
-        return asdict(self)
+        return scalar_fields(self)
 
     def digest(self) -> str:
         """sha256 over the domain prefix and the canonical record."""
@@ -124,7 +124,7 @@ class Completion:
 
     def record(self) -> dict[str, Any]:
         """The canonical content the digest covers."""
-        return asdict(self)
+        return scalar_fields(self)
 
     def digest(self) -> str:
         """sha256 over the domain prefix and the canonical record."""
