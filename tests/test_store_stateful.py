@@ -127,17 +127,19 @@ class StoreMachine(RuleBasedStateMachine):
         if claimed is not None:
             self.held[worker] = Held(claimed)
 
-    @rule(worker=st.sampled_from(WORKERS))
-    def fused_step(self, worker: str) -> None:
+    @rule(worker=st.sampled_from(WORKERS), recover=st.booleans())
+    def fused_step(self, worker: str, recover: bool = True) -> None:
         # A looping ``--fused`` worker: one transaction completes what it holds (when the
-        # tool confirmed it), recovers expired leases and claims the next workflow, an
-        # idempotent one with its start barrier. Anything unconfirmed it held is abandoned.
+        # tool confirmed it), recovers expired leases (or not: the worker does that on a
+        # timer) and claims the next workflow, an idempotent one with its start barrier.
+        # Anything unconfirmed it held is abandoned.
         held = self.held.pop(worker, None)
         finished = None
         if held is not None and held.start is not None and held.receipt is not None:
             finished = store.Finished(held.claim, held.start, held.receipt)
         try:
-            taken = self.db.complete_and_claim(finished, worker, LEASE, fuse=True)
+            taken = self.db.complete_and_claim(finished, worker, LEASE, fuse=True,
+                                               recover=recover)
         except EXPECTED:
             return
         if taken.claim is not None:
@@ -406,4 +408,19 @@ def test_fused_steps_complete_in_the_next_claims_transaction(rig: Rig) -> None:
         rig.db.complete_and_claim(stale, "w0", LEASE, fuse=True)
     assert rig.db.get(third).state == "ready"  # nothing of the failed transaction committed
     machine.held.clear()
+    machine.teardown()
+
+
+def test_a_fused_step_recovers_expired_leases_only_when_asked(rig: Rig) -> None:
+    """The worker's timer decides: a step without ``recover`` leaves an expired lease
+    running (nothing claims it meanwhile), the next one with it makes it unknown."""
+    machine = StoreMachine(rig)
+    first = machine.create(True, 100)
+    machine.fused_step("w0")
+    machine.held.clear()  # w0 died holding it
+    machine.expire(first)
+    machine.fused_step("w1", recover=False)
+    assert rig.db.get(first).state == "running" and "w1" not in machine.held
+    machine.fused_step("w1", recover=True)
+    assert rig.db.get(first).state == "unknown" and "w1" not in machine.held
     machine.teardown()

@@ -504,10 +504,12 @@ class Store:
         return len(rows)
 
     def complete_and_claim(
-        self, finished: Finished | None, owner: str, lease: timedelta, *, fuse: bool
+        self, finished: Finished | None, owner: str, lease: timedelta, *, fuse: bool,
+        recover: bool = True,
     ) -> Step:
-        """Commit ``finished``'s completion, recover expired leases and claim the next work,
-        all in one transaction (one WAL flush), pipelined (two round trips).
+        """Commit ``finished``'s completion, recover expired leases (with ``recover``) and
+        claim the next work, all in one transaction (one WAL flush), pipelined (two round
+        trips).
 
         The completion is ``complete``'s, re-checked here: the receipt proves the
         effect, the stored start barrier still matches (digest and content) and the
@@ -534,7 +536,8 @@ class Store:
             completed = None
             if finished is not None:
                 completed = _queue_completion(conn, finished, sealed)
-            conn.execute(RECOVER_QUERY)
+            if recover:
+                conn.execute(RECOVER_QUERY)
             snapshot: Workflow | None = None
             while True:
                 row = conn.execute(CLAIM_QUERY).fetchone()

@@ -9,6 +9,7 @@ be reconciled by lookup) or "refused" (failed).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,11 @@ from lab import errors, protocol
 from lab.runtime import store, tool
 
 Hook = Callable[[str, store.Workflow], None]
+
+#: How often a busy fused worker recovers expired leases. Recovery only moves a dead
+#: worker's expired claim to ``unknown`` (nothing is claimable or dispatched through it),
+#: so doing it on a timer instead of in every claim delays that by at most this much.
+RECOVERY_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -43,6 +49,7 @@ class Worker:
     #: start barrier (boundary ``after_claim_barrier``).
     fused: bool = False
     _pending: store.Finished | None = field(default=None, init=False, repr=False)
+    _recover_at: float = field(default=0.0, init=False, repr=False)
 
     def _stage(self, stage: str, claim: store.Workflow) -> None:
         if self.hook is not None:
@@ -85,16 +92,20 @@ class Worker:
         """The fused path: one transaction completes the last dispatch and claims the next.
 
         The effect confirmed by the previous ``step`` is completed in the same
-        transaction that recovers expired leases and claims the next workflow (for an
-        idempotent plan with its start barrier too), so a workflow costs two commits of
+        transaction that claims the next workflow (for an idempotent plan with its start
+        barrier too) and, on the first step, every ``RECOVERY_INTERVAL_S`` and after a
+        step that found no work, recovers expired leases; so a workflow costs two commits of
         its own (this one and the tool's) where ``run_one`` makes four. The next item is
         then dispatched; a confirmed effect waits for the next ``step`` (or ``flush``),
         every other outcome is committed at once, as in ``run_one``. Returns the final
         snapshots this call committed, oldest first: empty when no work was due.
         """
         finished, self._pending = self._pending, None
+        now = time.monotonic()
+        recover = now >= self._recover_at
         try:
-            taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True)
+            taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True,
+                                               recover=recover)
         except errors.IntegrityFailure:
             if finished is None:
                 raise
@@ -105,10 +116,14 @@ class Worker:
                 # so keep it for the next step (a lost database is waited for).
                 self._pending = finished
             raise
+        if recover:
+            self._recover_at = now + RECOVERY_INTERVAL_S
         done = [] if taken.completed is None else [taken.completed]
         if taken.completed is not None:
             self._stage(protocol.AFTER_COMPLETE, taken.completed)
         if taken.claim is None:
+            if not recover:
+                self._recover_at = 0.0  # no work found: recover before calling this idle
             return done
         claim = taken.claim
         if taken.barrier is None:
