@@ -218,3 +218,15 @@ def test_bad_bench_arguments_exit_2_before_any_server_starts(argv, capsys) -> No
     assert cli.main([*argv, "--lab-postgres", "dsn"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_lab_round_counts_its_worker_processes_cpu(lab_dsn: str) -> None:
+    """The meter counts reaped children: the measured workers must be this process's
+    own (a worker forked from the fork server was counted as 0.000 ms/workflow)."""
+    scratch = measure.Scratch.create(lab_dsn)
+    try:
+        result = throughput.lab_round(scratch, 20, throughput.Config("lab", 1))
+    finally:
+        scratch.drop()
+    assert result.succeeded == 20
+    assert (result.cpu["drain_worker_cpu_seconds"] or 0) > 0, result.cpu
