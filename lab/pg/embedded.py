@@ -627,18 +627,9 @@ class _Embedded:
                 if self._ready_within(recovery_limit):
                     return False
                 # As an operator would: stop it dead, start it again on the same data.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.postmaster.pid, signal.SIGKILL)
-                self.postmaster.wait(timeout=30)
-            deadline = time.monotonic() + patience
-            while True:
-                try:
-                    self.launch(self.port)
-                    return True
-                except errors.ProvisioningError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.1)
+                self._kill_postmaster()
+            self._launch_again(time.monotonic() + patience)
+            return True
 
     def _ready_within(self, seconds: float) -> bool:
         """Whether the running postmaster says "ready" in its pid file within ``seconds``
@@ -713,18 +704,28 @@ class _Embedded:
             if self.postmaster is None or self.port == 0:
                 raise errors.ProvisioningError("the embedded postgres is not running")
             killed = time.monotonic()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.postmaster.pid, signal.SIGKILL)
-            self.postmaster.wait(timeout=30)
-            deadline = killed + patience
-            while True:
-                try:
-                    self.launch(self.port)
-                    return time.monotonic() - killed
-                except errors.ProvisioningError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.05)
+            self._kill_postmaster()
+            self._launch_again(killed + patience)
+            return time.monotonic() - killed
+
+    def _kill_postmaster(self) -> None:
+        """SIGKILL the postmaster and reap it: no shutdown runs."""
+        assert self.postmaster is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.postmaster.pid, signal.SIGKILL)
+        self.postmaster.wait(timeout=30)
+
+    def _launch_again(self, deadline: float) -> None:
+        """Start a postmaster on the same data and port, retried until ``deadline``: until
+        every orphaned backend of the last one has left the shared memory, it refuses."""
+        while True:
+            try:
+                self.launch(self.port)
+                return
+            except errors.ProvisioningError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
 
     def _says_ready(self) -> bool:
         """Whether ``postmaster.pid`` is this postmaster's and says "ready". The pid too: a
