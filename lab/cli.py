@@ -279,6 +279,11 @@ def _add_worker(commands: Commands[argparse.ArgumentParser]) -> None:
         help="with --loop: complete each item in the next claim's transaction, and commit "
              "an idempotent claim with its start barrier (boundary after_claim_barrier)",
     )
+    worker.add_argument(
+        "--batch", type=int, default=1,
+        help="with --fused: claim up to N items per transaction and send their requests "
+             "together (boundary after_batch); a crash leaves all N to recovery",
+    )
     worker.set_defaults(handler=_worker)
 
 
@@ -442,11 +447,14 @@ def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
     )
     throughput.add_argument("--workflows", type=int, default=1000)
     throughput.add_argument("--workers", type=int, default=2)
+    throughput.add_argument("--batch", type=int, default=1,
+                            help="workflows in flight per lab worker (its --batch)")
     throughput.add_argument("--peer", choices=["dbos"], default=None)
     throughput.add_argument("--repeat", type=int, default=1)
     throughput.add_argument("--sweep", action="store_true",
                             help="each system over its own configurations, best against best")
     throughput.add_argument("--lab-processes", default="2,4", help="sweep: lab worker processes")
+    throughput.add_argument("--lab-batch", default="1,8", help="sweep: lab worker --batch values")
     throughput.add_argument("--dbos-processes", default="2,4", help="sweep: DBOS processes")
     throughput.add_argument("--dbos-concurrency", default="1,8,16",
                             help="sweep: DBOS worker_concurrency values")

@@ -56,6 +56,7 @@ class Boundary:
 AFTER_CLAIM = "after_claim"
 AFTER_BARRIER = "after_barrier"
 AFTER_CLAIM_BARRIER = "after_claim_barrier"
+AFTER_BATCH = "after_batch"
 AFTER_REQUEST = "after_request"
 AFTER_EFFECT = "after_effect"
 AFTER_TOOL = "after_tool"
@@ -70,6 +71,10 @@ BOUNDARIES: tuple[Boundary, ...] = (
     Boundary(AFTER_CLAIM_BARRIER, WORKER,
              "claim and start barrier committed in one transaction (a looping worker's "
              "idempotent claim); request not yet sent"),
+    Boundary(AFTER_BATCH, WORKER,
+             "a batch committed in one transaction (a looping worker's --batch: several "
+             "claims, idempotent ones with their start barriers, and the last batch's "
+             "completions); no request of it sent yet"),
     Boundary(AFTER_REQUEST, TOOL, "request received by the tool; effect not yet committed"),
     Boundary(AFTER_EFFECT, TOOL, "tool effect committed; reply not yet sent"),
     Boundary(AFTER_TOOL, WORKER, "reply received; completion not yet committed"),

@@ -49,6 +49,9 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 SEQUENCES = int(os.environ.get("LAB_STATEFUL_SEQUENCES", 2000 if PROFILE == "long" else 20))
 STEPS = 25
 WORKERS = ("w0", "w1", "w2")
+BATCH = 3  # a fused step claims up to this many
+# What one worker holds: its first claim under its own name, a batch's others as "w0.1"...
+SLOTS = tuple(f"{w}.{i}" if i else w for w in WORKERS for i in range(BATCH))
 LEASE = timedelta(seconds=30)  # the machine expires leases itself, on PostgreSQL's clock
 PROPOSER = store.Actor("tenant-a", "employee-a", "proposer")
 APPROVER = store.Actor("tenant-a", "manager-a", "approver")
@@ -105,7 +108,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.db = rig.db
         rig.reset()
         rig.stats["sequences"] += 1
-        self.held: dict[str, Held] = {}
+        self.held: dict[str, Held] = {}  # by slot
         self.operations = 0
 
     # -- creation and claims --------------------------------------------------------
@@ -120,37 +123,46 @@ class StoreMachine(RuleBasedStateMachine):
         self.db.approve(APPROVER, created.id, created.fingerprint, timedelta(hours=1))
         return created.id
 
+    def _abandon(self, worker: str) -> list[Held]:
+        """Everything ``worker`` holds, taken out of its slots (oldest claim first)."""
+        return [held for slot in SLOTS if slot.split(".")[0] == worker
+                if (held := self.held.pop(slot, None)) is not None]
+
     @rule(worker=st.sampled_from(WORKERS))
     def claim(self, worker: str) -> None:
         # A worker that claims again abandoned what it held: its process restarted.
+        self._abandon(worker)
         claimed = self.db.claim(worker, LEASE)
         if claimed is not None:
             self.held[worker] = Held(claimed)
 
-    @rule(worker=st.sampled_from(WORKERS), recover=st.booleans())
-    def fused_step(self, worker: str, recover: bool = True) -> None:
-        # A looping ``--fused`` worker: one transaction completes what it holds (when the
-        # tool confirmed it), recovers expired leases (or not: the worker does that on a
-        # timer) and claims the next workflow, an idempotent one with its start barrier.
-        # Anything unconfirmed it held is abandoned.
-        held = self.held.pop(worker, None)
-        finished = None
-        if held is not None and held.start is not None and held.receipt is not None:
-            finished = store.Finished(held.claim, held.start, held.receipt)
+    @rule(worker=st.sampled_from(WORKERS), recover=st.booleans(),
+          limit=st.integers(1, BATCH))
+    def fused_step(self, worker: str, recover: bool = True, limit: int = 1) -> None:
+        # A looping ``--fused`` worker: one transaction completes what it holds (what the
+        # tool confirmed), recovers expired leases (or not: the worker does that on a
+        # timer) and claims up to ``limit`` workflows, idempotent ones with their start
+        # barriers. Anything unconfirmed it held is abandoned.
+        finished = [store.Finished(held.claim, held.start, held.receipt)
+                    for held in self._abandon(worker)
+                    if held.start is not None and held.receipt is not None]
         try:
             taken = self.db.complete_and_claim(finished, worker, LEASE, fuse=True,
-                                               recover=recover)
+                                               recover=recover, limit=limit)
         except EXPECTED:
             return
-        if taken.claim is not None:
-            assert (taken.barrier is not None) == taken.claim.idempotent
-            self.held[worker] = Held(taken.claim, taken.barrier)
+        assert [w.id for w in taken.completed] == [f.claim.id for f in finished]
+        assert len(taken.claims) <= limit
+        for index, claimed in enumerate(taken.claims):
+            assert (claimed.barrier is not None) == claimed.workflow.idempotent
+            self.held[f"{worker}.{index}" if index else worker] = Held(claimed.workflow,
+                                                                       claimed.barrier)
 
     @rule(worker=st.sampled_from(WORKERS))
     def crash(self, worker: str) -> None:
-        self.held.pop(worker, None)
+        self._abandon(worker)
 
-    @rule(worker=st.sampled_from(WORKERS))
+    @rule(worker=st.sampled_from(SLOTS))
     def heartbeat(self, worker: str) -> None:
         if worker in self.held:
             with contextlib.suppress(errors.Stale):
@@ -168,7 +180,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- around the dispatch ---------------------------------------------------------
 
-    @rule(worker=st.sampled_from(WORKERS))
+    @rule(worker=st.sampled_from(SLOTS))
     def pre_dispatch(self, worker: str) -> None:
         held = self.held.get(worker)
         if held is None or held.start is not None:
@@ -183,7 +195,7 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             held.start = start
 
-    @rule(worker=st.sampled_from(WORKERS),
+    @rule(worker=st.sampled_from(SLOTS),
           outcome=st.sampled_from(["receipt", "reply_lost", "rate_limited", "unreachable"]))
     def call_tool(self, worker: str, outcome: str) -> None:
         held = self.held.get(worker)
@@ -217,7 +229,7 @@ class StoreMachine(RuleBasedStateMachine):
         except EXPECTED:
             pass
 
-    @rule(worker=st.sampled_from(WORKERS))
+    @rule(worker=st.sampled_from(SLOTS))
     def complete(self, worker: str) -> None:
         held = self.held.get(worker)
         if held is None or held.receipt is None:
@@ -226,7 +238,7 @@ class StoreMachine(RuleBasedStateMachine):
         with contextlib.suppress(EXPECTED):
             self.db.complete(held.claim, held.receipt)
 
-    @rule(worker=st.sampled_from(WORKERS))
+    @rule(worker=st.sampled_from(SLOTS))
     def give_up_as_unknown(self, worker: str) -> None:
         held = self.held.pop(worker, None)
         if held is not None:
@@ -405,8 +417,43 @@ def test_fused_steps_complete_in_the_next_claims_transaction(rig: Rig) -> None:
         held.claim.fingerprint, held.claim.trace_id), plan.Receipt("rcpt_x", held.claim.effect_key,
                                                                    held.claim.fingerprint))
     with pytest.raises((errors.Stale, errors.IntegrityFailure)):
-        rig.db.complete_and_claim(stale, "w0", LEASE, fuse=True)
+        rig.db.complete_and_claim([stale], "w0", LEASE, fuse=True)
     assert rig.db.get(third).state == "ready"  # nothing of the failed transaction committed
+    machine.held.clear()
+    machine.teardown()
+
+
+def test_a_batch_step_claims_several_and_completes_them_in_one_transaction(rig: Rig) -> None:
+    """A batch: one transaction claims up to its limit (each idempotent claim with its own
+    barrier, a non-idempotent one without), the next completes all the confirmed ones with
+    the next claims, and one stale completion among them rolls the whole step back."""
+    machine = StoreMachine(rig)
+    first, second, third = (machine.create(kind, amount)
+                            for kind, amount in ((True, 100), (True, 200), (False, 300)))
+    machine.fused_step("w0", limit=2)
+    assert [machine.held[s].claim.id for s in ("w0", "w0.1")] == [first, second]
+    assert all(machine.held[s].start is not None for s in ("w0", "w0.1"))
+    assert rig.db.get(third).state == "ready"  # beyond the limit
+    machine.call_tool("w0", "receipt")
+    machine.call_tool("w0.1", "receipt")
+    machine.fused_step("w0", limit=3)
+    assert [rig.db.get(w).state for w in (first, second)] == ["succeeded", "succeeded"]
+    assert (machine.held["w0"].claim.id, machine.held["w0"].start) == (third, None)
+    fourth, fifth = machine.create(True, 400), machine.create(True, 500)
+    machine.fused_step("w1", limit=2)
+    good, doomed = machine.held.pop("w1"), machine.held.pop("w1.1")
+    for held in (good, doomed):
+        held.receipt = rig.clients[True].call(held.claim, held.start)
+    machine.expire(doomed.claim.id)
+    machine.recover()
+    sixth = machine.create(True, 600)
+    finished = [store.Finished(h.claim, h.start, h.receipt) for h in (good, doomed)
+                if h.start is not None and h.receipt is not None]
+    with pytest.raises(errors.Stale):
+        rig.db.complete_and_claim(finished, "w1", LEASE, fuse=True, limit=2)
+    # Nothing committed: the good one is still running, nothing new was claimed.
+    assert [rig.db.get(w).state for w in (fourth, fifth, sixth)] == [
+        "running", "unknown", "ready"]
     machine.held.clear()
     machine.teardown()
 

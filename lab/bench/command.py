@@ -26,6 +26,7 @@ from lab import errors
 from lab.bench import claim, measure, startup, suite, throughput
 from lab.bench.measure import fmt
 from lab.pg import providers
+from lab.runtime import processes
 
 OUTPUT_DIR = "evidence/bench"
 
@@ -61,10 +62,12 @@ class ThroughputOptions:
     output_dir: str = OUTPUT_DIR
     workflows: int = 1000
     workers: int = 2
+    batch: int = 1
     peer: str | None = None
     repeat: int = 1
     sweep: bool = False
     lab_processes: str = "2,4"
+    lab_batch: str = "1,8"
     dbos_processes: str = "2,4"
     dbos_concurrency: str = "1,8,16"
     dbos_poll: str = "0.005,0.05"
@@ -129,16 +132,20 @@ def _floats(text: str) -> list[float]:
 
 def _validate(options: ThroughputOptions) -> None:
     """Refuse bad arguments before a server is provisioned for nothing."""
-    counts = [options.workflows, options.workers, options.repeat]
+    counts = [options.workflows, options.workers, options.repeat, options.batch]
     if options.sweep:
         if options.peer != "dbos":
             raise errors.UsageError("--sweep compares with a peer: add --peer dbos")
-        counts += [*_ints(options.lab_processes), *_ints(options.dbos_processes),
+        counts += [*_ints(options.lab_processes), *_ints(options.lab_batch),
+                   *_ints(options.dbos_processes),
                    *_ints(options.dbos_concurrency)]
         if not all(poll > 0 for poll in _floats(options.dbos_poll)):
             raise errors.UsageError("--dbos-poll intervals must be positive")
     if any(count < 1 for count in counts):
         raise errors.UsageError("workflows, workers, repeat and sweep values must be positive")
+    batches = [options.batch, *(_ints(options.lab_batch) if options.sweep else [])]
+    if max(batches) > processes.MAX_BATCH:
+        raise errors.UsageError(f"a lab batch is at most {processes.MAX_BATCH}")
 
 
 def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
@@ -146,6 +153,7 @@ def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
         return "throughput-sweep", throughput.sweep(
             dsn, options.workflows, options.repeat,
             lab_processes=_ints(options.lab_processes),
+            lab_batch=_ints(options.lab_batch),
             dbos_processes=_ints(options.dbos_processes),
             dbos_concurrency=_ints(options.dbos_concurrency),
             dbos_poll=_floats(options.dbos_poll),
@@ -154,7 +162,7 @@ def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
     if isinstance(options, ThroughputOptions):
         return "throughput", throughput.throughput(
             dsn, options.workflows, options.workers, options.peer, options.repeat,
-            noise=options.noise,
+            noise=options.noise, batch=options.batch,
         )
     if isinstance(options, ClaimOptions):
         sizes = list(options.history) or list(claim.DEFAULT_HISTORY)

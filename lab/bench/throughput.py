@@ -53,6 +53,7 @@ DBOS_VERSION_TAG = "bench"
 DBOS_WORKER_CONCURRENCY = 1
 DBOS_POLL_SECONDS = 0.005
 SWEEP_LAB_PROCESSES = (2, 4)
+SWEEP_LAB_BATCH = (1, 8)
 SWEEP_DBOS_PROCESSES = (2, 4)
 SWEEP_DBOS_CONCURRENCY = (1, 8, 16)
 SWEEP_DBOS_POLL = (0.005, 0.05)
@@ -65,18 +66,23 @@ class Config:
 
     system: str
     processes: int
+    #: Workflows in flight per process: DBOS's ``worker_concurrency``, the lab's ``--batch``.
     concurrency: int | None = None
     poll: float | None = None
 
     @property
     def label(self) -> str:
-        """A short name: ``lab p4`` or ``dbos p4 c16 poll 5ms``."""
+        """A short name: ``lab p4``, ``lab p4 b16`` or ``dbos p4 c16 poll 5ms``."""
         if self.system == "lab":
-            return f"lab p{self.processes}"
+            batch = self.concurrency or 1
+            return f"lab p{self.processes}" + (f" b{batch}" if batch > 1 else "")
         return f"dbos p{self.processes} c{self.concurrency} poll {(self.poll or 0) * 1000:g}ms"
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as a JSON object."""
+        if self.system == "lab":
+            return {"system": self.system, "processes": self.processes,
+                    "batch": self.concurrency or 1}
         return {"system": self.system, "processes": self.processes,
                 "worker_concurrency": self.concurrency, "polling_interval_sec": self.poll}
 
@@ -243,7 +249,8 @@ def lab_round(
             children.append(
                 processes.spawn_worker(
                     scratch.store_dsn, schema, service.endpoint, service.token, f"bench-{index}",
-                    *LAB_WORKER_FLAGS, "--idle-exit", str(IDLE_EXIT_SECONDS), "--start-gate",
+                    *LAB_WORKER_FLAGS, "--batch", str(config.concurrency or 1),
+                    "--idle-exit", str(IDLE_EXIT_SECONDS), "--start-gate",
                     # Exec'd, as DBOS's are: the meter counts this process's reaped
                     # children, and a forked worker is the fork server's child.
                     fork=False,
@@ -415,11 +422,12 @@ def _check(workflows: int, repeat: int, *counts: int) -> None:
 
 def throughput(
     admin_dsn: str, workflows: int, workers: int, peer: str | None, repeat: int,
-    *, noise: bool = False,
+    *, noise: bool = False, batch: int = 1,
 ) -> dict[str, Any]:
-    """Drain backlogs with the lab (and the peer) at ``workers`` processes, alternating."""
-    _check(workflows, repeat, workers)
-    configs = [Config("lab", workers)]
+    """Drain backlogs with the lab (``batch`` in flight per worker) and the peer at
+    ``workers`` processes, alternating."""
+    _check(workflows, repeat, workers, batch)
+    configs = [Config("lab", workers, batch)]
     if peer == "dbos":
         configs.append(Config("dbos", workers, DBOS_WORKER_CONCURRENCY, DBOS_POLL_SECONDS))
     with measure.noise(noise), _scratch(admin_dsn, peer is not None) as (scratch, dbos_schema):
@@ -444,6 +452,7 @@ def throughput(
     return {
         "workflows": workflows,
         "workers": workers,
+        "lab_batch": batch,
         "repeat": repeat,
         "peer": peer,
         "noise": noise,
@@ -488,9 +497,10 @@ def _summary(results: Sequence[RunResult], empty: RunResult, workflows: int) -> 
 def sweep_configs(
     lab_processes: Sequence[int], dbos_processes: Sequence[int],
     dbos_concurrency: Sequence[int], dbos_poll: Sequence[float],
+    lab_batch: Sequence[int] = (1,),
 ) -> list[Config]:
-    """Every configuration of the sweep: lab by processes, DBOS by the product of its knobs."""
-    configs = [Config("lab", p) for p in lab_processes]
+    """Every configuration of the sweep: each system by the product of its knobs."""
+    configs = [Config("lab", p, b) for p, b in itertools.product(lab_processes, lab_batch)]
     configs += [Config("dbos", p, c, poll) for p, c, poll
                 in itertools.product(dbos_processes, dbos_concurrency, dbos_poll)]
     return configs
@@ -536,12 +546,14 @@ def sweep(
     dbos_concurrency: Sequence[int] = SWEEP_DBOS_CONCURRENCY,
     dbos_poll: Sequence[float] = SWEEP_DBOS_POLL,
     noise: bool = False,
+    lab_batch: Sequence[int] = SWEEP_LAB_BATCH,
 ) -> dict[str, Any]:
     """Each system over its own configuration space, alternating; best against best."""
-    _check(workflows, repeat, *lab_processes, *dbos_processes, *dbos_concurrency)
+    _check(workflows, repeat, *lab_processes, *dbos_processes, *dbos_concurrency, *lab_batch)
     if any(poll <= 0 for poll in dbos_poll):
         raise errors.UsageError("DBOS polling intervals must be positive")
-    configs = sweep_configs(lab_processes, dbos_processes, dbos_concurrency, dbos_poll)
+    configs = sweep_configs(lab_processes, dbos_processes, dbos_concurrency, dbos_poll,
+                            lab_batch)
     with measure.noise(noise):
         ceiling_before = measure.ceiling(admin_dsn, CEILING_SECONDS)
         with _scratch(admin_dsn, True) as (scratch, dbos_schema):

@@ -43,9 +43,13 @@ def outcome(cell: Mapping[str, Any]) -> str:
         return f"VIOLATION {', '.join(kinds)}"
     if status == NOT_REACHED:
         return "boundary not reached"
+    workflows = int(cell.get("workflows") or 1)
     who = f"person: {cell.get('why')}" if status == PERSON else "automatic"
+    if workflows > 1 and status == PERSON:
+        who += f" ({cell.get('waiting_for_person')} of {workflows})"
     effects = int(cell.get("effects") or 0)
-    return f"{cell.get('final_state')}, {effects} effect{'' if effects == 1 else 's'}, {who}"
+    text = f"{cell.get('final_state')}, {effects} effect{'' if effects == 1 else 's'}, {who}"
+    return f"{workflows} workflows: {text}" if workflows > 1 else text
 
 
 def canonical_json(matrix: Mapping[str, Any]) -> bytes:
@@ -100,6 +104,8 @@ MATRIX_SCHEMA: dict[str, Any] = {
             "type": "object",
             "properties": {
                 "effects": {"type": ["integer", "null"]},
+                "workflows": {"type": "integer", "minimum": 1},
+                "waiting_for_person": {"type": "integer", "minimum": 0},
                 "violations": {"type": "array", "items": {"type": "object"}},
                 "events": {"type": "array"},
             },

@@ -121,6 +121,7 @@ class Script:
     worker_flags: tuple[str, ...]
     tool_flags: tuple[str, ...]
     steps: tuple[tuple[str, ...], ...]
+    workflows: int = 1  # a batch's cells approve several; each must settle
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,12 @@ IN_TOOL = "in_tool"  # inside the tool's request handling
 AFTER_REPLY = "after_reply"  # worker path, the effect reply already in hand
 SLOW_TOOL = "slow_tool"  # worker's heartbeat thread, while the tool holds the request
 RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknown workflow
+BATCH = "batch"  # a ``--batch`` worker's step over several workflows, before any request
 REACH: dict[str, str] = {
     protocol.AFTER_CLAIM: BEFORE_CALL,
     protocol.AFTER_BARRIER: BEFORE_CALL,
     protocol.AFTER_CLAIM_BARRIER: BEFORE_CALL,
+    protocol.AFTER_BATCH: BATCH,
     protocol.AFTER_REQUEST: IN_TOOL,
     protocol.AFTER_EFFECT: IN_TOOL,
     protocol.AFTER_TOOL: AFTER_REPLY,
@@ -155,6 +158,11 @@ REACH: dict[str, str] = {
 # Only a looping ``--fused`` worker commits a claim with its start barrier; one item is
 # enough to reach the boundary (and ``--max-items`` stops it retrying a dead tool).
 FUSED_FLAGS = ("--loop", "--fused", "--max-items", "1", "--idle-exit", "1")
+# A batch's cells: one step claims all of them (with barriers when idempotent) and has them
+# in flight together, so the fault meets every workflow of the batch at once.
+BATCH_SIZE = 3
+BATCH_FLAGS = ("--loop", "--fused", "--batch", str(BATCH_SIZE), "--max-items", str(BATCH_SIZE),
+               "--idle-exit", "1")
 
 
 def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
@@ -171,21 +179,9 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
             "a non-idempotent tool has no authoritative lookup: the reconciler never asks, "
             "it records a review"
         )
-    if boundary == protocol.AFTER_CLAIM_BARRIER:
-        if kind == NON_IDEMPOTENT:
-            return NotApplicable(
-                "a non-idempotent claim is never fused with its start barrier: they commit "
-                "apart (after_claim, after_barrier), so a crash between keeps the proof that "
-                "nothing was dispatched"
-            )
-        found = script(protocol.AFTER_BARRIER, fault, kind)
-        if isinstance(found, NotApplicable):
-            return found
-        flags = tuple(protocol.AFTER_CLAIM_BARRIER if f == protocol.AFTER_BARRIER else f
-                      for f in found.worker_flags)
-        steps = tuple(tuple(protocol.AFTER_CLAIM_BARRIER if p == protocol.AFTER_BARRIER else p
-                            for p in step) for step in found.steps)
-        return Script(found.reconciler, (*FUSED_FLAGS, *flags), found.tool_flags, steps)
+    borrowed = _borrowed(boundary, fault, kind)
+    if borrowed is not None:
+        return borrowed
     reconciler = reach == RECONCILING
     slow_tool = ("--pause", protocol.AFTER_REQUEST)
     fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S))
@@ -233,6 +229,43 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
     return Script(reconciler, pause, (), (
         (WORKER_STAGE, boundary), (KILL_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,),
         (RESTART_TOOL,)))
+
+
+def _borrowed(boundary: str, fault: str, kind: str) -> Script | NotApplicable | None:
+    """The cells of the looping worker's own boundaries, borrowed from the plain ones
+    they stand in for (None for any other boundary)."""
+    if boundary == protocol.AFTER_BATCH:
+        # Before any barrier of a non-idempotent batch and before any request of either
+        # kind, as after a claim: the same scripts, with the batch's worker and workflows.
+        found = script(protocol.AFTER_CLAIM, fault, kind)
+        if isinstance(found, NotApplicable):
+            return found
+        return Script(found.reconciler,
+                      (*BATCH_FLAGS, *_renamed(found.worker_flags, protocol.AFTER_CLAIM,
+                                               boundary)),
+                      found.tool_flags,
+                      tuple(_renamed(step, protocol.AFTER_CLAIM, boundary)
+                            for step in found.steps),
+                      workflows=BATCH_SIZE)
+    if boundary == protocol.AFTER_CLAIM_BARRIER:
+        if kind == NON_IDEMPOTENT:
+            return NotApplicable(
+                "a non-idempotent claim is never fused with its start barrier: they commit "
+                "apart (after_claim, after_barrier), so a crash between keeps the proof that "
+                "nothing was dispatched"
+            )
+        found = script(protocol.AFTER_BARRIER, fault, kind)
+        if isinstance(found, NotApplicable):
+            return found
+        flags = _renamed(found.worker_flags, protocol.AFTER_BARRIER, boundary)
+        steps = tuple(_renamed(step, protocol.AFTER_BARRIER, boundary) for step in found.steps)
+        return Script(found.reconciler, (*FUSED_FLAGS, *flags), found.tool_flags, steps)
+    return None
+
+
+def _renamed(words: tuple[str, ...], old: str, new: str) -> tuple[str, ...]:
+    """``words`` with the boundary ``old`` named ``new`` (a script borrowed from another)."""
+    return tuple(new if word == old else word for word in words)
 
 
 def missing_cells() -> list[str]:
@@ -363,7 +396,9 @@ def _drive(
     """One cell: approve its workflow, start its tool, run a worker through the cell's
     script (a reconciler after a prelude that leaves the workflow unknown), recover as an
     operator would, and judge the history."""
-    job = _approved_workflow(ctx, db, idempotent, name)
+    jobs = [_approved_workflow(ctx, db, idempotent, name if index == 0 else f"{name}#{index}")
+            for index in range(cell.workflows)]
+    job = jobs[0]
     tools.start(*cell.tool_flags)
 
     def spawn(label: str, *flags: str) -> processes.WorkerProcess:
@@ -395,11 +430,15 @@ def _drive(
     if subject.alive():
         exits.append(_exit_code(subject))
     recovered_from = fault_at if fault_at is not None else time.monotonic()
-    final, actions = _recover(db, tools, job.id)
+    finals, actions = [], []
+    for each in jobs:
+        final, done = _recover(db, tools, each.id)
+        finals.append(final)
+        actions.extend(done)
     recovery_s = time.monotonic() - recovered_from
     reported = [line.split()[1] for child in children for line in child.all_lines()
                 if line.startswith(f"{protocol.STAGE} ")] + tools.stages()
-    return _judge(ctx, db, tools, name, reported, final, {
+    return _judge(ctx, db, tools, name, reported, finals, {
         "recovery_s": round(recovery_s, 2), "recovery": actions, "process_exits": exits,
     })
 
@@ -462,15 +501,21 @@ def _play(
 
 def _judge(
     ctx: _Run, db: store.Store, tools: toolprocesses.ToolProcess, name: str,
-    reported: list[str], final: store.Workflow, recovery: dict[str, Any],
+    reported: list[str], finals: list[store.Workflow], recovery: dict[str, Any],
 ) -> dict[str, Any]:
     """The cell's result: its status from the invariants over its history and whether its
-    boundary was reported, with what happened (``recovery``: time, actions, exits)."""
+    boundary was reported, with what happened (``recovery``: time, actions, exits) and,
+    over its workflows (several for a batch), their final states and how many wait for a
+    person: the fault's blast radius."""
     boundary = name.split("/")[0]
     history = invariants.load(ctx.dsn, db.schema, open_result=ctx.keys.open)
     found = invariants.check(history)
     requests = tools.requests()
-    needs_person = final.state == "unknown" and bool(final.review_reason)
+    waiting = [f for f in finals if f.state == "unknown" and f.review_reason]
+    needs_person = bool(waiting)
+    states = Counter(f.state for f in finals)
+    final_state = finals[0].state if len(states) == 1 else ", ".join(
+        f"{count} {state}" for state, count in sorted(states.items()))
     if found:
         status = VIOLATION
     elif boundary not in reported:
@@ -480,10 +525,12 @@ def _judge(
     return {
         "status": status,
         "reached": boundary in reported,
-        "final_state": final.state,
-        "attempts": final.attempt,
+        "final_state": final_state,
+        "attempts": max(f.attempt for f in finals),
         "needs_person": needs_person,
-        "why": final.review_reason if needs_person else "",
+        "why": ", ".join(sorted({f.review_reason for f in waiting})),
+        "workflows": len(finals),
+        "waiting_for_person": len(waiting),
         "effects": len(history.effects),
         "tool_calls": requests.get("call", 0),
         "lookups": requests.get("lookup", 0),

@@ -30,6 +30,8 @@ from lab.runtime import backoff, egress, forkserver, sealing, store, tool, worke
 WORKER_APP_PREFIX = "lab-worker:"
 # How long a worker waits for a lost database (failures in a row) before it gives up.
 DB_PATIENCE_S = 60.0
+# The most workflows one fused step may have in flight (one request thread each).
+MAX_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,17 @@ class WorkerOptions:
     heartbeat: float = 0.5
     backoff: float = 0.1
     fused: bool = False
+    batch: int = 1
 
 
 def worker_main(options: WorkerOptions) -> int:
     """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
+    if not 1 <= options.batch <= MAX_BATCH:
+        print(f"lab worker: --batch must be between 1 and {MAX_BATCH}", file=sys.stderr)
+        return 2
+    if options.batch > 1 and not (options.fused and options.loop):
+        print("lab worker: --batch needs --loop and --fused", file=sys.stderr)
+        return 2
     egress.install()
     dsn = os.environ.get(protocol.DSN_ENV, "")
     token = os.environ.get(protocol.TOKEN_ENV, "")
@@ -92,16 +101,20 @@ def worker_main(options: WorkerOptions) -> int:
                 backoff=timedelta(seconds=options.backoff),
                 hook=hook,
                 fused=options.fused,
+                batch=options.batch,
             )
             if options.start_gate:
                 print(protocol.READY, flush=True)
                 wait_for_newline()
             if options.reconcile:
                 runner.reconcile(options.reconcile)
-            if options.loop:
-                _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items)
-            else:
-                runner.run_one()
+            try:
+                if options.loop:
+                    _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items)
+                else:
+                    runner.run_one()
+            finally:
+                runner.close()
     except errors.LabError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -137,7 +150,7 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
     lost = backoff.Backoff(patience=DB_PATIENCE_S)
     while max_items <= 0 or done < max_items:
         try:
-            items = _items(runner, last=max_items > 0 and done + 1 >= max_items)
+            items = _items(runner, left=max_items - done if max_items > 0 else None)
             lost.reset()
         except errors.StoreError as exc:
             print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
@@ -164,11 +177,14 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
         print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
 
 
-def _items(runner: worker.Worker, *, last: bool) -> list[store.Workflow]:
-    """One round of the loop: a fused ``step`` (a ``flush`` when the pending item is the
-    last one allowed: no claim beyond ``max_items``), or one ``run_one``."""
+def _items(runner: worker.Worker, *, left: int | None) -> list[store.Workflow]:
+    """One round of the loop: a fused ``step`` claiming no more than the ``left`` items
+    allowed (a ``flush`` when the pending ones use them all), or one ``run_one``."""
     if runner.fused:
-        return runner.flush() if last and runner.pending else runner.step()
+        if left is None:
+            return runner.step()
+        room = left - runner.pending
+        return runner.step(limit=room) if room > 0 else runner.flush()
     item = runner.run_one()
     return [] if item is None else [item]
 

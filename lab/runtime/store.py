@@ -10,7 +10,7 @@ psycopg errors are translated into ``errors.StoreError`` here, at the edge.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -59,6 +59,8 @@ CLAIM_QUERY: LiteralString = """
      LIMIT 1
        FOR UPDATE SKIP LOCKED
 """
+# ``CLAIM_QUERY`` for a batch: the oldest due ready workflows, up to a limit.
+CLAIM_BATCH_QUERY: LiteralString = CLAIM_QUERY.replace("LIMIT 1", "LIMIT %s")
 
 # Every running workflow whose lease ran out becomes unknown, with its audit event.
 RECOVER_QUERY: LiteralString = """
@@ -141,17 +143,24 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Claimed:
+    """A workflow claimed by ``complete_and_claim``, with its start barrier when the
+    barrier committed in the same transaction (a fused start), else None."""
+
+    workflow: Workflow
+    barrier: StartBarrier | None
+
+
+@dataclass(frozen=True)
 class Step:
     """What one ``complete_and_claim`` transaction committed.
 
-    ``completed``: the finished workflow's new snapshot (None when there was none);
-    ``claim``: the newly claimed workflow (None when nothing was due); ``barrier``:
-    its start barrier when it was committed in the same transaction (a fused start).
+    ``completed``: the finished workflows' new snapshots, in the order given;
+    ``claims``: the newly claimed workflows, oldest first (empty when nothing was due).
     """
 
-    completed: Workflow | None
-    claim: Workflow | None
-    barrier: StartBarrier | None
+    completed: list[Workflow]
+    claims: list[Claimed]
 
 
 @dataclass(frozen=True)
@@ -504,71 +513,90 @@ class Store:
         return len(rows)
 
     def complete_and_claim(
-        self, finished: Finished | None, owner: str, lease: timedelta, *, fuse: bool,
-        recover: bool = True,
+        self, finished: Sequence[Finished], owner: str, lease: timedelta, *, fuse: bool,
+        recover: bool = True, limit: int = 1,
     ) -> Step:
-        """Commit ``finished``'s completion, recover expired leases (with ``recover``) and
-        claim the next work, all in one transaction (one WAL flush), pipelined (two round
-        trips).
+        """Commit ``finished``'s completions, recover expired leases (with ``recover``) and
+        claim up to ``limit`` workflows, all in one transaction (one WAL flush), pipelined
+        (two round trips).
 
-        The completion is ``complete``'s, re-checked here: the receipt proves the
-        effect, the stored start barrier still matches (digest and content) and the
+        Each completion is ``complete``'s, re-checked here: its receipt proves the
+        effect, its stored start barrier still matches (digest and content) and its
         fence is current, else nothing of this transaction commits and
         ``errors.ReceiptMismatch``, ``errors.IntegrityFailure`` or ``errors.Stale``
-        names the completion's problem. Expired leases become unknown as in
-        ``recover_expired``. The claim is ``claim``'s, diversions included. With
+        names the first completion's problem. Expired leases become unknown as in
+        ``recover_expired``. Each claim is ``claim``'s, diversions included. With
         ``fuse`` an idempotent claim also commits its start barrier (``pre_dispatch``'s
         checks all hold: the row is locked, just claimed, neither cancelled nor lapsed):
         a crash after this commit leaves a barrier, which an idempotent tool's lookup
         settles. A non-idempotent claim never fuses: a crash between its claim and its
-        barrier must keep the database's proof that nothing was dispatched.
+        barrier must keep the database's proof that nothing was dispatched. ``limit``
+        0 only completes (and recovers).
         """
         if not owner:
             raise errors.Rejected("owner must be non-empty")
         if lease <= timedelta(0):
             raise errors.Rejected("lease must be positive")
-        sealed: dict[str, Any] | None = None
-        if finished is not None:
-            if not finished.receipt.proves(finished.claim.effect_key, finished.claim.fingerprint):
+        if limit < 0:
+            raise errors.Rejected("claim limit must not be negative")
+        sealed: list[dict[str, Any]] = []
+        for done in finished:
+            if not done.receipt.proves(done.claim.effect_key, done.claim.fingerprint):
                 raise errors.ReceiptMismatch()
-            sealed = self.keys.seal(finished.receipt.to_json(), finished.claim.id)
+            sealed.append(self.keys.seal(done.receipt.to_json(), done.claim.id))
         with self._pipelined("complete and claim work") as conn:
-            completed = None
-            if finished is not None:
-                completed = _queue_completion(conn, finished, sealed)
+            checks = [_queue_completion(conn, done, seal)
+                      for done, seal in zip(finished, sealed, strict=True)]
             if recover:
                 conn.execute(RECOVER_QUERY)
-            snapshot: Workflow | None = None
+            if limit == 0:
+                # Judging a completion fetches its result, which sends the queue.
+                return Step([Workflow.from_row(check()) for check in checks], [])
+            completed: list[Workflow] | None = None
             while True:
-                row = conn.execute(CLAIM_QUERY).fetchone()
-                if completed is not None:
-                    # The fetch above sent every queued statement: judge the completion
+                rows = conn.execute(CLAIM_BATCH_QUERY, (limit,)).fetchall()
+                if completed is None:
+                    # The fetch above sent every queued statement: judge the completions
                     # first; raising here rolls the whole transaction back.
-                    snapshot = Workflow.from_row(completed())
-                    completed = None
-                if row is None:
-                    return Step(snapshot, None, None)
-                diverted = _claim_diversion(row)
-                if diverted is not None:
-                    _divert(conn, row, diverted)
-                    continue
-                claimed = conn.execute(CLAIM_WITH_EVENT, (owner, lease, row["id"], row["fence"],
-                                                          f"owner={owner}"))
-                barrier = None
-                if fuse and row["plan"].get("idempotent") is True:
-                    barrier = StartBarrier.for_claim(
-                        row["id"], row["fence"] + 1, row["attempt"] + 1, row["effect_key"],
-                        row["fingerprint"], row["trace_id"],
-                    )
-                    conn.execute(FUSED_BARRIER_INSERT, (
-                        barrier.workflow_id, barrier.fence, f"start={barrier.start_id}",
-                        barrier.start_id, barrier.workflow_id, barrier.fence, barrier.attempt,
-                        barrier.effect_key, barrier.fingerprint, barrier.trace_id,
-                        barrier.span_id, barrier.digest(),
-                    ))
-                written = claimed.fetchone()
-                assert written is not None  # the row is locked by this transaction
-                return Step(snapshot, Workflow.from_row(written), barrier)
+                    completed = [Workflow.from_row(check()) for check in checks]
+                if not rows:
+                    return Step(completed, [])
+                queued = [self._queue_claim(conn, row, owner, lease, fuse) for row in rows]
+                taken = [(cursor, barrier) for cursor, barrier in filter(None, queued)]
+                if not taken:
+                    continue  # every row was diverted: claim again
+                claims = []
+                for cursor, barrier in taken:
+                    written = cursor.fetchone()
+                    assert written is not None  # the row is locked by this transaction
+                    claims.append(Claimed(Workflow.from_row(written), barrier))
+                return Step(completed, claims)
+
+    @staticmethod
+    def _queue_claim(
+        conn: psycopg.Connection[dict[str, Any]], row: dict[str, Any], owner: str,
+        lease: timedelta, fuse: bool,
+    ) -> tuple[psycopg.Cursor[dict[str, Any]], StartBarrier | None] | None:
+        """Queue one due row's claim (with its fused barrier) or its diversion (None)."""
+        diverted = _claim_diversion(row)
+        if diverted is not None:
+            _divert(conn, row, diverted)
+            return None
+        cursor = conn.execute(CLAIM_WITH_EVENT, (owner, lease, row["id"], row["fence"],
+                                                 f"owner={owner}"))
+        barrier = None
+        if fuse and row["plan"].get("idempotent") is True:
+            barrier = StartBarrier.for_claim(
+                row["id"], row["fence"] + 1, row["attempt"] + 1, row["effect_key"],
+                row["fingerprint"], row["trace_id"],
+            )
+            conn.execute(FUSED_BARRIER_INSERT, (
+                barrier.workflow_id, barrier.fence, f"start={barrier.start_id}",
+                barrier.start_id, barrier.workflow_id, barrier.fence, barrier.attempt,
+                barrier.effect_key, barrier.fingerprint, barrier.trace_id,
+                barrier.span_id, barrier.digest(),
+            ))
+        return cursor, barrier
 
     # -- around the dispatch ---------------------------------------------------------
 

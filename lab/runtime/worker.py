@@ -11,12 +11,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from lab import errors, protocol
 from lab.runtime import store, tool
+from lab.runtime.barrier import StartBarrier
+from lab.runtime.plan import Receipt
 
 Hook = Callable[[str, store.Workflow], None]
 
@@ -48,7 +51,12 @@ class Worker:
     #: commits in one transaction with the next claim, and an idempotent claim with its
     #: start barrier (boundary ``after_claim_barrier``).
     fused: bool = False
-    _pending: store.Finished | None = field(default=None, init=False, repr=False)
+    #: With ``fused``: how many workflows one step claims and has in flight together.
+    #: More share one commit and overlap their requests; a crash leaves all of them to
+    #: recovery (the blast radius the book measures).
+    batch: int = 1
+    _pending: list[store.Finished] = field(default_factory=list, init=False, repr=False)
+    _calls: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
     _recover_at: float = field(default=0.0, init=False, repr=False)
 
     def _stage(self, stage: str, claim: store.Workflow) -> None:
@@ -67,7 +75,7 @@ class Worker:
             return None
         self._stage(protocol.AFTER_CLAIM, claim)
         try:
-            with self._heartbeats(claim):
+            with self._heartbeats([claim]):
                 barrier = self.db.pre_dispatch(claim)
                 if barrier is None:
                     return self.db.get(claim.id)
@@ -88,86 +96,190 @@ class Worker:
             # A stored record failed its digest or binding: never act on it.
             return self.db.quarantine(claim, "integrity")
 
-    def step(self) -> list[store.Workflow]:
-        """The fused path: one transaction completes the last dispatch and claims the next.
+    def step(self, limit: int | None = None) -> list[store.Workflow]:
+        """The fused path: one transaction completes the last dispatches and claims the next.
 
-        The effect confirmed by the previous ``step`` is completed in the same
-        transaction that claims the next workflow (for an idempotent plan with its start
-        barrier too) and, on the first step, every ``RECOVERY_INTERVAL_S`` and after a
-        step that found no work, recovers expired leases; so a workflow costs two commits of
-        its own (this one and the tool's) where ``run_one`` makes four. The next item is
-        then dispatched; a confirmed effect waits for the next ``step`` (or ``flush``),
-        every other outcome is committed at once, as in ``run_one``. Returns the final
-        snapshots this call committed, oldest first: empty when no work was due.
+        The effects confirmed by the previous ``step`` are completed in the same
+        transaction that claims the next ``batch`` workflows (an idempotent one with its
+        start barrier too) and, on the first step, every ``RECOVERY_INTERVAL_S`` and after
+        a step that found no work, recovers expired leases; so a workflow costs its share
+        of this commit and the tool's own, where ``run_one`` makes four. A batch of more
+        than one reports ``after_batch`` once, then each claim its own boundary. A
+        non-idempotent claim then commits its start barrier alone (``pre_dispatch``), all
+        of them before any request is sent; the batch's requests are in flight together.
+        A confirmed effect waits for the next ``step`` (or ``flush``); every other outcome
+        is committed at once, as in ``run_one``. Returns the final snapshots this call
+        committed, oldest first: empty when no work was due. ``limit`` caps this step's
+        claims below ``batch``.
         """
-        finished, self._pending = self._pending, None
+        finished, self._pending = self._pending, []
         now = time.monotonic()
         recover = now >= self._recover_at
         try:
             taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True,
-                                               recover=recover)
-        except errors.IntegrityFailure:
-            if finished is None:
-                raise
-            return [self.db.quarantine(finished.claim, "integrity")]
+                                               recover=recover,
+                                               limit=min(self.batch, limit or self.batch))
         except errors.StoreError:
-            if finished is not None:
-                # Nothing of the transaction committed: the dispatch is still confirmed,
-                # so keep it for the next step (a lost database is waited for).
-                self._pending = finished
+            # Nothing of the transaction committed: the dispatches are still confirmed,
+            # so keep them for the next step (a lost database is waited for).
+            self._pending = finished
             raise
+        except errors.LabError:
+            if not finished:
+                raise
+            # A completion was refused: nothing committed. Complete each alone, so one
+            # stale item does not hold back the others; claim again next step.
+            return self._complete_each(finished)
         if recover:
             self._recover_at = now + RECOVERY_INTERVAL_S
-        done = [] if taken.completed is None else [taken.completed]
-        if taken.completed is not None:
-            self._stage(protocol.AFTER_COMPLETE, taken.completed)
-        if taken.claim is None:
+        done = list(taken.completed)
+        for completed in done:
+            self._stage(protocol.AFTER_COMPLETE, completed)
+        if not taken.claims:
             if not recover:
                 self._recover_at = 0.0  # no work found: recover before calling this idle
             return done
-        claim = taken.claim
-        if taken.barrier is None:
-            self._stage(protocol.AFTER_CLAIM, claim)
-        else:
-            self._stage(protocol.AFTER_CLAIM_BARRIER, claim)
-        try:
-            with self._heartbeats(claim):
-                barrier = taken.barrier
-                if barrier is None:
+        if self.batch > 1:
+            self._stage(protocol.AFTER_BATCH, taken.claims[0].workflow)
+        for claimed in taken.claims:
+            if claimed.barrier is None:
+                self._stage(protocol.AFTER_CLAIM, claimed.workflow)
+            else:
+                self._stage(protocol.AFTER_CLAIM_BARRIER, claimed.workflow)
+        refused: list[errors.LabError] = []
+        with self._heartbeats([claimed.workflow for claimed in taken.claims]):
+            ready = self._barriers(taken.claims, done, refused)
+            replies = self._call_all(ready)
+        for (claim, barrier), reply in zip(ready, replies, strict=True):
+            try:
+                outcome = self._settle_reply(claim, barrier, reply)
+            except errors.LabError as exc:
+                refused.append(exc)
+                continue
+            if outcome is not None:
+                done.append(outcome)
+        if refused:
+            self.log.extend(f"{type(exc).__name__}: {exc}" for exc in refused)
+            stored = [exc for exc in refused if isinstance(exc, errors.StoreError)]
+            if stored or (not done and not self._pending):
+                raise (stored or refused)[0]
+        return done
+
+    def _barriers(
+        self, claims: list[store.Claimed], done: list[store.Workflow],
+        refused: list[errors.LabError],
+    ) -> list[tuple[store.Workflow, StartBarrier]]:
+        """Each claim with its start barrier: fused, or committed now by ``pre_dispatch``
+        (a diverted or integrity-failed claim goes to ``done`` instead)."""
+        ready = []
+        for claimed in claims:
+            claim, barrier = claimed.workflow, claimed.barrier
+            if barrier is None:
+                try:
                     barrier = self.db.pre_dispatch(claim)
                     if barrier is None:
-                        return [*done, self.db.get(claim.id)]
-                    self._stage(protocol.AFTER_BARRIER, claim)
-                try:
-                    receipt = self.client.call(claim, barrier)
-                except (errors.RateLimited, errors.ToolUnavailable) as exc:
-                    return [*done, self.db.retry_later(claim, self.backoff, _cause(exc))]
-                except errors.OutcomeUnknown:
-                    return [*done, self.db.unknown(claim)]
-                except errors.ToolRefused:
-                    return [*done, self.db.fail(claim, "tool_refused")]
-            self._stage(protocol.AFTER_TOOL, claim)
-            self._pending = store.Finished(claim, barrier, receipt)
-            return done
+                        done.append(self.db.get(claim.id))
+                        continue
+                except errors.IntegrityFailure:
+                    done.append(self.db.quarantine(claim, "integrity"))
+                    continue
+                except errors.LabError as exc:
+                    refused.append(exc)
+                    continue
+                self._stage(protocol.AFTER_BARRIER, claim)
+            ready.append((claim, barrier))
+        return ready
+
+    def _call_all(
+        self, ready: list[tuple[store.Workflow, StartBarrier]]
+    ) -> list[Receipt | errors.ToolError]:
+        """Send every request of a batch together; each one's receipt or tool error."""
+
+        def call(item: tuple[store.Workflow, StartBarrier]) -> Receipt | errors.ToolError:
+            try:
+                return self.client.call(*item)
+            except errors.ToolError as exc:
+                return exc
+
+        if len(ready) <= 1:
+            return [call(item) for item in ready]
+        if self._calls is None:
+            self._calls = ThreadPoolExecutor(max_workers=self.batch,
+                                             thread_name_prefix=f"call-{self.name}")
+        return list(self._calls.map(call, ready))
+
+    def _settle_reply(
+        self, claim: store.Workflow, barrier: StartBarrier, reply: Receipt | errors.ToolError
+    ) -> store.Workflow | None:
+        """Commit a failed request's outcome now; keep a confirmed effect for the next step."""
+        try:
+            if isinstance(reply, (errors.RateLimited, errors.ToolUnavailable)):
+                return self.db.retry_later(claim, self.backoff, _cause(reply))
+            if isinstance(reply, errors.OutcomeUnknown):
+                return self.db.unknown(claim)
+            if isinstance(reply, errors.ToolError):
+                return self.db.fail(claim, "tool_refused")
         except errors.IntegrityFailure:
-            return [*done, self.db.quarantine(claim, "integrity")]
+            return self.db.quarantine(claim, "integrity")
+        self._stage(protocol.AFTER_TOOL, claim)
+        self._pending.append(store.Finished(claim, barrier, reply))
+        return None
+
+    def _complete_each(self, finished: list[store.Finished]) -> list[store.Workflow]:
+        """Complete each confirmed dispatch in its own transaction (``complete``'s checks).
+
+        A refused one is logged and left to recovery (its lease expires into unknown and
+        the tool's lookup settles it); one whose record fails integrity is quarantined.
+        When none could be completed, the first refusal is raised.
+        """
+        done: list[store.Workflow] = []
+        refused: list[errors.LabError] = []
+        for item in finished:
+            try:
+                completed = self.db.complete(item.claim, item.receipt)
+            except errors.IntegrityFailure:
+                done.append(self.db.quarantine(item.claim, "integrity"))
+                continue
+            except errors.StoreError:
+                self._pending.append(item)
+                raise
+            except errors.LabError as exc:
+                refused.append(exc)
+                continue
+            self._stage(protocol.AFTER_COMPLETE, completed)
+            done.append(completed)
+        self.log.extend(f"{type(exc).__name__}: {exc}" for exc in refused)
+        if refused and not done:
+            raise refused[0]
+        return done
 
     @property
-    def pending(self) -> bool:
-        """True while a confirmed effect's completion waits for the next ``step``."""
-        return self._pending is not None
+    def pending(self) -> int:
+        """How many confirmed effects' completions wait for the next ``step``."""
+        return len(self._pending)
 
     def flush(self) -> list[store.Workflow]:
-        """Commit the completion a ``step`` left pending, if any (the loop's last act)."""
-        finished, self._pending = self._pending, None
-        if finished is None:
+        """Commit the completions a ``step`` left pending, if any (the loop's last act)."""
+        finished, self._pending = self._pending, []
+        if not finished:
             return []
         try:
-            completed = self.db.complete(finished.claim, finished.receipt)
-        except errors.IntegrityFailure:
-            return [self.db.quarantine(finished.claim, "integrity")]
-        self._stage(protocol.AFTER_COMPLETE, completed)
-        return [completed]
+            taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True,
+                                               recover=False, limit=0)
+        except errors.StoreError:
+            self._pending = finished
+            raise
+        except errors.LabError:
+            return self._complete_each(finished)
+        for completed in taken.completed:
+            self._stage(protocol.AFTER_COMPLETE, completed)
+        return taken.completed
+
+    def close(self) -> None:
+        """Stop the batch's request threads, if any were started."""
+        if self._calls is not None:
+            self._calls.shutdown(wait=True)
+            self._calls = None
 
     def reconcile(self, workflow_id: str) -> store.Workflow:
         """Settle an ``unknown`` workflow through the tool's authoritative lookup.
@@ -207,7 +319,8 @@ class Worker:
         return settled
 
     @contextmanager
-    def _heartbeats(self, claim: store.Workflow) -> Iterator[None]:
+    def _heartbeats(self, claims: list[store.Workflow]) -> Iterator[None]:
+        """Extend each claim's lease every ``heartbeat_every`` while the block runs."""
         if self.heartbeat_every is None:
             yield
             return
@@ -215,19 +328,22 @@ class Worker:
         stop = threading.Event()
 
         def beat() -> None:
-            while not stop.wait(every):
-                try:
-                    self.db.heartbeat(claim, self.lease)
-                except errors.StoreError:
-                    # The database is away, not refusing: keep beating, the lease
-                    # may still be live when it is back (the fence decides).
-                    continue
-                except errors.LabError as exc:
-                    # A refused heartbeat means the claim is gone; the fenced
-                    # transitions will refuse this worker's writes as well.
-                    self.log.append(f"heartbeat stopped: {exc}")
-                    return
-                self._stage(protocol.AFTER_HEARTBEAT, claim)
+            live = list(claims)
+            while live and not stop.wait(every):
+                for claim in list(live):
+                    try:
+                        self.db.heartbeat(claim, self.lease)
+                    except errors.StoreError:
+                        # The database is away, not refusing: keep beating, the lease
+                        # may still be live when it is back (the fence decides).
+                        continue
+                    except errors.LabError as exc:
+                        # A refused heartbeat means the claim is gone; the fenced
+                        # transitions will refuse this worker's writes as well.
+                        self.log.append(f"heartbeat stopped: {exc}")
+                        live.remove(claim)
+                        continue
+                    self._stage(protocol.AFTER_HEARTBEAT, claim)
 
         thread = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
         thread.start()
