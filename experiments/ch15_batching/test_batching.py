@@ -1,0 +1,235 @@
+"""Chapter 15: batching, throughput against blast radius.
+
+A looping ``--fused`` worker with ``--batch N`` claims up to N workflows in one
+transaction and has their N requests in flight together. One SIGKILL then meets all
+N at once. These experiments measure what that costs: how many workflows one crash
+leaves to recovery, and how many of them wait for a person.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from lab import errors, harness, protocol
+from lab.faults import invariants
+
+BATCH = 4
+LEASE_NOTE = "elapsed PostgreSQL clock; 3s lease"
+# The plugin's ``observe`` fixture: record one observation for the evidence.
+Observe = Callable[..., None]
+
+
+def _batch_worker(lab: harness.Harness, rig: harness.Rig, name: str, batch: int,
+                  *extra: str) -> harness.WorkerProcess:
+    """A looping fused worker process claiming up to ``batch`` workflows per step."""
+    return lab.spawn_worker(rig, name, "--loop", "--fused", "--batch", str(batch),
+                            "--idle-exit", "1", *extra)
+
+
+def _crash(lab: harness.Harness, rig: harness.Rig, name: str, batch: int,
+           boundary: str) -> harness.WorkerProcess:
+    """Run a batch worker that SIGKILLs itself at the first ``boundary`` it reports."""
+    crashed = _batch_worker(lab, rig, name, batch, "--crash-at", boundary)
+    assert crashed.finish(expect_exit=None) == -signal.SIGKILL, crashed.tail()
+    lab.mark(name, f"SIGKILLed itself at {boundary}")
+    return crashed
+
+
+def _stages(child: harness.WorkerProcess, boundary: str) -> int:
+    """How many times the child reported ``boundary`` before it died."""
+    return sum(1 for line in child.all_lines()
+               if line.startswith(f"{protocol.STAGE} {boundary} "))
+
+
+def _recover(lab: harness.Harness, ids: list[str]) -> int:
+    """Let the dead worker's real leases run out on PostgreSQL's clock, then recover them."""
+    lab.wait_until(lambda: all(lab.store.lease_expired(i) for i in ids), within=8.0,
+                   what="every lease of the batch to expire on the PostgreSQL clock")
+    lab.mark("postgresql", f"{len(ids)} leases expired (elapsed clock)")
+    return lab.store.recover_expired()
+
+
+def _reconcile(rig: harness.Rig, ids: list[str]) -> list[str]:
+    """Reconcile every unknown of ``ids`` with the real worker; the review reasons raised."""
+    reasons = []
+    for workflow_id in ids:
+        try:
+            rig.worker.reconcile(workflow_id)
+        except errors.ManualReview as review:
+            reasons.append(review.reason)
+    return reasons
+
+
+def _dispatches(lab: harness.Harness, workflow_id: str) -> int:
+    """How many start barriers (``dispatching`` events) the workflow committed."""
+    return sum(1 for e in lab.store.events(workflow_id) if e["kind"] == "dispatching")
+
+
+def _violations(lab: harness.Harness) -> list[invariants.Violation]:
+    """The invariant checker over this schema's whole history."""
+    return invariants.check(invariants.load(lab.dsn, lab.schema, open_result=lab.store.keys.open))
+
+
+def _non_idempotent_round(lab: harness.Harness, rig: harness.Rig, batch: int) -> dict[str, Any]:
+    """Approve ``BATCH`` fresh non-idempotent workflows, SIGKILL a ``--batch batch`` worker
+    at its first ``after_tool``, recover, reconcile, and let a restarted worker finish."""
+    ids = [lab.approved(idempotent=False).id for _ in range(BATCH)]
+    effects_before, calls_before = lab.effects(), rig.service.calls
+    crashed = _crash(lab, rig, f"batch-{batch}", batch, protocol.AFTER_TOOL)
+    claimed = [i for i in ids if lab.claims(i)]
+    running = [i for i in ids if lab.state(i).state == "running"]
+    effects_at_crash = lab.effects() - effects_before
+    assert running == claimed and len(claimed) == batch, "the batch was not claimed whole"
+    assert effects_at_crash == batch, "every request of the batch should have taken effect"
+    assert _stages(crashed, protocol.AFTER_TOOL) == 1, "the worker did not die at the first reply"
+    recovered = _recover(lab, claimed)
+    reasons = _reconcile(rig, ids)
+    _batch_worker(lab, rig, f"restarted-{batch}", batch).finish()
+    finals = [lab.state(i) for i in ids]
+    reviews = [w for w in finals if w.state == "unknown"
+               and w.review_reason == "non_idempotent_dispatched"]
+    return {
+        "claimed": len(claimed),
+        "effects_at_crash": effects_at_crash,
+        "left_unknown": recovered,
+        "raised": reasons,
+        "reviews": len(reviews),
+        "reviewed_were_claimed": sorted(w.id for w in reviews) == sorted(claimed),
+        "completed_after_restart": sum(1 for w in finals if w.state == "succeeded"),
+        "effects": lab.effects() - effects_before,
+        "calls": rig.service.calls - calls_before,
+        "replayed": sum(max(0, _dispatches(lab, i) - 1) for i in ids),
+    }
+
+
+def test_a_sigkill_after_a_non_idempotent_batch_leaves_every_workflow_for_a_person(
+    lab: harness.Harness, observe: Observe
+) -> None:
+    """A worker with --batch 4 SIGKILLed at its first reply, with all 4 non-idempotent
+    effects committed by the tool and none completed, leaves all 4 workflows to a person
+    (non_idempotent_dispatched), never replayed; with --batch 1 the same SIGKILL leaves 1,
+    and a restarted worker completes the other 3."""
+    rig = lab.credit_tool(idempotent=False)
+    batched = _non_idempotent_round(lab, rig, BATCH)
+    single = _non_idempotent_round(lab, rig, 1)
+    violations = _violations(lab)
+    for measured, batch in ((batched, BATCH), (single, 1)):
+        assert measured["left_unknown"] == batch
+        assert measured["raised"] == ["non_idempotent_dispatched"] * batch
+        assert measured["reviews"] == batch and measured["reviewed_were_claimed"]
+        assert measured["completed_after_restart"] == BATCH - batch
+        assert measured["effects"] == BATCH and measured["calls"] == BATCH
+        assert measured["replayed"] == 0, "non-idempotent replay"
+    assert violations == []
+    observe({
+        "signal": "SIGKILL",
+        "window": "after_tool (first of the batch)",
+        "lease_expiry": LEASE_NOTE,
+        "batch": batched["claimed"],
+        "left_unknown": batched["left_unknown"],
+        "reviews_per_sigkill": batched["reviews"],
+        "review_reasons": sorted(set(batched["raised"])),
+        "effects": batched["effects"],
+        "replayed": batched["replayed"],
+        "baseline_batch": single["claimed"],
+        "baseline_left_unknown": single["left_unknown"],
+        "baseline_reviews_per_sigkill": single["reviews"],
+        "baseline_completed_after_restart": single["completed_after_restart"],
+        "baseline_effects": single["effects"],
+        "baseline_replayed": single["replayed"],
+        "violations": len(violations),
+    })
+
+
+def test_an_idempotent_batch_lost_to_a_sigkill_settles_itself(
+    lab: harness.Harness, observe: Observe
+) -> None:
+    """A worker with --batch 4 SIGKILLed at its first reply, with all 4 idempotent effects
+    committed by the tool and none completed, leaves 4 workflows unknown; each is settled
+    by the tool's lookup to succeeded, with no person and no second call."""
+    ids = [lab.approved(idempotent=True).id for _ in range(BATCH)]
+    rig = lab.credit_tool(idempotent=True)
+    crashed = _crash(lab, rig, "batch", BATCH, protocol.AFTER_TOOL)
+    effects_at_crash = lab.effects()
+    running = sum(1 for i in ids if lab.state(i).state == "running")
+    assert running == BATCH and effects_at_crash == BATCH, "wrong crash window"
+    assert _stages(crashed, protocol.AFTER_CLAIM_BARRIER) == BATCH
+    assert _stages(crashed, protocol.AFTER_TOOL) == 1
+    recovered = _recover(lab, ids)
+    reasons = _reconcile(rig, ids)
+    finals = [lab.state(i) for i in ids]
+    states = sorted({w.state for w in finals})
+    violations = _violations(lab)
+    assert recovered == BATCH
+    assert reasons == []
+    assert states == ["succeeded"] and all(w.attempt == 1 for w in finals)
+    assert lab.effects() == BATCH
+    assert rig.service.calls == BATCH, "a second call"
+    assert rig.service.lookups == BATCH
+    assert lab.count_events("manual_review") == 0
+    assert violations == []
+    observe({
+        "signal": "SIGKILL",
+        "window": "after_tool (first of the batch)",
+        "lease_expiry": LEASE_NOTE,
+        "batch": running,
+        "left_unknown": recovered,
+        "reconciled": lab.count_events("reconciled"),
+        "reviews_per_sigkill": lab.count_events("manual_review"),
+        "states": states,
+        "effects": lab.effects(),
+        "calls": rig.service.calls,
+        "lookups": rig.service.lookups,
+        "violations": len(violations),
+    })
+
+
+def test_a_sigkill_at_after_batch_leaves_reviews_that_prove_nothing_was_dispatched(
+    lab: harness.Harness, observe: Observe
+) -> None:
+    """A non-idempotent --batch 4 worker SIGKILLed at after_batch, its 4 claims committed
+    and no start barrier yet, leaves 4 workflows for review, each with the database's
+    proof that nothing was dispatched (not_dispatched_no_start_barrier) and no effect;
+    that proof lets them be requeued without --force and completed once each."""
+    ids = [lab.approved(idempotent=False).id for _ in range(BATCH)]
+    rig = lab.credit_tool(idempotent=False)
+    crashed = _crash(lab, rig, "batch", BATCH, protocol.AFTER_BATCH)
+    claimed = sum(1 for i in ids if lab.claims(i))
+    barriers = sum(1 for i in ids if lab.store.barrier_for(i, lab.state(i).fence) is not None)
+    assert claimed == BATCH and barriers == 0
+    assert _stages(crashed, protocol.AFTER_CLAIM) == 0, "died after the batch boundary"
+    effects_at_crash = lab.effects()
+    assert effects_at_crash == 0 and rig.service.calls == 0
+    recovered = _recover(lab, ids)
+    reasons = _reconcile(rig, ids)
+    assert recovered == BATCH
+    assert reasons == ["not_dispatched_no_start_barrier"] * BATCH
+    assert lab.effects() == 0
+    requeued = [lab.store.settle_undispatched(i) for i in ids]
+    requeued_states = sorted({w.state if w else "kept for a person" for w in requeued})
+    assert requeued_states == ["ready"]
+    _batch_worker(lab, rig, "restarted", BATCH).finish()
+    states = sorted({lab.state(i).state for i in ids})
+    violations = _violations(lab)
+    assert states == ["succeeded"]
+    assert lab.effects() == BATCH and rig.service.calls == BATCH
+    assert violations == []
+    observe({
+        "signal": "SIGKILL",
+        "window": "after_batch",
+        "lease_expiry": LEASE_NOTE,
+        "batch": claimed,
+        "start_barriers": barriers,
+        "effects_at_crash": effects_at_crash,
+        "left_unknown": recovered,
+        "reviews_per_sigkill": len(reasons),
+        "review_reasons": sorted(set(reasons)),
+        "requeued_with_proof": requeued_states,
+        "final_states": states,
+        "effects": lab.effects(),
+        "calls": rig.service.calls,
+        "violations": len(violations),
+    })
+
