@@ -77,10 +77,11 @@ RECOVER_QUERY: LiteralString = """
     RETURNING workflow_id
 """
 # A batch's claims and their audit events in one statement: each row by id and the fence
-# it was read under (the rows are locked by this transaction's claim query).
+# it was read under (the rows are locked by this transaction's claim query). A batch's
+# rows travel as one JSON array: one parameter, not a list to adapt per column.
 CLAIMS_WITH_EVENTS: LiteralString = """
     WITH wanted AS (
-        SELECT * FROM unnest(%(ids)s::text[], %(fences)s::bigint[]) AS t(id, fence)
+        SELECT * FROM json_to_recordset(%(rows)s::json) AS t(id text, fence bigint)
     ), claimed AS (
         UPDATE workflows w
            SET state = 'running', owner = %(owner)s, fence = w.fence + 1,
@@ -100,16 +101,13 @@ CLAIMS_WITH_EVENTS: LiteralString = """
 # event. Each stored barrier comes back too, for the caller to verify before it commits.
 COMPLETIONS_WITH_EVENTS: LiteralString = """
     WITH wanted AS (
-        SELECT * FROM unnest(%(ids)s::text[], %(fences)s::bigint[], %(fingerprints)s::text[],
-                             %(effect_keys)s::text[], %(results)s::text[],
-                             %(start_ids)s::text[], %(barrier_digests)s::text[],
-                             %(outcomes)s::text[], %(summaries)s::text[],
-                             %(receipt_ids)s::text[], %(digests)s::text[])
-               AS c(id, fence, fingerprint, effect_key, result, start_id, barrier_digest,
-                    outcome, summary, receipt_id, digest)
+        SELECT * FROM json_to_recordset(%s::json)
+               AS c(id text, fence bigint, fingerprint text, effect_key text, result jsonb,
+                    start_id text, barrier_digest text, outcome text, summary text,
+                    receipt_id text, digest text)
     ), done AS (
         UPDATE workflows w
-           SET state = 'succeeded', result = c.result::jsonb, owner = '', lease_until = NULL,
+           SET state = 'succeeded', result = c.result, owner = '', lease_until = NULL,
                review_reason = '', updated_at = clock_timestamp()
           FROM wanted c
          WHERE w.id = c.id AND w.fence = c.fence AND w.state = 'running'
@@ -136,12 +134,9 @@ COMPLETIONS_WITH_EVENTS: LiteralString = """
 # A batch's start barriers, each bound to its own audit event, in one statement.
 FUSED_BARRIERS_INSERT: LiteralString = """
     WITH wanted AS (
-        SELECT * FROM unnest(%(start_ids)s::text[], %(workflow_ids)s::text[],
-                             %(fences)s::bigint[], %(attempts)s::integer[],
-                             %(effect_keys)s::text[], %(fingerprints)s::text[],
-                             %(trace_ids)s::text[], %(span_ids)s::text[], %(digests)s::text[])
-               AS b(start_id, workflow_id, fence, attempt, effect_key, fingerprint, trace_id,
-                    span_id, digest)
+        SELECT * FROM json_to_recordset(%s::json)
+               AS b(start_id text, workflow_id text, fence bigint, attempt integer,
+                    effect_key text, fingerprint text, trace_id text, span_id text, digest text)
     ), audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
         SELECT workflow_id, 'dispatching', fence, 'start=' || start_id FROM wanted
@@ -1155,19 +1150,15 @@ def _queue_completions(
         return list
     completions = [Completion.success(done.barrier, done.receipt.receipt_id)
                    for done in finished]
-    claims = [done.claim for done in finished]
-    written = conn.execute(COMPLETIONS_WITH_EVENTS, {
-        "ids": [c.id for c in claims], "fences": [c.fence for c in claims],
-        "fingerprints": [c.fingerprint for c in claims],
-        "effect_keys": [c.effect_key for c in claims],
-        "results": [json.dumps(seal) for seal in sealed],
-        "start_ids": [c.start_id for c in completions],
-        "barrier_digests": [c.barrier_digest for c in completions],
-        "outcomes": [c.outcome for c in completions],
-        "summaries": [c.summary for c in completions],
-        "receipt_ids": [c.receipt_id for c in completions],
-        "digests": [c.digest() for c in completions],
-    })
+    written = conn.execute(COMPLETIONS_WITH_EVENTS, (json.dumps([
+        {"id": done.claim.id, "fence": done.claim.fence,
+         "fingerprint": done.claim.fingerprint, "effect_key": done.claim.effect_key,
+         "result": seal, "start_id": completion.start_id,
+         "barrier_digest": completion.barrier_digest, "outcome": completion.outcome,
+         "summary": completion.summary, "receipt_id": completion.receipt_id,
+         "digest": completion.digest()}
+        for done, seal, completion in zip(finished, sealed, completions, strict=True)
+    ]),))
 
     def check() -> list[Workflow]:
         rows = {row["id"]: row for row in written.fetchall()}
@@ -1195,7 +1186,7 @@ def _claim_rows(
     """Claim due ``rows`` (locked by this transaction) in one statement, and with ``fuse``
     commit each idempotent one's start barrier in another; the claims, oldest first."""
     claimed = conn.execute(CLAIMS_WITH_EVENTS, {
-        "ids": [row["id"] for row in rows], "fences": [row["fence"] for row in rows],
+        "rows": json.dumps([{"id": row["id"], "fence": row["fence"]} for row in rows]),
         "owner": owner, "lease": lease, "detail": f"owner={owner}",
     })
     barriers: dict[str, StartBarrier] = {}
@@ -1207,16 +1198,12 @@ def _claim_rows(
                     row["fingerprint"], row["trace_id"],
                 )
     if barriers:
-        fused = list(barriers.values())
-        conn.execute(FUSED_BARRIERS_INSERT, {
-            "start_ids": [b.start_id for b in fused],
-            "workflow_ids": [b.workflow_id for b in fused],
-            "fences": [b.fence for b in fused], "attempts": [b.attempt for b in fused],
-            "effect_keys": [b.effect_key for b in fused],
-            "fingerprints": [b.fingerprint for b in fused],
-            "trace_ids": [b.trace_id for b in fused], "span_ids": [b.span_id for b in fused],
-            "digests": [b.digest() for b in fused],
-        })
+        conn.execute(FUSED_BARRIERS_INSERT, (json.dumps([
+            {"start_id": b.start_id, "workflow_id": b.workflow_id, "fence": b.fence,
+             "attempt": b.attempt, "effect_key": b.effect_key, "fingerprint": b.fingerprint,
+             "trace_id": b.trace_id, "span_id": b.span_id, "digest": b.digest()}
+            for b in barriers.values()
+        ]),))
     written = {row["id"]: row for row in claimed.fetchall()}
     # Every row is locked by this transaction and still at its fence: each is claimed.
     assert written.keys() == {row["id"] for row in rows}
