@@ -77,8 +77,9 @@ RECOVER_QUERY: LiteralString = """
     RETURNING workflow_id
 """
 # A batch's claims and their audit events in one statement: each row by id and the fence
-# it was read under (the rows are locked by this transaction's claim query). A batch's
-# rows travel as one JSON array: one parameter, not a list to adapt per column.
+# it was read under (the rows are locked by this transaction's claim query, so the columns
+# it does not return are as read). A batch's rows travel as one JSON array: one
+# parameter, not a list to adapt per column.
 CLAIMS_WITH_EVENTS: LiteralString = """
     WITH wanted AS (
         SELECT * FROM json_to_recordset(%(rows)s::json) AS t(id text, fence bigint)
@@ -89,7 +90,7 @@ CLAIMS_WITH_EVENTS: LiteralString = """
                updated_at = clock_timestamp()
           FROM wanted
          WHERE w.id = wanted.id AND w.fence = wanted.fence
-        RETURNING w.*
+        RETURNING w.id, w.state, w.owner, w.fence, w.attempt, w.lease_until
     ), audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
         SELECT id, 'claimed', fence, %(detail)s FROM claimed
@@ -1207,7 +1208,7 @@ def _claim_rows(
     written = {row["id"]: row for row in claimed.fetchall()}
     # Every row is locked by this transaction and still at its fence: each is claimed.
     assert written.keys() == {row["id"] for row in rows}
-    return [Claimed(Workflow.from_row(written[row["id"]]), barriers.get(row["id"]))
+    return [Claimed(Workflow.from_row({**row, **written[row["id"]]}), barriers.get(row["id"]))
             for row in rows]
 
 
