@@ -373,6 +373,8 @@ def _add_chaos(commands: Commands[argparse.ArgumentParser]) -> None:
     chaos.add_argument("--workers", type=int, default=4)
     chaos.add_argument("--duration", type=float, default=60.0, help="seconds of faults at most")
     chaos.add_argument("--kill-every", type=float, default=200.0, help="mean ms between SIGKILLs")
+    chaos.add_argument("--batch", type=int, default=1,
+                       help="each worker's --batch: workflows claimed and in flight together")
     chaos.add_argument("--drop-replies", type=float, default=0.1, help="share of replies lost")
     chaos.add_argument("--reject-429", type=float, default=0.1, help="share of 429 answers")
     chaos.add_argument("--terminate-backends", type=float, default=2000.0,

@@ -579,7 +579,7 @@ class Chaos:
             population.service.token,
             name, "--loop", "--fused", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
             "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
-            keys=self.keys,
+            "--batch", str(s.batch), keys=self.keys,
         )
         self.counts.worker_starts += 1
 

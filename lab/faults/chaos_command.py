@@ -43,6 +43,7 @@ class ChaosOptions:
     disk_full_fs: str = "auto"
     clock_step_every: float = 0.0
     clock_step_max: int = 60
+    batch: int = 1
     output: str = "evidence/chaos.json"
     lab_postgres: str = providers.AUTO
 
@@ -73,6 +74,7 @@ def settings_from(options: ChaosOptions) -> Settings:
         disk_full_fs=options.disk_full_fs,
         clock_step_every_ms=options.clock_step_every,
         clock_step_max_s=options.clock_step_max,
+        batch=options.batch,
     )
 
 

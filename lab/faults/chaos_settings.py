@@ -50,6 +50,7 @@ class Settings:
     backoff: float = BACKOFF_S
     idle_exit: float = IDLE_EXIT_S
     drain_timeout: float = DRAIN_TIMEOUT_S
+    batch: int = 1  # each worker's ``--batch``: workflows claimed and in flight together
 
     @property
     def proxied(self) -> bool:
@@ -72,6 +73,7 @@ class Settings:
             "heartbeat_s": self.heartbeat,
             "backoff_s": self.backoff,
             "idle_exit_s": self.idle_exit,
+            "worker_batch": self.batch,
             "max_attempts": max_attempts,
             "layout": "one schema per tool mode, each with its own tool service and workers",
             "restart_postgres_every_ms": self.restart_every_ms,
@@ -93,6 +95,8 @@ class Settings:
             raise errors.UsageError("workflows must be between 1 and 100000")
         if not 1 <= self.workers <= 64:
             raise errors.UsageError("workers must be between 1 and 64")
+        if not 1 <= self.batch <= 64:
+            raise errors.UsageError("batch must be between 1 and 64")
         if not 0 < self.duration <= 3600:
             raise errors.UsageError("duration must be between 0 and 3600 seconds")
         if min(self.kill_every_ms, self.terminate_every_ms, self.restart_every_ms,

@@ -9,6 +9,7 @@ psycopg errors are translated into ``errors.StoreError`` here, at the edge.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -75,61 +76,78 @@ RECOVER_QUERY: LiteralString = """
     SELECT id, 'lease_expired', fence, '' FROM expired
     RETURNING workflow_id
 """
-# The claim's write and its audit event in one statement (one event: no order to keep).
-CLAIM_WITH_EVENT: LiteralString = """
-    WITH claimed AS (
-        UPDATE workflows
-           SET state = 'running', owner = %s, fence = fence + 1,
-               attempt = attempt + 1, lease_until = clock_timestamp() + %s,
+# A batch's claims and their audit events in one statement: each row by id and the fence
+# it was read under (the rows are locked by this transaction's claim query, so the columns
+# it does not return are as read). A batch's rows travel as one JSON array: one
+# parameter, not a list to adapt per column.
+CLAIMS_WITH_EVENTS: LiteralString = """
+    WITH wanted AS (
+        SELECT * FROM json_to_recordset(%(rows)s::json) AS t(id text, fence bigint)
+    ), claimed AS (
+        UPDATE workflows w
+           SET state = 'running', owner = %(owner)s, fence = w.fence + 1,
+               attempt = w.attempt + 1, lease_until = clock_timestamp() + %(lease)s,
                updated_at = clock_timestamp()
-         WHERE id = %s AND fence = %s
-        RETURNING *
+          FROM wanted
+         WHERE w.id = wanted.id AND w.fence = wanted.fence
+        RETURNING w.id, w.state, w.owner, w.fence, w.attempt, w.lease_until
     ), audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
-        SELECT id, 'claimed', fence, %s FROM claimed
+        SELECT id, 'claimed', fence, %(detail)s FROM claimed
     )
     SELECT * FROM claimed
 """
-# ``complete``'s writes in one statement: the fenced update, the start's completion (only
-# when the update found its row and the barrier exists) and the audit event. The stored
-# barrier comes back with it, for the caller to verify before it commits.
-COMPLETE_WITH_EVENT: LiteralString = """
-    WITH done AS (
-        UPDATE workflows
-           SET state = 'succeeded', result = %(result)s, owner = '', lease_until = NULL,
+# ``complete``'s writes for a batch in one statement: each fenced update, its start's
+# completion (only when the update found its row and the barrier exists) and its audit
+# event. Each stored barrier comes back too, for the caller to verify before it commits.
+COMPLETIONS_WITH_EVENTS: LiteralString = """
+    WITH wanted AS (
+        SELECT * FROM json_to_recordset(%s::json)
+               AS c(id text, fence bigint, fingerprint text, effect_key text, result jsonb,
+                    start_id text, barrier_digest text, outcome text, summary text,
+                    receipt_id text, digest text)
+    ), done AS (
+        UPDATE workflows w
+           SET state = 'succeeded', result = c.result, owner = '', lease_until = NULL,
                review_reason = '', updated_at = clock_timestamp()
-         WHERE id = %(id)s AND fence = %(fence)s AND state = 'running'
-           AND fingerprint = %(fingerprint)s AND effect_key = %(effect_key)s
-        RETURNING *
+          FROM wanted c
+         WHERE w.id = c.id AND w.fence = c.fence AND w.state = 'running'
+           AND w.fingerprint = c.fingerprint AND w.effect_key = c.effect_key
+        RETURNING w.*
     ), completion AS (
         INSERT INTO completions (start_id, barrier_digest, outcome, summary, receipt_id, digest)
-        SELECT %(start_id)s, %(barrier_digest)s, %(outcome)s, %(summary)s, %(receipt_id)s,
-               %(digest)s
-          FROM done
-         WHERE EXISTS (SELECT 1 FROM start_barriers WHERE start_id = %(start_id)s)
+        SELECT c.start_id, c.barrier_digest, c.outcome, c.summary, c.receipt_id, c.digest
+          FROM wanted c JOIN done USING (id)
+         WHERE EXISTS (SELECT 1 FROM start_barriers b WHERE b.start_id = c.start_id)
         ON CONFLICT (start_id) DO NOTHING
         RETURNING start_id
     ), audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
-        SELECT id, 'completed', %(fence)s, '' FROM done
+        SELECT id, 'completed', fence, '' FROM done
     )
     SELECT done.*,
-           (SELECT count(*) FROM completion) AS completions_written,
+           EXISTS (SELECT 1 FROM completion JOIN wanted c USING (start_id)
+                    WHERE c.id = done.id) AS completion_written,
            (SELECT to_jsonb(b) FROM start_barriers b
-             WHERE b.workflow_id = %(id)s AND b.fence = %(fence)s) AS stored_barrier
+             WHERE b.workflow_id = done.id AND b.fence = done.fence) AS stored_barrier
       FROM done
 """
-# A start barrier and the audit event it is bound to, in one statement.
-FUSED_BARRIER_INSERT: LiteralString = """
-    WITH audit AS (
+# A batch's start barriers, each bound to its own audit event, in one statement.
+FUSED_BARRIERS_INSERT: LiteralString = """
+    WITH wanted AS (
+        SELECT * FROM json_to_recordset(%s::json)
+               AS b(start_id text, workflow_id text, fence bigint, attempt integer,
+                    effect_key text, fingerprint text, trace_id text, span_id text, digest text)
+    ), audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
-        VALUES (%s, 'dispatching', %s, %s)
-        RETURNING seq
+        SELECT workflow_id, 'dispatching', fence, 'start=' || start_id FROM wanted
+        RETURNING seq, workflow_id
     )
     INSERT INTO start_barriers (start_id, workflow_id, fence, attempt, effect_key,
                                 fingerprint, trace_id, span_id, audit_event, digest)
-    SELECT %s, %s, %s, %s, %s, %s, %s, %s, audit.seq, %s FROM audit
-    RETURNING start_id
+    SELECT b.start_id, b.workflow_id, b.fence, b.attempt, b.effect_key, b.fingerprint,
+           b.trace_id, b.span_id, audit.seq, b.digest
+      FROM wanted b JOIN audit USING (workflow_id)
 """
 
 
@@ -545,58 +563,31 @@ class Store:
                 raise errors.ReceiptMismatch()
             sealed.append(self.keys.seal(done.receipt.to_json(), done.claim.id))
         with self._pipelined("complete and claim work") as conn:
-            checks = [_queue_completion(conn, done, seal)
-                      for done, seal in zip(finished, sealed, strict=True)]
+            check = _queue_completions(conn, finished, sealed)
             if recover:
                 conn.execute(RECOVER_QUERY)
             if limit == 0:
-                # Judging a completion fetches its result, which sends the queue.
-                return Step([Workflow.from_row(check()) for check in checks], [])
+                # Judging the completions fetches their result, which sends the queue.
+                return Step(check(), [])
             completed: list[Workflow] | None = None
             while True:
                 rows = conn.execute(CLAIM_BATCH_QUERY, (limit,)).fetchall()
                 if completed is None:
                     # The fetch above sent every queued statement: judge the completions
                     # first; raising here rolls the whole transaction back.
-                    completed = [Workflow.from_row(check()) for check in checks]
+                    completed = check()
                 if not rows:
                     return Step(completed, [])
-                queued = [self._queue_claim(conn, row, owner, lease, fuse) for row in rows]
-                taken = [(cursor, barrier) for cursor, barrier in filter(None, queued)]
-                if not taken:
-                    continue  # every row was diverted: claim again
-                claims = []
-                for cursor, barrier in taken:
-                    written = cursor.fetchone()
-                    assert written is not None  # the row is locked by this transaction
-                    claims.append(Claimed(Workflow.from_row(written), barrier))
-                return Step(completed, claims)
-
-    @staticmethod
-    def _queue_claim(
-        conn: psycopg.Connection[dict[str, Any]], row: dict[str, Any], owner: str,
-        lease: timedelta, fuse: bool,
-    ) -> tuple[psycopg.Cursor[dict[str, Any]], StartBarrier | None] | None:
-        """Queue one due row's claim (with its fused barrier) or its diversion (None)."""
-        diverted = _claim_diversion(row)
-        if diverted is not None:
-            _divert(conn, row, diverted)
-            return None
-        cursor = conn.execute(CLAIM_WITH_EVENT, (owner, lease, row["id"], row["fence"],
-                                                 f"owner={owner}"))
-        barrier = None
-        if fuse and row["plan"].get("idempotent") is True:
-            barrier = StartBarrier.for_claim(
-                row["id"], row["fence"] + 1, row["attempt"] + 1, row["effect_key"],
-                row["fingerprint"], row["trace_id"],
-            )
-            conn.execute(FUSED_BARRIER_INSERT, (
-                barrier.workflow_id, barrier.fence, f"start={barrier.start_id}",
-                barrier.start_id, barrier.workflow_id, barrier.fence, barrier.attempt,
-                barrier.effect_key, barrier.fingerprint, barrier.trace_id,
-                barrier.span_id, barrier.digest(),
-            ))
-        return cursor, barrier
+                claimable = []
+                for row in rows:
+                    diverted = _claim_diversion(row)
+                    if diverted is None:
+                        claimable.append(row)
+                    else:
+                        _divert(conn, row, diverted)
+                if claimable:
+                    return Step(completed, _claim_rows(conn, claimable, owner, lease, fuse))
+                # every row was diverted: claim again
 
     # -- around the dispatch ---------------------------------------------------------
 
@@ -1144,38 +1135,81 @@ def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
             }
 
 
-def _queue_completion(
-    conn: psycopg.Connection[dict[str, Any]], finished: Finished, sealed: dict[str, Any] | None
-) -> Callable[[], dict[str, Any]]:
-    """Queue ``complete``'s writes in a pipeline; the returned check judges their result.
+def _queue_completions(
+    conn: psycopg.Connection[dict[str, Any]], finished: Sequence[Finished],
+    sealed: Sequence[dict[str, Any]],
+) -> Callable[[], list[Workflow]]:
+    """Queue ``complete``'s writes for every finished dispatch in a pipeline; the returned
+    check judges their result and gives the completed snapshots, in ``finished``'s order.
 
-    The check (call it after a fetch has sent them) requires that the fenced update
-    found its row, that the stored barrier matches the one dispatched under (digest
-    and content) and that the start had no completion yet: else it raises, and the
-    caller's transaction rolls back with nothing written.
+    The check (call it after a fetch has sent them) requires of each that the fenced
+    update found its row, that the stored barrier matches the one dispatched under (digest
+    and content) and that the start had no completion yet: else it raises for the first
+    that fails, and the caller's transaction rolls back with nothing written.
     """
-    claim, barrier = finished.claim, finished.barrier
-    completion = Completion.success(barrier, finished.receipt.receipt_id)
-    written = conn.execute(COMPLETE_WITH_EVENT, {
-        "result": Jsonb(sealed), "id": claim.id, "fence": claim.fence,
-        "fingerprint": claim.fingerprint, "effect_key": claim.effect_key,
-        "start_id": completion.start_id, "barrier_digest": completion.barrier_digest,
-        "outcome": completion.outcome, "summary": completion.summary,
-        "receipt_id": completion.receipt_id, "digest": completion.digest(),
-    })
+    if not finished:
+        return list
+    completions = [Completion.success(done.barrier, done.receipt.receipt_id)
+                   for done in finished]
+    written = conn.execute(COMPLETIONS_WITH_EVENTS, (json.dumps([
+        {"id": done.claim.id, "fence": done.claim.fence,
+         "fingerprint": done.claim.fingerprint, "effect_key": done.claim.effect_key,
+         "result": seal, "start_id": completion.start_id,
+         "barrier_digest": completion.barrier_digest, "outcome": completion.outcome,
+         "summary": completion.summary, "receipt_id": completion.receipt_id,
+         "digest": completion.digest()}
+        for done, seal, completion in zip(finished, sealed, completions, strict=True)
+    ]),))
 
-    def check() -> dict[str, Any]:
-        row = written.fetchone()
-        if row is None:
-            raise errors.Stale("claim is no longer current: completion refused")
-        stored = row.pop("stored_barrier")
-        if stored is None or _verified_barrier(stored) != barrier:
-            raise errors.IntegrityFailure("start barrier is missing or differs from the dispatch")
-        if row.pop("completions_written") != 1:
-            raise errors.Conflict("this start already has a completion")
-        return row
+    def check() -> list[Workflow]:
+        rows = {row["id"]: row for row in written.fetchall()}
+        snapshots = []
+        for done in finished:
+            row = rows.get(done.claim.id)
+            if row is None:
+                raise errors.Stale("claim is no longer current: completion refused")
+            stored = row.pop("stored_barrier")
+            if stored is None or _verified_barrier(stored) != done.barrier:
+                raise errors.IntegrityFailure(
+                    "start barrier is missing or differs from the dispatch")
+            if not row.pop("completion_written"):
+                raise errors.Conflict("this start already has a completion")
+            snapshots.append(Workflow.from_row(row))
+        return snapshots
 
     return check
+
+
+def _claim_rows(
+    conn: psycopg.Connection[dict[str, Any]], rows: list[dict[str, Any]], owner: str,
+    lease: timedelta, fuse: bool,
+) -> list[Claimed]:
+    """Claim due ``rows`` (locked by this transaction) in one statement, and with ``fuse``
+    commit each idempotent one's start barrier in another; the claims, oldest first."""
+    claimed = conn.execute(CLAIMS_WITH_EVENTS, {
+        "rows": json.dumps([{"id": row["id"], "fence": row["fence"]} for row in rows]),
+        "owner": owner, "lease": lease, "detail": f"owner={owner}",
+    })
+    barriers: dict[str, StartBarrier] = {}
+    if fuse:
+        for row in rows:
+            if row["plan"].get("idempotent") is True:
+                barriers[row["id"]] = StartBarrier.for_claim(
+                    row["id"], row["fence"] + 1, row["attempt"] + 1, row["effect_key"],
+                    row["fingerprint"], row["trace_id"],
+                )
+    if barriers:
+        conn.execute(FUSED_BARRIERS_INSERT, (json.dumps([
+            {"start_id": b.start_id, "workflow_id": b.workflow_id, "fence": b.fence,
+             "attempt": b.attempt, "effect_key": b.effect_key, "fingerprint": b.fingerprint,
+             "trace_id": b.trace_id, "span_id": b.span_id, "digest": b.digest()}
+            for b in barriers.values()
+        ]),))
+    written = {row["id"]: row for row in claimed.fetchall()}
+    # Every row is locked by this transaction and still at its fence: each is claimed.
+    assert written.keys() == {row["id"] for row in rows}
+    return [Claimed(Workflow.from_row({**row, **written[row["id"]]}), barriers.get(row["id"]))
+            for row in rows]
 
 
 def _event_queued(

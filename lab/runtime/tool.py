@@ -191,7 +191,9 @@ class ToolService:
         self._pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
             loopback.check_dsn(dsn),
             min_size=1,
-            max_size=4,
+            # Batched workers send many requests at once: a request waiting for a ledger
+            # connection costs more CPU (the pool's hand-over) than a connection does.
+            max_size=16,
             kwargs={
                 "autocommit": True,
                 "row_factory": dict_row,
