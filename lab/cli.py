@@ -280,6 +280,11 @@ def _add_worker(commands: Commands[argparse.ArgumentParser]) -> None:
              "an idempotent claim with its start barrier (boundary after_claim_barrier)",
     )
     worker.add_argument(
+        "--quiet", action="store_true",
+        help="print no BOOK_STAGE or BOOK_ITEM lines (a production worker: --crash-at and "
+             "--pause still act at their boundary)",
+    )
+    worker.add_argument(
         "--batch", type=int, default=1,
         help="with --fused: claim up to N items per transaction and send their requests "
              "together (boundary after_batch); a crash leaves all N to recovery",
@@ -456,7 +461,7 @@ def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
     throughput.add_argument("--sweep", action="store_true",
                             help="each system over its own configurations, best against best")
     throughput.add_argument("--lab-processes", default="2,4", help="sweep: lab worker processes")
-    throughput.add_argument("--lab-batch", default="1,8", help="sweep: lab worker --batch values")
+    throughput.add_argument("--lab-batch", default="1,32", help="sweep: lab worker --batch values")
     throughput.add_argument("--dbos-processes", default="2,4", help="sweep: DBOS processes")
     throughput.add_argument("--dbos-concurrency", default="1,8,16",
                             help="sweep: DBOS worker_concurrency values")

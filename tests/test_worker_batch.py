@@ -8,6 +8,7 @@ others back.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -136,3 +137,25 @@ def test_a_batch_needs_the_fused_loop_and_a_bounded_size(capsys: pytest.CaptureF
 
 def _service(dsn: str, db: store.Store, *, idempotent: bool) -> tool.ToolService:
     return tool.ToolService(dsn, db.schema, idempotent=idempotent).start()
+
+
+def test_a_quiet_worker_prints_no_boundary_lines_but_still_crashes_at_one(
+    dsn: str, db: store.Store,
+) -> None:
+    from lab.runtime import processes
+
+    ids = _approved(db, 2, idempotent=True)
+    with _service(dsn, db, idempotent=True) as service:
+        child = processes.spawn_worker(
+            dsn, db.schema, service.endpoint, service.token, "quiet", "--loop", "--fused",
+            "--batch", "2", "--quiet", "--crash-at", protocol.AFTER_TOOL,
+        )
+        try:
+            assert child.finish(expect_exit=None) == -signal.SIGKILL
+            lines = child.all_lines()
+        finally:
+            child.cleanup()
+    assert not [line for line in lines
+                if line.startswith((protocol.STAGE, protocol.ITEM))], lines
+    assert service.calls == 2  # it died after both replies, as --crash-at after_tool says
+    assert [db.get(w).state for w in ids] == ["running", "running"]

@@ -67,7 +67,7 @@ class ThroughputOptions:
     repeat: int = 1
     sweep: bool = False
     lab_processes: str = "2,4"
-    lab_batch: str = "1,8"
+    lab_batch: str = "1,32"
     dbos_processes: str = "2,4"
     dbos_concurrency: str = "1,8,16"
     dbos_poll: str = "0.005,0.05"

@@ -45,7 +45,8 @@ GOAL_XACTS_PER_WORKFLOW = 6.0
 GOAL_WAL_SYNCS_PER_WORKFLOW = 2.5
 GOAL_ALL_CPU_MS_PER_WORKFLOW = 3.0
 # The lab's best configuration, as DBOS gets its own: a looping worker that fuses each
-# completion with the next claim, and an idempotent claim with its start barrier.
+# completion with the next claim, and an idempotent claim with its start barrier, and
+# reports no boundary lines (DBOS's workers print nothing per workflow either).
 LAB_WORKER_FLAGS = ("--loop", "--fused")
 DBOS_VERSION_TAG = "bench"
 # One workflow in flight per process, as a ``lab worker`` runs one item at a time. DBOS
@@ -53,7 +54,7 @@ DBOS_VERSION_TAG = "bench"
 DBOS_WORKER_CONCURRENCY = 1
 DBOS_POLL_SECONDS = 0.005
 SWEEP_LAB_PROCESSES = (2, 4)
-SWEEP_LAB_BATCH = (1, 8)
+SWEEP_LAB_BATCH = (1, 32)
 SWEEP_DBOS_PROCESSES = (2, 4)
 SWEEP_DBOS_CONCURRENCY = (1, 8, 16)
 SWEEP_DBOS_POLL = (0.005, 0.05)

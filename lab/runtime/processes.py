@@ -53,6 +53,7 @@ class WorkerOptions:
     backoff: float = 0.1
     fused: bool = False
     batch: int = 1
+    quiet: bool = False
 
 
 def worker_main(options: WorkerOptions) -> int:
@@ -81,7 +82,8 @@ def worker_main(options: WorkerOptions) -> int:
 
     def hook(stage: str, claim: store.Workflow) -> None:
         with say:
-            print(protocol.stage_line(stage, claim.id, claim.fence), flush=True)
+            if not options.quiet:
+                print(protocol.stage_line(stage, claim.id, claim.fence), flush=True)
             if crash_at == stage:
                 # Stop dead at the boundary: no other thread runs another line.
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -110,7 +112,8 @@ def worker_main(options: WorkerOptions) -> int:
                 runner.reconcile(options.reconcile)
             try:
                 if options.loop:
-                    _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items)
+                    _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items,
+                          quiet=options.quiet)
                 else:
                     runner.run_one()
             finally:
@@ -136,7 +139,9 @@ def _open_store(dsn: str, schema: str, name: str) -> store.Store:
             time.sleep(patience.failed())
 
 
-def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
+def _loop(
+    runner: worker.Worker, *, idle_exit: float, max_items: int, quiet: bool = False
+) -> None:
     """Run items until none was due for ``idle_exit`` seconds (or ``max_items`` ran).
 
     A stale fence, a manual-review decision, a tool failure or a lost database
@@ -165,7 +170,8 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
             idle_since = time.monotonic()
         for item in items:
             done += 1
-            print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
+            if not quiet:
+                print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
             idle_since = time.monotonic()
         if items or runner.pending:
             continue
@@ -174,7 +180,8 @@ def _loop(runner: worker.Worker, *, idle_exit: float, max_items: int) -> None:
         time.sleep(0.02)
     # ``max_items`` ran: a fused worker still owes the last one's completion.
     for item in runner.flush():
-        print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
+        if not quiet:
+            print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
 
 
 def _items(runner: worker.Worker, *, left: int | None) -> list[store.Workflow]:
