@@ -234,14 +234,15 @@ class Worker:
         """
         done: list[store.Workflow] = []
         refused: list[errors.LabError] = []
-        for item in finished:
+        for index, item in enumerate(finished):
             try:
                 completed = self.db.complete(item.claim, item.receipt)
             except errors.IntegrityFailure:
                 done.append(self.db.quarantine(item.claim, "integrity"))
                 continue
             except errors.StoreError:
-                self._pending.append(item)
+                # The database is away: this one and those not yet tried stay confirmed.
+                self._pending.extend(finished[index:])
                 raise
             except errors.LabError as exc:
                 refused.append(exc)
