@@ -79,7 +79,9 @@ RECOVER_QUERY: LiteralString = """
 # A batch's claims and their audit events in one statement: each row by id and the fence
 # it was read under (the rows are locked by this transaction's claim query, so the columns
 # it does not return are as read). A batch's rows travel as one JSON array: one
-# parameter, not a list to adapt per column.
+# parameter, not a list to adapt per column. The planner guesses 100 rows for any JSON
+# record set and would then scan the whole table for them; ``id = ANY(ids)`` keeps every
+# update of a batch on the primary key.
 CLAIMS_WITH_EVENTS: LiteralString = """
     WITH wanted AS (
         SELECT * FROM json_to_recordset(%(rows)s::json) AS t(id text, fence bigint)
@@ -89,7 +91,7 @@ CLAIMS_WITH_EVENTS: LiteralString = """
                attempt = w.attempt + 1, lease_until = clock_timestamp() + %(lease)s,
                updated_at = clock_timestamp()
           FROM wanted
-         WHERE w.id = wanted.id AND w.fence = wanted.fence
+         WHERE w.id = ANY(%(ids)s::text[]) AND w.id = wanted.id AND w.fence = wanted.fence
         RETURNING w.id, w.state, w.owner, w.fence, w.attempt, w.lease_until
     ), audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
@@ -102,7 +104,7 @@ CLAIMS_WITH_EVENTS: LiteralString = """
 # event. Each stored barrier comes back too, for the caller to verify before it commits.
 COMPLETIONS_WITH_EVENTS: LiteralString = """
     WITH wanted AS (
-        SELECT * FROM json_to_recordset(%s::json)
+        SELECT * FROM json_to_recordset(%(rows)s::json)
                AS c(id text, fence bigint, fingerprint text, effect_key text, result jsonb,
                     start_id text, barrier_digest text, outcome text, summary text,
                     receipt_id text, digest text)
@@ -111,7 +113,8 @@ COMPLETIONS_WITH_EVENTS: LiteralString = """
            SET state = 'succeeded', result = c.result, owner = '', lease_until = NULL,
                review_reason = '', updated_at = clock_timestamp()
           FROM wanted c
-         WHERE w.id = c.id AND w.fence = c.fence AND w.state = 'running'
+         WHERE w.id = ANY(%(ids)s::text[]) AND w.id = c.id AND w.fence = c.fence
+           AND w.state = 'running'
            AND w.fingerprint = c.fingerprint AND w.effect_key = c.effect_key
         RETURNING w.*
     ), completion AS (
@@ -1151,7 +1154,7 @@ def _queue_completions(
         return list
     completions = [Completion.success(done.barrier, done.receipt.receipt_id)
                    for done in finished]
-    written = conn.execute(COMPLETIONS_WITH_EVENTS, (json.dumps([
+    written = conn.execute(COMPLETIONS_WITH_EVENTS, {"rows": json.dumps([
         {"id": done.claim.id, "fence": done.claim.fence,
          "fingerprint": done.claim.fingerprint, "effect_key": done.claim.effect_key,
          "result": seal, "start_id": completion.start_id,
@@ -1159,7 +1162,7 @@ def _queue_completions(
          "summary": completion.summary, "receipt_id": completion.receipt_id,
          "digest": completion.digest()}
         for done, seal, completion in zip(finished, sealed, completions, strict=True)
-    ]),))
+    ]), "ids": [done.claim.id for done in finished]})
 
     def check() -> list[Workflow]:
         rows = {row["id"]: row for row in written.fetchall()}
@@ -1188,7 +1191,7 @@ def _claim_rows(
     commit each idempotent one's start barrier in another; the claims, oldest first."""
     claimed = conn.execute(CLAIMS_WITH_EVENTS, {
         "rows": json.dumps([{"id": row["id"], "fence": row["fence"]} for row in rows]),
-        "owner": owner, "lease": lease, "detail": f"owner={owner}",
+        "ids": [row["id"] for row in rows], "owner": owner, "lease": lease, "detail": f"owner={owner}",
     })
     barriers: dict[str, StartBarrier] = {}
     if fuse:
