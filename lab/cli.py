@@ -281,8 +281,8 @@ def _add_worker(commands: Commands[argparse.ArgumentParser]) -> None:
     )
     worker.add_argument(
         "--quiet", action="store_true",
-        help="print no BOOK_STAGE or BOOK_ITEM lines (a production worker: --crash-at and "
-             "--pause still act at their boundary)",
+        help=f"print no {protocol.STAGE} or {protocol.ITEM} lines (a production worker: "
+             "--crash-at and --pause still act at their boundary)",
     )
     worker.add_argument(
         "--batch", type=int, default=1,

@@ -1191,7 +1191,8 @@ def _claim_rows(
     commit each idempotent one's start barrier in another; the claims, oldest first."""
     claimed = conn.execute(CLAIMS_WITH_EVENTS, {
         "rows": json.dumps([{"id": row["id"], "fence": row["fence"]} for row in rows]),
-        "ids": [row["id"] for row in rows], "owner": owner, "lease": lease, "detail": f"owner={owner}",
+        "ids": [row["id"] for row in rows], "owner": owner, "lease": lease,
+        "detail": f"owner={owner}",
     })
     barriers: dict[str, StartBarrier] = {}
     if fuse:
