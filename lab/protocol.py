@@ -89,6 +89,10 @@ PROCESS_STAGES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES if b.path != 
 # Reported from inside the tool service's request handling.
 TOOL_STAGES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES if b.path == TOOL)
 
+# The most workflows a looping worker's step may have in flight (``lab worker --batch``,
+# one request thread each); ``lab bench`` and ``lab chaos`` pass it on to their workers.
+MAX_BATCH = 64
+
 
 def boundary(name: str) -> Boundary:
     """The boundary called ``name``; ``KeyError`` for a name that is not one."""

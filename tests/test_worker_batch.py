@@ -23,11 +23,6 @@ APPROVER = store.Actor("tenant-a", "manager-a", "approver")
 
 
 @pytest.fixture
-def dsn(lab_dsn: str) -> str:
-    return lab_dsn
-
-
-@pytest.fixture
 def db(lab_dsn: str, lab_schema: str, request: pytest.FixtureRequest) -> Iterator[store.Store]:
     opened = store.Store.open(lab_dsn, lab_schema, keys=sealing.load_catalog(),
                               max_connections=2)
@@ -53,9 +48,9 @@ def _worker(db: store.Store, client: tool.ToolClient, batch: int, **extra: Any) 
                          fused=True, batch=batch, **extra)
 
 
-def test_a_batch_is_claimed_sent_and_completed_together(dsn: str, db: store.Store) -> None:
+def test_a_batch_is_claimed_sent_and_completed_together(lab_dsn: str, db: store.Store) -> None:
     ids = _approved(db, 5, idempotent=True)
-    with _service(dsn, db, idempotent=True) as service, \
+    with _service(lab_dsn, db, idempotent=True) as service, \
             tool.ToolClient(service.endpoint, service.token) as client:
         runner = _worker(db, client, 3)
         try:
@@ -74,11 +69,11 @@ def test_a_batch_is_claimed_sent_and_completed_together(dsn: str, db: store.Stor
 
 
 def test_a_non_idempotent_batch_commits_every_barrier_before_any_request(
-    dsn: str, db: store.Store,
+    lab_dsn: str, db: store.Store,
 ) -> None:
     ids = _approved(db, 3, idempotent=False)
     seen: list[tuple[str, str, int]] = []
-    with _service(dsn, db, idempotent=False) as service, \
+    with _service(lab_dsn, db, idempotent=False) as service, \
             tool.ToolClient(service.endpoint, service.token) as client:
 
         def hook(stage: str, claim: store.Workflow) -> None:
@@ -99,10 +94,10 @@ def test_a_non_idempotent_batch_commits_every_barrier_before_any_request(
 
 
 def test_one_stale_completion_does_not_hold_back_the_rest_of_its_batch(
-    dsn: str, db: store.Store,
+    lab_dsn: str, db: store.Store,
 ) -> None:
     good, doomed = _approved(db, 2, idempotent=True)
-    with _service(dsn, db, idempotent=True) as service, \
+    with _service(lab_dsn, db, idempotent=True) as service, \
             tool.ToolClient(service.endpoint, service.token) as client:
         runner = _worker(db, client, 2)
         try:
@@ -128,7 +123,7 @@ def test_a_batch_needs_the_fused_loop_and_a_bounded_size(capsys: pytest.CaptureF
 
     for options in (processes.WorkerOptions("s", "http://127.0.0.1:1", batch=0),
                     processes.WorkerOptions("s", "http://127.0.0.1:1",
-                                            batch=processes.MAX_BATCH + 1),
+                                            batch=protocol.MAX_BATCH + 1),
                     processes.WorkerOptions("s", "http://127.0.0.1:1", batch=2)):
         assert processes.worker_main(options) == 2
         err = capsys.readouterr().err
@@ -140,14 +135,14 @@ def _service(dsn: str, db: store.Store, *, idempotent: bool) -> tool.ToolService
 
 
 def test_a_quiet_worker_prints_no_boundary_lines_but_still_crashes_at_one(
-    dsn: str, db: store.Store,
+    lab_dsn: str, db: store.Store,
 ) -> None:
     from lab.runtime import processes
 
     ids = _approved(db, 2, idempotent=True)
-    with _service(dsn, db, idempotent=True) as service:
+    with _service(lab_dsn, db, idempotent=True) as service:
         child = processes.spawn_worker(
-            dsn, db.schema, service.endpoint, service.token, "quiet", "--loop", "--fused",
+            lab_dsn, db.schema, service.endpoint, service.token, "quiet", "--loop", "--fused",
             "--batch", "2", "--quiet", "--crash-at", protocol.AFTER_TOOL,
         )
         try:

@@ -22,11 +22,10 @@ from typing import Any
 
 from rich.console import Console
 
-from lab import errors
+from lab import errors, protocol
 from lab.bench import claim, measure, startup, suite, throughput
 from lab.bench.measure import fmt
 from lab.pg import providers
-from lab.runtime import processes
 
 OUTPUT_DIR = "evidence/bench"
 
@@ -144,8 +143,8 @@ def _validate(options: ThroughputOptions) -> None:
     if any(count < 1 for count in counts):
         raise errors.UsageError("workflows, workers, repeat and sweep values must be positive")
     batches = [options.batch, *(_ints(options.lab_batch) if options.sweep else [])]
-    if max(batches) > processes.MAX_BATCH:
-        raise errors.UsageError(f"a lab batch is at most {processes.MAX_BATCH}")
+    if max(batches) > protocol.MAX_BATCH:
+        raise errors.UsageError(f"a lab batch is at most {protocol.MAX_BATCH}")
 
 
 def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:

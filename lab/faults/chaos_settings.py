@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab import errors
+from lab import errors, protocol
 
 LEASE_S = 1.0
 HEARTBEAT_S = 0.25
@@ -95,8 +95,8 @@ class Settings:
             raise errors.UsageError("workflows must be between 1 and 100000")
         if not 1 <= self.workers <= 64:
             raise errors.UsageError("workers must be between 1 and 64")
-        if not 1 <= self.batch <= 64:
-            raise errors.UsageError("batch must be between 1 and 64")
+        if not 1 <= self.batch <= protocol.MAX_BATCH:
+            raise errors.UsageError(f"batch must be between 1 and {protocol.MAX_BATCH}")
         if not 0 < self.duration <= 3600:
             raise errors.UsageError("duration must be between 0 and 3600 seconds")
         if min(self.kill_every_ms, self.terminate_every_ms, self.restart_every_ms,

@@ -30,8 +30,6 @@ from lab.runtime import backoff, egress, forkserver, sealing, store, tool, worke
 WORKER_APP_PREFIX = "lab-worker:"
 # How long a worker waits for a lost database (failures in a row) before it gives up.
 DB_PATIENCE_S = 60.0
-# The most workflows one fused step may have in flight (one request thread each).
-MAX_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -58,8 +56,9 @@ class WorkerOptions:
 
 def worker_main(options: WorkerOptions) -> int:
     """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
-    if not 1 <= options.batch <= MAX_BATCH:
-        print(f"lab worker: --batch must be between 1 and {MAX_BATCH}", file=sys.stderr)
+    if not 1 <= options.batch <= protocol.MAX_BATCH:
+        print(f"lab worker: --batch must be between 1 and {protocol.MAX_BATCH}",
+              file=sys.stderr)
         return 2
     if options.batch > 1 and not (options.fused and options.loop):
         print("lab worker: --batch needs --loop and --fused", file=sys.stderr)

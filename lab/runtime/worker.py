@@ -115,40 +115,26 @@ class Worker:
         finished, self._pending = self._pending, []
         now = time.monotonic()
         recover = now >= self._recover_at
-        try:
-            taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True,
-                                               recover=recover,
-                                               limit=min(self.batch, limit or self.batch))
-        except errors.StoreError:
-            # Nothing of the transaction committed: the dispatches are still confirmed,
-            # so keep them for the next step (a lost database is waited for).
-            self._pending = finished
-            raise
-        except errors.LabError:
-            if not finished:
-                raise
-            # A completion was refused: nothing committed. Complete each alone, so one
-            # stale item does not hold back the others; claim again next step.
-            return self._complete_each(finished)
+        done, claims = self._commit(finished, recover=recover,
+                                    limit=min(self.batch, limit or self.batch))
+        if claims is None:
+            return done  # the transaction was refused: claim again next step
         if recover:
             self._recover_at = now + RECOVERY_INTERVAL_S
-        done = list(taken.completed)
-        for completed in done:
-            self._stage(protocol.AFTER_COMPLETE, completed)
-        if not taken.claims:
+        if not claims:
             if not recover:
                 self._recover_at = 0.0  # no work found: recover before calling this idle
             return done
         if self.batch > 1:
-            self._stage(protocol.AFTER_BATCH, taken.claims[0].workflow)
-        for claimed in taken.claims:
+            self._stage(protocol.AFTER_BATCH, claims[0].workflow)
+        for claimed in claims:
             if claimed.barrier is None:
                 self._stage(protocol.AFTER_CLAIM, claimed.workflow)
             else:
                 self._stage(protocol.AFTER_CLAIM_BARRIER, claimed.workflow)
         refused: list[errors.LabError] = []
-        with self._heartbeats([claimed.workflow for claimed in taken.claims]):
-            ready = self._barriers(taken.claims, done, refused)
+        with self._heartbeats([claimed.workflow for claimed in claims]):
+            ready = self._barriers(claims, done, refused)
             replies = self._call_all(ready)
         for (claim, barrier), reply in zip(ready, replies, strict=True):
             try:
@@ -264,17 +250,32 @@ class Worker:
         finished, self._pending = self._pending, []
         if not finished:
             return []
+        return self._commit(finished, recover=False, limit=0)[0]
+
+    def _commit(
+        self, finished: list[store.Finished], *, recover: bool, limit: int
+    ) -> tuple[list[store.Workflow], list[store.Claimed] | None]:
+        """One ``complete_and_claim`` transaction: the completed snapshots and the claims.
+
+        A lost database keeps ``finished`` pending and raises. A refused completion rolls
+        the transaction back: each is then completed alone (``_complete_each``), so one
+        stale item does not hold back the others, and the claims are None.
+        """
         try:
             taken = self.db.complete_and_claim(finished, self.name, self.lease, fuse=True,
-                                               recover=False, limit=0)
+                                               recover=recover, limit=limit)
         except errors.StoreError:
+            # Nothing of the transaction committed: the dispatches are still confirmed,
+            # so keep them for the next step (a lost database is waited for).
             self._pending = finished
             raise
         except errors.LabError:
-            return self._complete_each(finished)
+            if not finished:
+                raise
+            return self._complete_each(finished), None
         for completed in taken.completed:
             self._stage(protocol.AFTER_COMPLETE, completed)
-        return taken.completed
+        return list(taken.completed), taken.claims
 
     def close(self) -> None:
         """Stop the batch's request threads, if any were started."""
