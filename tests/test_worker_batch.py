@@ -53,16 +53,13 @@ def test_a_batch_is_claimed_sent_and_completed_together(lab_dsn: str, db: store.
     with _service(lab_dsn, db, idempotent=True) as service, \
             tool.ToolClient(service.endpoint, service.token) as client:
         runner = _worker(db, client, 3)
-        try:
-            assert runner.step() == []  # three claimed and sent; their completions wait
-            assert (runner.pending, service.calls) == (3, 3)
-            assert [db.get(w).state for w in ids] == ["running"] * 3 + ["ready"] * 2
-            completed = runner.step()  # completes those three, claims and sends the rest
-            assert [w.id for w in completed] == ids[:3]
-            assert (runner.pending, service.calls) == (2, 5)
-            assert [w.id for w in runner.flush()] == ids[3:]
-        finally:
-            runner.close()
+        assert runner.step() == []  # three claimed and sent; their completions wait
+        assert (runner.pending, service.calls) == (3, 3)
+        assert [db.get(w).state for w in ids] == ["running"] * 3 + ["ready"] * 2
+        completed = runner.step()  # completes those three, claims and sends the rest
+        assert [w.id for w in completed] == ids[:3]
+        assert (runner.pending, service.calls) == (2, 5)
+        assert [w.id for w in runner.flush()] == ids[3:]
     assert [db.get(w).state for w in ids] == ["succeeded"] * 5
     claimed = [e["workflow_id"] for e in db.events() if e["kind"] == "claimed"]
     assert sorted(claimed) == sorted(ids)  # each claimed once
@@ -80,11 +77,8 @@ def test_a_non_idempotent_batch_commits_every_barrier_before_any_request(
             seen.append((stage, claim.id, service.calls))
 
         runner = _worker(db, client, 3, hook=hook)
-        try:
-            runner.step()
-            runner.flush()
-        finally:
-            runner.close()
+        runner.step()
+        runner.flush()
     stages = [stage for stage, _, _ in seen]
     assert stages == [protocol.AFTER_BATCH, *[protocol.AFTER_CLAIM] * 3,
                       *[protocol.AFTER_BARRIER] * 3, *[protocol.AFTER_TOOL] * 3,
@@ -100,20 +94,17 @@ def test_one_stale_completion_does_not_hold_back_the_rest_of_its_batch(
     with _service(lab_dsn, db, idempotent=True) as service, \
             tool.ToolClient(service.endpoint, service.token) as client:
         runner = _worker(db, client, 2)
-        try:
-            assert runner.step() == [] and runner.pending == 2
-            # The second one's lease runs out and is recovered before the next step.
-            db.execute("UPDATE workflows SET lease_until = clock_timestamp() - interval '1s' "
-                       "WHERE id = %s", (doomed,))
-            assert db.recover_expired() == 1
-            completed = runner.step()
-            assert [w.id for w in completed] == [good]
-            assert any("Stale" in line for line in runner.log)
-            assert db.get(doomed).state == "unknown"
-            # The tool's lookup settles it: the effect happened once.
-            assert runner.reconcile(doomed).state == "succeeded"
-        finally:
-            runner.close()
+        assert runner.step() == [] and runner.pending == 2
+        # The second one's lease runs out and is recovered before the next step.
+        db.execute("UPDATE workflows SET lease_until = clock_timestamp() - interval '1s' "
+                   "WHERE id = %s", (doomed,))
+        assert db.recover_expired() == 1
+        completed = runner.step()
+        assert [w.id for w in completed] == [good]
+        assert any("Stale" in line for line in runner.log)
+        assert db.get(doomed).state == "unknown"
+        # The tool's lookup settles it: the effect happened once.
+        assert runner.reconcile(doomed).state == "succeeded"
     assert db.get(good).state == "succeeded" and service.calls == 2
 
 
@@ -131,7 +122,7 @@ def test_a_batch_needs_the_fused_loop_and_a_bounded_size(capsys: pytest.CaptureF
 
 
 def _service(dsn: str, db: store.Store, *, idempotent: bool) -> tool.ToolService:
-    return tool.ToolService(dsn, db.schema, idempotent=idempotent).start()
+    return tool.ToolService(dsn, db.schema, idempotent=idempotent)
 
 
 def test_a_quiet_worker_prints_no_boundary_lines_but_still_crashes_at_one(

@@ -109,14 +109,11 @@ def worker_main(options: WorkerOptions) -> int:
                 wait_for_newline()
             if options.reconcile:
                 runner.reconcile(options.reconcile)
-            try:
-                if options.loop:
-                    _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items,
-                          quiet=options.quiet)
-                else:
-                    runner.run_one()
-            finally:
-                runner.close()
+            if options.loop:
+                _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items,
+                      quiet=options.quiet)
+            else:
+                runner.run_one()
     except errors.LabError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -40,7 +40,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Protocol
@@ -726,10 +726,13 @@ class ToolClient:
                 return
         conn.close()
 
-    def _request(
+    def _send(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
-    ) -> tuple[int, bytes]:
-        """Send one request; (status, body). ``_NotDelivered`` or ``_Lost`` on failure."""
+    ) -> http.client.HTTPConnection:
+        """Send one request on an idle or new connection, and return that connection.
+
+        ``_NotDelivered`` when no connection could be opened, ``_Lost`` when sending failed.
+        """
         conn = self._take()
         if conn.sock is None:
             try:
@@ -744,26 +747,46 @@ class ToolClient:
         try:
             conn.request(method, path, body=body,
                          headers={"Authorization": self._authorization, **headers})
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _Lost() from exc
+        return conn
+
+    def _receive(
+        self, conn: http.client.HTTPConnection, deadline: float | None = None
+    ) -> tuple[int, bytes]:
+        """Read the reply to the request just sent on ``conn``: (status, body), or ``_Lost``.
+
+        With a ``deadline`` (``time.monotonic()``), the wait ends then rather than after the
+        connection's own timeout: a batch's requests all left together, so each may take
+        as long as one request would, counted from the same moment.
+        """
+        try:
+            if deadline is not None and conn.sock is not None:
+                conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             response = conn.getresponse()
             data = response.read()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise _Lost() from exc
+        if deadline is not None and conn.sock is not None:
+            conn.sock.settimeout(self._timeout)
         if response.will_close:
             conn.close()
         else:
             self._give(conn)
         return response.status, data
 
-    def call(self, work: Dispatchable, start: barriers.StartBarrier | None = None) -> Receipt:
-        """Ask the tool to perform ``work``'s effect under its stable effect key.
+    def _request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """Send one request; (status, body). ``_NotDelivered`` or ``_Lost`` on failure."""
+        return self._receive(self._send(method, path, body, headers))
 
-        With the committed ``start`` barrier, the request carries its W3C
-        ``traceparent`` and start id, which the tool's ledger records.
-
-        Raises ``RateLimited`` (nothing happened), ``ToolUnavailable`` (never
-        delivered), ``OutcomeUnknown`` (it may have happened) or ``ToolRefused``.
-        """
+    @staticmethod
+    def _effect_request(
+        work: Dispatchable, start: barriers.StartBarrier | None
+    ) -> tuple[bytes, dict[str, str]]:
         body = {
             "effect_key": work.effect_key,
             "fingerprint": work.fingerprint,
@@ -775,19 +798,57 @@ class ToolClient:
         if start is not None:
             headers["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
             headers[START_HEADER] = start.start_id
+        return json.dumps(body).encode(), headers
+
+    def call(self, work: Dispatchable, start: barriers.StartBarrier | None = None) -> Receipt:
+        """Ask the tool to perform ``work``'s effect under its stable effect key.
+
+        With the committed ``start`` barrier, the request carries its W3C
+        ``traceparent`` and start id, which the tool's ledger records.
+
+        Raises ``RateLimited`` (nothing happened), ``ToolUnavailable`` (never
+        delivered), ``OutcomeUnknown`` (it may have happened) or ``ToolRefused``.
+        """
+        body, headers = self._effect_request(work, start)
         try:
-            status, data = self._request("POST", EFFECTS_PATH, json.dumps(body).encode(), headers)
+            status, data = self._request("POST", EFFECTS_PATH, body, headers)
         except _NotDelivered as exc:
             raise errors.ToolUnavailable("tool could not be reached") from exc
         except _Lost as exc:
             raise errors.OutcomeUnknown("tool reply lost: outcome unknown") from exc
-        if status == HTTPStatus.TOO_MANY_REQUESTS:
-            raise errors.RateLimited()
-        if status >= 500:
-            raise errors.OutcomeUnknown(f"tool failed with HTTP {status}")
-        if status != HTTPStatus.OK:
-            raise errors.ToolRefused(f"tool refused the effect with HTTP {status}")
-        return _receipt(data)
+        return _effect_reply(status, data)
+
+    def call_all(
+        self, works: Sequence[tuple[Dispatchable, barriers.StartBarrier | None]]
+    ) -> list[Receipt | errors.ToolError]:
+        """``call`` for each of ``works`` at once: each one's receipt or tool error, in order.
+
+        Every request is sent (each on its own connection) before any reply is read, so
+        the tool works on them together while this thread waits; no thread is started.
+        Each outcome is ``call``'s for that request alone.
+        """
+        sent: list[http.client.HTTPConnection | errors.ToolError] = []
+        deadline = time.monotonic() + self._timeout
+        for work, start in works:
+            body, headers = self._effect_request(work, start)
+            try:
+                sent.append(self._send("POST", EFFECTS_PATH, body, headers))
+            except _NotDelivered:
+                sent.append(errors.ToolUnavailable("tool could not be reached"))
+            except _Lost:
+                sent.append(errors.OutcomeUnknown("tool reply lost: outcome unknown"))
+        replies: list[Receipt | errors.ToolError] = []
+        for conn in sent:
+            if isinstance(conn, errors.ToolError):
+                replies.append(conn)
+                continue
+            try:
+                replies.append(_effect_reply(*self._receive(conn, deadline)))
+            except _Lost:
+                replies.append(errors.OutcomeUnknown("tool reply lost: outcome unknown"))
+            except errors.ToolError as exc:
+                replies.append(exc)
+        return replies
 
     def lookup(self, effect_key: str) -> Receipt | None:
         """The tool's authoritative answer: the receipt for ``effect_key`` or None."""
@@ -805,6 +866,17 @@ class ToolClient:
         if status != HTTPStatus.OK:
             raise errors.ToolRefused(f"tool lookup answered HTTP {status}")
         return _receipt(data)
+
+
+def _effect_reply(status: int, data: bytes) -> Receipt:
+    """The receipt in an effect request's reply, or the tool error its status means."""
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        raise errors.RateLimited()
+    if status >= 500:
+        raise errors.OutcomeUnknown(f"tool failed with HTTP {status}")
+    if status != HTTPStatus.OK:
+        raise errors.ToolRefused(f"tool refused the effect with HTTP {status}")
+    return _receipt(data)
 
 
 def _receipt(data: bytes) -> Receipt:

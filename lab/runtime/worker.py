@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,7 +55,6 @@ class Worker:
     #: recovery (the blast radius the book measures).
     batch: int = 1
     _pending: list[store.Finished] = field(default_factory=list, init=False, repr=False)
-    _calls: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
     _recover_at: float = field(default=0.0, init=False, repr=False)
 
     def _stage(self, stage: str, claim: store.Workflow) -> None:
@@ -135,7 +133,7 @@ class Worker:
         refused: list[errors.LabError] = []
         with self._heartbeats([claimed.workflow for claimed in claims]):
             ready = self._barriers(claims, done, refused)
-            replies = self._call_all(ready)
+            replies = self.client.call_all(ready)
         for (claim, barrier), reply in zip(ready, replies, strict=True):
             try:
                 outcome = self._settle_reply(claim, barrier, reply)
@@ -175,24 +173,6 @@ class Worker:
                 self._stage(protocol.AFTER_BARRIER, claim)
             ready.append((claim, barrier))
         return ready
-
-    def _call_all(
-        self, ready: list[tuple[store.Workflow, StartBarrier]]
-    ) -> list[Receipt | errors.ToolError]:
-        """Send every request of a batch together; each one's receipt or tool error."""
-
-        def call(item: tuple[store.Workflow, StartBarrier]) -> Receipt | errors.ToolError:
-            try:
-                return self.client.call(*item)
-            except errors.ToolError as exc:
-                return exc
-
-        if len(ready) <= 1:
-            return [call(item) for item in ready]
-        if self._calls is None:
-            self._calls = ThreadPoolExecutor(max_workers=self.batch,
-                                             thread_name_prefix=f"call-{self.name}")
-        return list(self._calls.map(call, ready))
 
     def _settle_reply(
         self, claim: store.Workflow, barrier: StartBarrier, reply: Receipt | errors.ToolError
@@ -276,12 +256,6 @@ class Worker:
         for completed in taken.completed:
             self._stage(protocol.AFTER_COMPLETE, completed)
         return list(taken.completed), taken.claims
-
-    def close(self) -> None:
-        """Stop the batch's request threads, if any were started."""
-        if self._calls is not None:
-            self._calls.shutdown(wait=True)
-            self._calls = None
 
     def reconcile(self, workflow_id: str) -> store.Workflow:
         """Settle an ``unknown`` workflow through the tool's authoritative lookup.
