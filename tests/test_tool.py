@@ -58,6 +58,12 @@ def test_bad_tokens_get_401_and_never_touch_the_ledger(lab, service, authorizati
          422),
         (b'{"effect_key":"k","fingerprint":"f","account":"a","amount_minor":true,'
          b'"currency":"CNY"}', 422),
+        (b'{"effect_key":"k","fingerprint":"f","account":"a","amount_minor":9223372036854775808,'
+         b'"currency":"CNY"}', 422),
+        (b'{"effect_key":"k","fingerprint":"f","account":"a\\u0000","amount_minor":1,'
+         b'"currency":"CNY"}', 422),
+        (b'{"effect_key":"k\\ud800","fingerprint":"f","account":"a","amount_minor":1,'
+         b'"currency":"CNY"}', 422),
         (b"x" * 5000, 413),
     ],
 )
@@ -244,3 +250,68 @@ def test_stopping_the_service_releases_a_forgotten_hold(lab, rig, service):
     service.stop()
     caller.join(timeout=10)
     assert hold.finished and not caller.is_alive() and len(outcomes) == 1
+
+
+def _post_together(service, bodies):
+    """POST ``bodies`` from one thread each, released together; their statuses, in order."""
+    statuses: list[int] = [0] * len(bodies)
+    gate = threading.Barrier(len(bodies))
+
+    def post(index: int) -> None:
+        with httpx.Client(base_url=service.endpoint, trust_env=False) as client:
+            gate.wait()
+            statuses[index] = client.post(
+                "/effects", json=bodies[index],
+                headers={"Authorization": f"Bearer {service.token}"}).status_code
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses
+
+
+def test_requests_sharing_a_commit_keep_one_effect_per_key(lab, service):
+    # Sent together, these land in one or a few of the ledger's group commits: the same
+    # key still gives one effect, and its other plan a 409, however they were grouped.
+    same = [{**VALID_BODY, "effect_key": "ek1_" + "b" * 64} for _ in range(6)]
+    other_plan = {**VALID_BODY, "effect_key": "ek1_" + "b" * 64, "fingerprint": "0" * 64}
+    distinct = [{**VALID_BODY, "effect_key": f"ek1_{i:064d}"} for i in range(8)]
+    statuses = _post_together(service, [*same, other_plan, *distinct])
+    assert lab.effects() == 1 + 8
+    # Whichever plan came first took the key: its requests get 200, the other plan's 409.
+    assert statuses[:7] in ([200] * 6 + [409], [409] * 6 + [200]), statuses
+    assert statuses[7:] == [200] * 8
+
+
+def test_a_row_the_database_refuses_does_not_fail_the_rest_of_its_group(lab, service):
+    from lab.runtime import ledger
+
+    def effect(key: str, amount: int) -> ledger.Effect:
+        return ledger.Effect(effect_key=key, fingerprint="f" * 64, account="a",
+                             amount_minor=amount, currency="CNY", trace_id=None, start_id=None)
+
+    # Past the HTTP edge's checks (which refuse such an amount with 422), straight into one
+    # group: the database refuses the bigint overflow, and the good rows are still written.
+    group = [ledger._Waiting(effect("ek-good-1", 1)), ledger._Waiting(effect("ek-bad", 2**63)),
+             ledger._Waiting(effect("ek-good-2", 2))]
+    service._ledger._write(group)
+    assert [w.outcome is not None for w in group] == [True, False, True]
+    assert group[1].error is not None and group[0].error is None and group[2].error is None
+    assert lab.effects() == 2
+
+
+def test_stopping_the_ledger_answers_queued_requests_without_writing(lab, service):
+    from lab.runtime import ledger
+
+    service._ledger.stop()
+    with pytest.raises(ledger.LedgerBusy):
+        service._ledger.record(ledger.Effect(
+            effect_key="ek-late", fingerprint="f" * 64, account="a", amount_minor=1,
+            currency="CNY", trace_id=None, start_id=None))
+    with httpx.Client(base_url=service.endpoint, trust_env=False) as client:
+        reply = client.post("/effects", json=VALID_BODY,
+                            headers={"Authorization": f"Bearer {service.token}"})
+    assert reply.status_code == 503
+    assert lab.effects() == 0

@@ -51,11 +51,13 @@ from psycopg_pool import ConnectionPool
 
 from lab import errors, loopback, names, protocol
 from lab.runtime import barrier as barriers
+from lab.runtime import ledger
 from lab.runtime.plan import Receipt
 
 MAX_BODY_BYTES = 4096
-# How long a request waits for a ledger connection (the database may be restarting):
-# shorter than the client's timeout, so a caller gets a 503, not a write that lands later.
+# How long a request waits for the ledger's writer and its connection (the database may be
+# restarting): shorter than the client's timeout, so a caller gets a 503, not a write that
+# lands later.
 LEDGER_WAIT_S = 3.0
 EFFECTS_PATH = "/effects"
 START_HEADER = "Lab-Start-Id"
@@ -190,10 +192,9 @@ class ToolService:
         self._random = random.Random(0)
         self._pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
             loopback.check_dsn(dsn),
+            # One connection for the ledger's writer, the others for lookups.
             min_size=1,
-            # Batched workers send many requests at once: a request waiting for a ledger
-            # connection costs more CPU (the pool's hand-over) than a connection does.
-            max_size=16,
+            max_size=4,
             kwargs={
                 "autocommit": True,
                 "row_factory": dict_row,
@@ -203,6 +204,7 @@ class ToolService:
             connection_class=psycopg.Connection[dict[str, Any]],
             open=False,
         )
+        self._ledger = ledger.Ledger(self._pool, idempotent=idempotent, wait_s=LEDGER_WAIT_S)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -383,11 +385,17 @@ class ToolService:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def start(self, port: int = 0) -> ToolService:
-        """Open the ledger connections and serve on loopback ``port`` (0: a free one)."""
+        """Open the ledger connections and serve on loopback ``port`` (0: a free one).
+
+        A service already serving is returned as it is.
+        """
+        if self._server is not None:
+            return self
         try:
             self._pool.open(wait=True, timeout=10)
         except psycopg.Error as exc:
             raise errors.StoreError("tool ledger could not connect") from exc
+        self._ledger.start()
         service = self
 
         class Handler(_Handler):
@@ -416,6 +424,7 @@ class ToolService:
             self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._ledger.stop()
         self._pool.close()
 
     def __enter__(self) -> ToolService:
@@ -429,58 +438,23 @@ class ToolService:
     def record_effect(
         self, body: dict[str, Any], trace_id: str | None = None, start_id: str | None = None
     ) -> tuple[HTTPStatus, Receipt | None]:
-        """Write the effect for ``body`` (once per key when idempotent), with its trace."""
-        receipt_id = names.new_id("rcpt")
-        body = {**body, "trace_id": trace_id, "start_id": start_id}
-        with self._pool.connection(timeout=LEDGER_WAIT_S) as conn:
-            if self.idempotent:
-                row = conn.execute(
-                    """
-                    INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account,
-                                              amount_minor, currency, receipt, trace_id,
-                                              start_id)
-                    VALUES (%(effect_key)s, true, %(fingerprint)s, %(account)s,
-                            %(amount_minor)s, %(currency)s, %(receipt)s, %(trace_id)s,
-                            %(start_id)s)
-                    ON CONFLICT (effect_key) WHERE idempotent DO NOTHING
-                    RETURNING receipt, fingerprint
-                    """,
-                    {**body, "receipt": receipt_id},
-                ).fetchone()
-                if row is None:
-                    row = conn.execute(
-                        "SELECT receipt, fingerprint FROM tool_effects "
-                        "WHERE effect_key = %s AND idempotent",
-                        (body["effect_key"],),
-                    ).fetchone()
-                    assert row is not None
-                    if row["fingerprint"] != body["fingerprint"]:
-                        return HTTPStatus.CONFLICT, None
-            else:
-                row = conn.execute(
-                    """
-                    INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account,
-                                              amount_minor, currency, receipt, trace_id,
-                                              start_id)
-                    VALUES (%(effect_key)s, false, %(fingerprint)s, %(account)s,
-                            %(amount_minor)s, %(currency)s, %(receipt)s, %(trace_id)s,
-                            %(start_id)s)
-                    RETURNING receipt, fingerprint
-                    """,
-                    {**body, "receipt": receipt_id},
-                ).fetchone()
-                assert row is not None
-        return HTTPStatus.OK, Receipt(row["receipt"], body["effect_key"], row["fingerprint"])
+        """Write the effect for ``body`` (once per key when idempotent), with its trace.
+
+        Raises ``psycopg.Error`` when the ledger's database failed (the write may have
+        committed) and ``ledger.LedgerBusy`` when nothing was written.
+        """
+        receipt = self._ledger.record(ledger.Effect(
+            effect_key=body["effect_key"], fingerprint=body["fingerprint"],
+            account=body["account"], amount_minor=body["amount_minor"],
+            currency=body["currency"], trace_id=trace_id, start_id=start_id,
+        ))
+        if receipt is None:
+            return HTTPStatus.CONFLICT, None
+        return HTTPStatus.OK, receipt
 
     def find_effect(self, effect_key: str) -> Receipt | None:
         """The authoritative lookup: the effect recorded under ``effect_key``, if any."""
-        with self._pool.connection(timeout=LEDGER_WAIT_S) as conn:
-            row = conn.execute(
-                "SELECT receipt, fingerprint FROM tool_effects WHERE effect_key = %s "
-                "ORDER BY seq LIMIT 1",
-                (effect_key,),
-            ).fetchone()
-        return None if row is None else Receipt(row["receipt"], effect_key, row["fingerprint"])
+        return self._ledger.find(effect_key)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -517,10 +491,26 @@ def _valid_effect_body(body: object) -> bool:
         value = body[name]
         if type(value) is not kind:
             return False
-        if isinstance(value, str) and not 0 < len(value) <= 200:
+        if isinstance(value, str) and not (0 < len(value) <= 200 and _storable(value)):
             return False
     amount: int = body["amount_minor"]
-    return amount > 0
+    return 0 < amount <= _MAX_AMOUNT_MINOR
+
+
+# The ledger's bigint: a larger amount is refused here (422), not by the database, where
+# it would fail the whole group of requests it was written with.
+_MAX_AMOUNT_MINOR = 2**63 - 1
+
+
+def _storable(text: str) -> bool:
+    """Whether PostgreSQL's text can hold ``text``: UTF-8 (no lone surrogate), no NUL."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -612,9 +602,9 @@ class _Handler(BaseHTTPRequestHandler):
                 trace_id=trace.group(1) if trace else None,
                 start_id=start if _START_ID.fullmatch(start) else None,
             )
-        except psycopg.Error:
-            # The ledger's database is away; its pool reconnects. The write may have
-            # committed before the connection died, so the caller must reconcile (5xx).
+        except (psycopg.Error, ledger.LedgerBusy):
+            # The ledger's database is away (its pool reconnects) or busy. The write may
+            # have committed before the connection died, so the caller must reconcile (5xx).
             self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "ledger_unavailable"})
             return
         if faults.hold is not None and faults.hold.commit == "after":
@@ -650,7 +640,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.tool.on_lookup(key)
         try:
             receipt = self.tool.find_effect(key)
-        except psycopg.Error:
+        except (psycopg.Error, ledger.LedgerBusy):
             self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "ledger_unavailable"})
             return
         if receipt is None:
