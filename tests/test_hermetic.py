@@ -304,6 +304,11 @@ def test_edited_dependency_and_bytecode_only_payloads_fail_the_gate(tmp_path: Pa
     assert _verdict(root, _run_python(python, script, tmp_path)) == []
 
     module.write_text("VALUE = 'edited!!!'\n")  # same size, another body
+    # Bytecode is checked against the source's size and whole-second mtime: an edit in
+    # the same second as the first run's compile would stay hidden behind that pyc (CI
+    # saw it). Date the edit later, as any edit after the fact is.
+    edited = module.stat()
+    os.utime(module, (edited.st_atime, edited.st_mtime + 5))
     result = _run_python(python, script, tmp_path)
     assert result["value"] == "edited!!!"
     assert any("matches no installed distribution's RECORD" in f and "fakedist" in f
