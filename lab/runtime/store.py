@@ -153,6 +153,22 @@ FUSED_BARRIERS_INSERT: LiteralString = """
       FROM wanted b JOIN audit USING (workflow_id)
 """
 
+# A step of one row (an unbatched worker's) reads it with ``json_to_record``: the same
+# statement, but the planner then knows it is one row rather than guessing 100.
+_ONE_ROW: dict[str, LiteralString] = {
+    statement: statement.replace("json_to_recordset(", "json_to_record(")
+    for statement in (CLAIMS_WITH_EVENTS, COMPLETIONS_WITH_EVENTS, FUSED_BARRIERS_INSERT)
+}
+
+
+def _with_rows(statement: LiteralString, rows: list[dict[str, Any]]) -> tuple[LiteralString, str]:
+    """``statement`` (one of the batch statements) and its JSON rows parameter, as one
+    object for a single row (``_ONE_ROW``'s form) or as an array."""
+    if len(rows) == 1:
+        return _ONE_ROW[statement], json.dumps(rows[0])
+    return statement, json.dumps(rows)
+
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -1154,7 +1170,7 @@ def _queue_completions(
         return list
     completions = [Completion.success(done.barrier, done.receipt.receipt_id)
                    for done in finished]
-    written = conn.execute(COMPLETIONS_WITH_EVENTS, {"rows": json.dumps([
+    statement, rows = _with_rows(COMPLETIONS_WITH_EVENTS, [
         {"id": done.claim.id, "fence": done.claim.fence,
          "fingerprint": done.claim.fingerprint, "effect_key": done.claim.effect_key,
          "result": seal, "start_id": completion.start_id,
@@ -1162,7 +1178,8 @@ def _queue_completions(
          "summary": completion.summary, "receipt_id": completion.receipt_id,
          "digest": completion.digest()}
         for done, seal, completion in zip(finished, sealed, completions, strict=True)
-    ]), "ids": [done.claim.id for done in finished]})
+    ])
+    written = conn.execute(statement, {"rows": rows, "ids": [done.claim.id for done in finished]})
 
     def check() -> list[Workflow]:
         rows = {row["id"]: row for row in written.fetchall()}
@@ -1189,9 +1206,10 @@ def _claim_rows(
 ) -> list[Claimed]:
     """Claim due ``rows`` (locked by this transaction) in one statement, and with ``fuse``
     commit each idempotent one's start barrier in another; the claims, oldest first."""
-    claimed = conn.execute(CLAIMS_WITH_EVENTS, {
-        "rows": json.dumps([{"id": row["id"], "fence": row["fence"]} for row in rows]),
-        "ids": [row["id"] for row in rows], "owner": owner, "lease": lease,
+    statement, wanted = _with_rows(CLAIMS_WITH_EVENTS,
+                                   [{"id": row["id"], "fence": row["fence"]} for row in rows])
+    claimed = conn.execute(statement, {
+        "rows": wanted, "ids": [row["id"] for row in rows], "owner": owner, "lease": lease,
         "detail": f"owner={owner}",
     })
     barriers: dict[str, StartBarrier] = {}
@@ -1203,12 +1221,13 @@ def _claim_rows(
                     row["fingerprint"], row["trace_id"],
                 )
     if barriers:
-        conn.execute(FUSED_BARRIERS_INSERT, (json.dumps([
+        inserted, starts = _with_rows(FUSED_BARRIERS_INSERT, [
             {"start_id": b.start_id, "workflow_id": b.workflow_id, "fence": b.fence,
              "attempt": b.attempt, "effect_key": b.effect_key, "fingerprint": b.fingerprint,
              "trace_id": b.trace_id, "span_id": b.span_id, "digest": b.digest()}
             for b in barriers.values()
-        ]),))
+        ])
+        conn.execute(inserted, (starts,))
     written = {row["id"]: row for row in claimed.fetchall()}
     # Every row is locked by this transaction and still at its fence: each is claimed.
     assert written.keys() == {row["id"] for row in rows}
