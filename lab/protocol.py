@@ -90,7 +90,7 @@ PROCESS_STAGES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES if b.path != 
 TOOL_STAGES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES if b.path == TOOL)
 
 # The most workflows a looping worker's step may have in flight (``lab worker --batch``,
-# one request thread each); ``lab bench`` and ``lab chaos`` pass it on to their workers.
+# one open tool connection each); ``lab bench`` and ``lab chaos`` pass it on to their workers.
 MAX_BATCH = 64
 
 

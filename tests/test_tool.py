@@ -297,8 +297,8 @@ def test_a_row_the_database_refuses_does_not_fail_the_rest_of_its_group(lab, ser
     group = [ledger._Waiting(effect("ek-good-1", 1)), ledger._Waiting(effect("ek-bad", 2**63)),
              ledger._Waiting(effect("ek-good-2", 2))]
     service._ledger._write(group)
-    assert [w.outcome is not None for w in group] == [True, False, True]
-    assert group[1].error is not None and group[0].error is None and group[2].error is None
+    assert [w.outcome.exception() is None for w in group] == [True, False, True]
+    assert group[0].outcome.result() is not None and group[2].outcome.result() is not None
     assert lab.effects() == 2
 
 

@@ -25,6 +25,7 @@ import json
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, LiteralString
 
@@ -68,21 +69,13 @@ Outcome = Receipt | None
 """A written effect's receipt, or None: its idempotent key holds another plan's effect."""
 
 
+@dataclass(frozen=True)
 class _Waiting:
-    """A request in the writer's queue: its effect, and then its outcome."""
+    """A request in the writer's queue: its effect, when it arrived, and its outcome."""
 
-    __slots__ = ("arrived", "done", "effect", "error", "outcome")
-
-    def __init__(self, effect: Effect) -> None:
-        self.effect = effect
-        self.arrived = time.monotonic()
-        self.done = threading.Event()
-        self.outcome: Outcome = None
-        self.error: BaseException | None = None
-
-    def settle(self, outcome: Outcome = None, error: BaseException | None = None) -> None:
-        self.outcome, self.error = outcome, error
-        self.done.set()
+    effect: Effect
+    arrived: float = field(default_factory=time.monotonic)
+    outcome: Future[Outcome] = field(default_factory=Future)
 
 
 # One statement for both kinds: the partial unique index only holds idempotent rows, so
@@ -154,7 +147,7 @@ class Ledger:
         with self._ready:
             left, self._queue = list(self._queue), deque()
         for waiting in left:
-            waiting.settle(error=LedgerBusy("the tool is stopping"))
+            waiting.outcome.set_exception(LedgerBusy("the tool is stopping"))
 
     def record(self, effect: Effect) -> Outcome:
         """Write ``effect`` (once per key when idempotent) and return its receipt.
@@ -168,10 +161,7 @@ class Ledger:
                 raise LedgerBusy("the tool's ledger is not running")
             self._queue.append(waiting)
             self._ready.notify()
-        waiting.done.wait()
-        if waiting.error is not None:
-            raise waiting.error
-        return waiting.outcome
+        return waiting.outcome.result()
 
     def find(self, effect_key: str) -> Receipt | None:
         """The authoritative lookup: the effect recorded under ``effect_key``, if any."""
@@ -192,7 +182,7 @@ class Ledger:
             expired = time.monotonic() - self._wait_s
             late = [waiting for waiting in group if waiting.arrived < expired]
             for waiting in late:
-                waiting.settle(error=LedgerBusy("the ledger was busy too long"))
+                waiting.outcome.set_exception(LedgerBusy("the ledger was busy too long"))
             self._write([waiting for waiting in group if waiting.arrived >= expired])
 
     def _write(self, group: list[_Waiting]) -> None:
@@ -204,7 +194,7 @@ class Ledger:
                 outcomes = self._insert(conn, [waiting.effect for waiting in group])
         except PoolTimeout as exc:
             for waiting in group:
-                waiting.settle(error=LedgerBusy(str(exc)))
+                waiting.outcome.set_exception(LedgerBusy(str(exc)))
             return
         except psycopg.Error as exc:
             if len(group) > 1 and not isinstance(exc, psycopg.OperationalError):
@@ -214,14 +204,14 @@ class Ledger:
                     self._write([waiting])
                 return
             for waiting in group:
-                waiting.settle(error=exc)
+                waiting.outcome.set_exception(exc)
             return
         except Exception as exc:  # a defect: every caller sees it rather than hanging
             for waiting in group:
-                waiting.settle(error=exc)
+                waiting.outcome.set_exception(exc)
             return
         for waiting, outcome in zip(group, outcomes, strict=True):
-            waiting.settle(outcome)
+            waiting.outcome.set_result(outcome)
 
     def _insert(
         self, conn: psycopg.Connection[dict[str, Any]], effects: list[Effect]

@@ -169,7 +169,6 @@ def _with_rows(statement: LiteralString, rows: list[dict[str, Any]]) -> tuple[Li
     return statement, json.dumps(rows)
 
 
-
 @dataclass(frozen=True)
 class Finished:
     """A dispatch whose effect the tool confirmed, waiting for its completion to commit."""

@@ -799,14 +799,10 @@ class ToolClient:
         Raises ``RateLimited`` (nothing happened), ``ToolUnavailable`` (never
         delivered), ``OutcomeUnknown`` (it may have happened) or ``ToolRefused``.
         """
-        body, headers = self._effect_request(work, start)
-        try:
-            status, data = self._request("POST", EFFECTS_PATH, body, headers)
-        except _NotDelivered as exc:
-            raise errors.ToolUnavailable("tool could not be reached") from exc
-        except _Lost as exc:
-            raise errors.OutcomeUnknown("tool reply lost: outcome unknown") from exc
-        return _effect_reply(status, data)
+        (reply,) = self.call_all([(work, start)])
+        if isinstance(reply, errors.ToolError):
+            raise reply
+        return reply
 
     def call_all(
         self, works: Sequence[tuple[Dispatchable, barriers.StartBarrier | None]]
