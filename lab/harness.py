@@ -69,7 +69,7 @@ PUBLIC_MODULES = (
 )
 
 # Every audit event kind the store writes, for ``lab.count_events(kind)``
-# (tests/test_authoring.py checks this against lab/runtime/store.py).
+# (tests/test_authoring.py checks this against lab/runtime/store/).
 EVENT_KINDS = {
     "created": "a proposal was admitted and stored (waiting_approval)",
     "approved": "an approver of the tenant approved the fingerprint, with an expiry",

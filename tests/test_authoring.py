@@ -286,7 +286,8 @@ def _literals(pattern: str, *paths: Path) -> set[str]:
     return {m for path in paths for m in re.findall(pattern, path.read_text(encoding="utf-8"))}
 
 
-STORE = ROOT / "lab" / "runtime" / "store.py"
+# The store is a package: its modules together write the kinds and reasons.
+STORE = tuple(sorted((ROOT / "lab" / "runtime" / "store").glob("*.py")))
 WORKER = ROOT / "lab" / "runtime" / "worker.py"
 
 
@@ -295,17 +296,17 @@ def test_the_event_kinds_are_those_the_store_writes():
     and every listed kind is one the store can write (a literal there, a retry's state,
     a review decision, or ``resolved_`` + an outcome)."""
     written = (
-        _literals(r'_event\(\s*conn, [^,]+, "(\w+)"', STORE)
-        | _literals(r'event=\("(\w+)"', STORE)
-        | _literals(r"SELECT id, '(\w+)', fence", STORE)
-        | _literals(r'return \("\w+", "(\w+)", "\w*"\)', STORE)  # what a claim diverts to
-        | _literals(r'\{"ready": "(\w+)"\}', STORE)
-        | _literals(r'decision = "(\w+)" if barrier is None else "\w+"', STORE)
-        | _literals(r'decision = "\w+" if barrier is None else "(\w+)"', STORE)
+        _literals(r'event_(?:seq|queued)\(\s*conn, [^,]+, "(\w+)"', *STORE)
+        | _literals(r'event=\("(\w+)"', *STORE)
+        | _literals(r"SELECT id, '(\w+)', fence", *STORE)
+        | _literals(r'return \("\w+", "(\w+)", "\w*"\)', *STORE)  # what a claim diverts to
+        | _literals(r'\{"ready": "(\w+)"\}', *STORE)
+        | _literals(r'decision = "(\w+)" if barrier is None else "\w+"', *STORE)
+        | _literals(r'decision = "\w+" if barrier is None else "(\w+)"', *STORE)
     )
-    assert written, "the patterns no longer match lab/runtime/store.py"
+    assert written, "the patterns no longer match lab/runtime/store/"
     assert written <= set(harness.EVENT_KINDS), written - set(harness.EVENT_KINDS)
-    source = STORE.read_text(encoding="utf-8")
+    source = "".join(p.read_text(encoding="utf-8") for p in STORE)
     for kind in harness.EVENT_KINDS:
         derived = kind.startswith("resolved_") and f'"{kind[9:]}"' in source
         assert f'"{kind}"' in source or f"'{kind}'" in source or derived, f"{kind} is not written"
@@ -315,16 +316,16 @@ def test_the_review_reasons_are_those_the_code_records():
     """Every review reason written as a literal (store and worker) is listed in
     ``harness.REVIEW_REASONS``, and every listed reason appears in that code."""
     recorded = (
-        _literals(r"review_reason = '(\w+)'", STORE)
-        | _literals(r'reason = "(\w+)"', STORE)
-        | _literals(r'UNDISPATCHED_REVIEW = "(\w+)"', STORE)
-        | _literals(r'else "(non_idempotent_dispatched)"', STORE)
-        | _literals(r'return \("\w+", "\w+", "(\w+)"\)', STORE)
+        _literals(r"review_reason = '(\w+)'", *STORE)
+        | _literals(r'reason = "(\w+)"', *STORE)
+        | _literals(r'UNDISPATCHED_REVIEW = "(\w+)"', *STORE)
+        | _literals(r'else "(non_idempotent_dispatched)"', *STORE)
+        | _literals(r'return \("\w+", "\w+", "(\w+)"\)', *STORE)
         | _literals(r'\.(?:fail|quarantine)\(\w+, "(\w+)"\)', WORKER)
     ) - {"non_idempotent"}  # the request require_review refines into one of two proofs
-    assert recorded, "the patterns no longer match lab/runtime/store.py"
+    assert recorded, "the patterns no longer match lab/runtime/store/"
     assert recorded <= set(harness.REVIEW_REASONS), recorded - set(harness.REVIEW_REASONS)
-    source = STORE.read_text(encoding="utf-8") + WORKER.read_text(encoding="utf-8")
+    source = "".join(p.read_text(encoding="utf-8") for p in (*STORE, WORKER))
     for reason in harness.REVIEW_REASONS:
         assert f'"{reason}"' in source or f"'{reason}'" in source, f"{reason} is not recorded"
 

@@ -31,7 +31,7 @@ def _rows() -> list[tuple[int, str, set[str], set[str]]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 4 or not cells[0].isdigit():
             continue
-        room = re.match(r"`(lab(?:\.[a-z_]+)?)`", cells[1])
+        room = re.match(r"`(lab(?:\.[a-z_]+)*)`", cells[1])
         assert room, f"a row names no package: {line}"
         prefix = "" if room.group(1) == "lab" else room.group(1)[4:] + "."
         modules = {prefix + m for m in re.findall(r"`([a-z_]+)`", cells[2])}
@@ -66,13 +66,28 @@ def _imports(path: Path, known: set[str]) -> set[str]:
 
 
 def _modules() -> dict[str, set[str]]:
-    """Every module of the house (packages' ``__init__`` aside) and what it imports."""
+    """Every module of the house (packages' ``__init__`` aside) and what it imports.
+
+    Importing a package imports what its ``__init__`` imports (``lab.runtime.store``
+    re-exports its face), so an arrow through a package is the arrows to those modules.
+    """
     paths = _paths()
     known = set(paths)
     packages = {name for name, path in paths.items() if path.name == "__init__.py"}
+    direct = {name: _imports(path, known) - {name} for name, path in paths.items()}
+
+    def through(targets: set[str], seen: frozenset[str]) -> set[str]:
+        found: set[str] = set()
+        for target in targets:
+            if target not in packages:
+                found.add(target)
+            elif target not in seen:
+                found |= through(direct[target], seen | {target})
+        return found
+
     return {
-        name: (_imports(path, known) - {name}) - packages
-        for name, path in paths.items()
+        name: through(direct[name], frozenset({name})) - {name}
+        for name in paths
         if name not in packages
     }
 

@@ -58,7 +58,7 @@ def test_the_lease_expiry_question_is_asked_only_by_the_store() -> None:
         module for module, tree in _modules().items()
         if any("lease_until <= clock_timestamp()" in s for s in _strings(tree))
     )
-    assert asking == ["lab/runtime/store.py"]
+    assert asking == ["lab/runtime/store/queries.py"]
 
 
 def test_provider_modes_are_spelled_once() -> None:

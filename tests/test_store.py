@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from lab import errors, harness
+from lab.pg import edge
 from lab.runtime import store
 
 SECOND = timedelta(seconds=1)
@@ -197,8 +198,8 @@ def test_history_rows_carry_barriers_and_start_ids(lab):
 
 
 def test_dsn_can_be_redirected_to_a_proxy_port(lab):
-    host, port = store.dsn_address(lab.dsn)
-    moved = store.dsn_via(lab.dsn, host, port + 1)
-    assert store.dsn_address(moved) == (host, port + 1)
+    host, port = edge.dsn_address(lab.dsn)
+    moved = edge.dsn_via(lab.dsn, host, port + 1)
+    assert edge.dsn_address(moved) == (host, port + 1)
     with pytest.raises(errors.BoundaryViolation):
-        store.dsn_address("host=10.1.2.3 port=5432 dbname=x")
+        edge.dsn_address("host=10.1.2.3 port=5432 dbname=x")

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from lab import errors, harness
-from lab.faults import chaos, invariants, proxy
+from lab.faults import chaos, diagnostics, invariants, proxy
 from lab.runtime import store
 
 WINDOWS = ("after_claim", "after_barrier", "after_tool")
@@ -38,7 +38,7 @@ def test_postgres_killed_mid_window_recovers_without_violation(
     lab = killable_lab
     rig = lab.credit_tool(idempotent=True)
     job = lab.approved(idempotent=True)
-    durability = lab.store.server_settings()
+    durability = diagnostics.server_settings(lab.store)
     assert durability["fsync"] == "on" and durability["synchronous_commit"] == "on"
     link = proxy.Proxy("127.0.0.1", int(rig.service.endpoint.rsplit(":", 1)[1]), "worker-tool")
     link.start()

@@ -54,7 +54,7 @@ RUN_FILES = (TESTS_FILE, REPORT_FILE, ENVELOPE_FILE, PUBLIC_KEY_FILE)
 # What the evidence covers: the code that ran and the declaration of what had to run.
 SOURCE_PATTERNS = (
     "lab/**/*.py",
-    "lab/schema.sql",
+    "lab/runtime/store/schema.sql",
     "experiments/**/*.py",
     "experiments/manifest.json",
     "pyproject.toml",

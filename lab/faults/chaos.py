@@ -69,7 +69,7 @@ from datetime import timedelta
 from typing import Any
 
 from lab import errors, protocol
-from lab.faults import audit, clocksteps, diskfull, invariants, proxy
+from lab.faults import audit, clocksteps, diagnostics, diskfull, invariants, proxy
 from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
 from lab.pg import edge, embedded
 from lab.runtime import backoff, plan, processes, sealing, store, tool, worker
@@ -230,7 +230,7 @@ class Chaos:
         # Network faults: one proxy per link, each its own fault target.
         self.proxies: dict[str, proxy.Proxy] = {}
         if settings.proxied:
-            host, port = store.dsn_address(dsn)
+            host, port = edge.dsn_address(dsn)
             for link in (WORKERS_POSTGRES, TOOL_POSTGRES):
                 self.proxies[link] = proxy.Proxy(host, port, link).start()
         self.worker_dsn = self._via(WORKERS_POSTGRES)
@@ -264,7 +264,7 @@ class Chaos:
         fault_proxy = self.proxies.get(link)
         if fault_proxy is None:
             return self.dsn
-        return store.dsn_via(self.dsn, "127.0.0.1", fault_proxy.port)
+        return edge.dsn_via(self.dsn, "127.0.0.1", fault_proxy.port)
 
     # -- the whole run -----------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class Chaos:
             self._start_populations()
             self._create_workflows()
             assert self.populations[0].db is not None
-            durability = self.populations[0].db.server_settings()
+            durability = diagnostics.server_settings(self.populations[0].db)
             setup_s = time.monotonic() - began
             self._log(f"{self.settings.workflows} workflows approved in {setup_s:.1f}s; "
                       f"schemas {', '.join(p.schema for p in self.populations)}")
@@ -545,12 +545,12 @@ class Chaos:
         live = {child.name for _, _, child in self._live()}
         prefix = f"{processes.WORKER_APP_PREFIX}{self.token}"
         try:
-            pids = [pid for pid, name in db.backends(prefix)
+            pids = [pid for pid, name in diagnostics.backends(db, prefix)
                     if name[len(processes.WORKER_APP_PREFIX):] in live]
             if not pids:
                 self.counts.termination_misses += 1
                 return
-            done = db.terminate_backend(self._term_rng.choice(pids))
+            done = diagnostics.terminate_backend(db, self._term_rng.choice(pids))
         except errors.StoreError:  # the database is away: nothing to terminate now
             self.counts.unreachable_reads += 1
             self.counts.termination_misses += 1

@@ -4,7 +4,8 @@
 queries, scratch databases, the peers' own status tables) connects here, so a
 psycopg error is translated once into ``errors.StoreError`` naming the action and
 the SQLSTATE, never the parameters. Callers above this module handle no driver
-exception. A DSN is reshaped for another database in one place, ``on_database``.
+exception. A DSN is reshaped for another database in one place, ``on_database``, and
+read or redirected to a proxy in one place, ``dsn_address`` and ``dsn_via``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,23 @@ def with_search_path(dsn: str, schema: str) -> str:
     """``dsn`` with ``search_path`` set to ``schema`` for every session it opens."""
     names.check_schema_name(schema)
     return conninfo.make_conninfo(dsn, options=f"-c search_path={schema}")
+
+
+def dsn_address(dsn: str) -> tuple[str, int]:
+    """The (host, port) a loopback DSN connects to (port 5432 when it names none)."""
+    try:
+        params = conninfo.conninfo_to_dict(loopback.check_dsn(dsn))
+    except psycopg.Error as exc:
+        raise errors.UsageError("the database DSN is malformed") from exc
+    host = str(params.get("hostaddr") or params.get("host") or "127.0.0.1")
+    return host, int(str(params.get("port") or 5432))
+
+
+def dsn_via(dsn: str, host: str, port: int) -> str:
+    """``dsn`` redirected to ``host:port`` (a proxy in front of the same server)."""
+    params = {k: v for k, v in conninfo.conninfo_to_dict(dsn).items() if k != "hostaddr"}
+    params.update(host=host, port=str(port))
+    return conninfo.make_conninfo("", **params)
 
 
 def database_of(dsn: str) -> str:

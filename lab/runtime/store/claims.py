@@ -1,0 +1,253 @@
+"""Claiming work, its lease, and the start barrier before dispatch, over the caller's
+connection: a claim takes the oldest due ready workflow (fence + 1, attempt + 1, a lease)
+unless it must not run, and a batch step completes, recovers and claims in one
+pipelined transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from lab import errors
+from lab.runtime import sealing
+from lab.runtime.barrier import Completion, StartBarrier
+from lab.runtime.plan import SUPPORTED_PLAN_VERSION, Plan
+from lab.runtime.store import queries
+from lab.runtime.store.records import Claimed, Finished, Step, Workflow
+from lab.runtime.store.transitions import (
+    Connection,
+    barrier_row,
+    event_queued,
+    event_seq,
+    fenced,
+    release,
+    verified_barrier,
+)
+
+
+def check_claimer(owner: str, lease: timedelta) -> None:
+    """Refuse an empty owner or a lease that is not positive, before any I/O."""
+    if not owner:
+        raise errors.Rejected("owner must be non-empty")
+    if lease <= timedelta(0):
+        raise errors.Rejected("lease must be positive")
+
+
+def claim_diversion(row: dict[str, Any]) -> tuple[str, str, str] | None:
+    """What a due ready row becomes instead of running: (state, event kind, reason)."""
+    if row["cancel_requested"]:
+        return ("cancelled", "cancelled", "")
+    if row["approval_lapsed"]:
+        return ("waiting_approval", "approval_expired", "")
+    if row["plan_version"] != SUPPORTED_PLAN_VERSION:
+        return ("incompatible", "incompatible", "unsupported_plan_version")
+    try:
+        intact = Plan.from_json(row["plan"]).fingerprint() == row["fingerprint"]
+    except errors.Rejected:
+        intact = False
+    if not intact:
+        return ("failed", "integrity_failed", "integrity")
+    return None
+
+
+def divert(conn: Connection, row: dict[str, Any], diverted: tuple[str, str, str]) -> None:
+    """Write what a due ready row becomes instead of running, with its audit event."""
+    state, kind, reason = diverted
+    conn.execute(queries.DIVERT, (state, reason, state, state, row["id"]))
+    event_queued(conn, row["id"], kind, row["fence"], "at=claim")
+
+
+def claim_next(conn: Connection, owner: str, lease: timedelta) -> tuple[bool, Workflow | None]:
+    """One claim attempt (see ``Store.claim``): (True, the claim), (True, None) when
+    nothing is due, or (False, None) when the oldest due row was diverted instead (its
+    diversion written): the caller commits and tries again."""
+    row = conn.execute(queries.CLAIM_QUERY).fetchone()
+    if row is None:
+        return True, None
+    diverted = claim_diversion(row)
+    if diverted is None:
+        claimed = conn.execute(queries.CLAIM_ROW, (owner, lease, row["id"])).fetchone()
+        assert claimed is not None
+        event_seq(conn, row["id"], "claimed", claimed["fence"], f"owner={owner}")
+        return True, Workflow.from_row(claimed)
+    divert(conn, row, diverted)
+    return False, None
+
+
+def heartbeat(conn: Connection, claim: Workflow, lease: timedelta) -> datetime:
+    """Extend a live lease held under ``claim``'s fence; an expired one stays expired."""
+    row = fenced(
+        conn, claim, "running", "lease_until = clock_timestamp() + %s", (lease,),
+        guard=" AND owner = %s AND lease_until > clock_timestamp()",
+        guard_params=(claim.owner,),
+        refusal="lease expired or fence moved: heartbeat refused", touch=False,
+    )
+    lease_until: datetime = row["lease_until"]
+    return lease_until
+
+
+def recover_expired(conn: Connection) -> int:
+    """Turn every running workflow whose lease ran out into ``unknown``; how many."""
+    return len(conn.execute(queries.RECOVER_QUERY).fetchall())
+
+
+def sealed_results(keys: sealing.KeyCatalog, finished: Sequence[Finished]) -> list[dict[str, Any]]:
+    """Each finished dispatch's receipt, sealed for its workflow, once it proves the effect;
+    else ``errors.ReceiptMismatch`` before anything is sent."""
+    sealed: list[dict[str, Any]] = []
+    for done in finished:
+        if not done.receipt.proves(done.claim.effect_key, done.claim.fingerprint):
+            raise errors.ReceiptMismatch()
+        sealed.append(keys.seal(done.receipt.to_json(), done.claim.id))
+    return sealed
+
+
+def complete_and_claim(
+    conn: Connection, finished: Sequence[Finished], sealed: Sequence[dict[str, Any]],
+    owner: str, lease: timedelta, *, fuse: bool, recover: bool, limit: int,
+) -> Step:
+    """``Store.complete_and_claim``'s statements, in the caller's pipelined transaction."""
+    check = _queue_completions(conn, finished, sealed)
+    if recover:
+        conn.execute(queries.RECOVER_QUERY)
+    if limit == 0:
+        # Judging the completions fetches their result, which sends the queue.
+        return Step(check(), [])
+    completed: list[Workflow] | None = None
+    while True:
+        rows = conn.execute(queries.CLAIM_BATCH_QUERY, (limit,)).fetchall()
+        if completed is None:
+            # The fetch above sent every queued statement: judge the completions
+            # first; raising here rolls the whole transaction back.
+            completed = check()
+        if not rows:
+            return Step(completed, [])
+        claimable = []
+        for row in rows:
+            diverted = claim_diversion(row)
+            if diverted is None:
+                claimable.append(row)
+            else:
+                divert(conn, row, diverted)
+        if claimable:
+            return Step(completed, _claim_rows(conn, claimable, owner, lease, fuse))
+        # every row was diverted: claim again
+
+
+def _queue_completions(
+    conn: Connection, finished: Sequence[Finished], sealed: Sequence[dict[str, Any]],
+) -> Callable[[], list[Workflow]]:
+    """Queue ``complete``'s writes for every finished dispatch in a pipeline; the returned
+    check judges their result and gives the completed snapshots, in ``finished``'s order.
+
+    The check (call it after a fetch has sent them) requires of each that the fenced
+    update found its row, that the stored barrier matches the one dispatched under (digest
+    and content) and that the start had no completion yet: else it raises for the first
+    that fails, and the caller's transaction rolls back with nothing written.
+    """
+    if not finished:
+        return list
+    completions = [Completion.success(done.barrier, done.receipt.receipt_id)
+                   for done in finished]
+    statement, rows = queries.with_rows(queries.COMPLETIONS_WITH_EVENTS, [
+        {"id": done.claim.id, "fence": done.claim.fence,
+         "fingerprint": done.claim.fingerprint, "effect_key": done.claim.effect_key,
+         "result": seal, "start_id": completion.start_id,
+         "barrier_digest": completion.barrier_digest, "outcome": completion.outcome,
+         "summary": completion.summary, "receipt_id": completion.receipt_id,
+         "digest": completion.digest()}
+        for done, seal, completion in zip(finished, sealed, completions, strict=True)
+    ])
+    written = conn.execute(statement, {"rows": rows, "ids": [done.claim.id for done in finished]})
+
+    def check() -> list[Workflow]:
+        rows = {row["id"]: row for row in written.fetchall()}
+        snapshots = []
+        for done in finished:
+            row = rows.get(done.claim.id)
+            if row is None:
+                raise errors.Stale("claim is no longer current: completion refused")
+            stored = row.pop("stored_barrier")
+            if stored is None or verified_barrier(stored) != done.barrier:
+                raise errors.IntegrityFailure(
+                    "start barrier is missing or differs from the dispatch")
+            if not row.pop("completion_written"):
+                raise errors.Conflict("this start already has a completion")
+            snapshots.append(Workflow.from_row(row))
+        return snapshots
+
+    return check
+
+
+def _claim_rows(
+    conn: Connection, rows: list[dict[str, Any]], owner: str, lease: timedelta, fuse: bool,
+) -> list[Claimed]:
+    """Claim due ``rows`` (locked by this transaction) in one statement, and with ``fuse``
+    commit each idempotent one's start barrier in another; the claims, oldest first."""
+    statement, wanted = queries.with_rows(
+        queries.CLAIMS_WITH_EVENTS, [{"id": row["id"], "fence": row["fence"]} for row in rows])
+    claimed = conn.execute(statement, {
+        "rows": wanted, "ids": [row["id"] for row in rows], "owner": owner, "lease": lease,
+        "detail": f"owner={owner}",
+    })
+    barriers: dict[str, StartBarrier] = {}
+    if fuse:
+        for row in rows:
+            if row["plan"].get("idempotent") is True:
+                barriers[row["id"]] = StartBarrier.for_claim(
+                    row["id"], row["fence"] + 1, row["attempt"] + 1, row["effect_key"],
+                    row["fingerprint"], row["trace_id"],
+                )
+    if barriers:
+        inserted, starts = queries.with_rows(queries.FUSED_BARRIERS_INSERT, [
+            {"start_id": b.start_id, "workflow_id": b.workflow_id, "fence": b.fence,
+             "attempt": b.attempt, "effect_key": b.effect_key, "fingerprint": b.fingerprint,
+             "trace_id": b.trace_id, "span_id": b.span_id, "digest": b.digest()}
+            for b in barriers.values()
+        ])
+        conn.execute(inserted, (starts,))
+    written = {row["id"]: row for row in claimed.fetchall()}
+    # Every row is locked by this transaction and still at its fence: each is claimed.
+    assert written.keys() == {row["id"] for row in rows}
+    return [Claimed(Workflow.from_row({**row, **written[row["id"]]}), barriers.get(row["id"]))
+            for row in rows]
+
+
+def pre_dispatch(conn: Connection, claim: Workflow) -> StartBarrier | None:
+    """``Store.pre_dispatch``'s checks and writes, in the caller's transaction."""
+    wanted = StartBarrier.for_claim(
+        claim.id, claim.fence, claim.attempt, claim.effect_key, claim.fingerprint,
+        claim.trace_id,
+    )
+    row = conn.execute(queries.DISPATCH_CHECK, (claim.id,)).fetchone()
+    if row is None:
+        raise errors.NotFound(f"no workflow {claim.id!r}")
+    if row["state"] != "running" or row["fence"] != claim.fence or not row["lease_live"]:
+        raise errors.Stale("claim is no longer current: not dispatching")
+    existing = barrier_row(conn, wanted.start_id)
+    if existing is not None:
+        stored = verified_barrier(existing)
+        if stored != wanted:
+            raise errors.Conflict("start barrier exists with different content")
+        return stored
+    if row["cancel_requested"]:
+        release(conn, claim, "cancelled")
+        event_seq(conn, claim.id, "cancelled", claim.fence, "at=pre_dispatch")
+        return None
+    if row["approval_lapsed"]:
+        release(conn, claim, "waiting_approval")
+        event_seq(conn, claim.id, "approval_expired", claim.fence, "at=pre_dispatch")
+        return None
+    if (row["attempt"], row["fingerprint"], row["effect_key"], row["trace_id"]) != (
+        wanted.attempt, wanted.fingerprint, wanted.effect_key, wanted.trace_id
+    ):
+        raise errors.Conflict("claim does not match the stored workflow")
+    audit = event_seq(conn, claim.id, "dispatching", claim.fence, f"start={wanted.start_id}")
+    conn.execute(
+        queries.INSERT_BARRIER,
+        (wanted.start_id, wanted.workflow_id, wanted.fence, wanted.attempt,
+         wanted.effect_key, wanted.fingerprint, wanted.trace_id, wanted.span_id,
+         audit, wanted.digest()),
+    )
+    return wanted
