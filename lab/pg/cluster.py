@@ -52,14 +52,14 @@ from psycopg import conninfo
 
 from lab import errors, loopback, protocol
 from lab.pg import embedded
-from lab.pg.embedded import (  # re-exported: callers of cluster use these names
+from lab.pg.binaries import (  # re-exported: callers of cluster use these names
     CACHE_ENV,
     DISK_DIR,
-    METHODS,
     RAM_DIR,
     SERVER_USER,
     server_binaries_in,
 )
+from lab.pg.embedded import METHODS
 from lab.pg.providers import AUTO, CONTAINER, DSN, EMBEDDED, MODES
 
 log = logging.getLogger("lab.pg.cluster")
