@@ -21,7 +21,7 @@ WORKER = [sys.executable, "-m", "lab.cli", "worker", "--schema", "s", "--tool",
 
 
 def _forked(argv: list[str], env: dict[str, str]) -> forkserver.Child:
-    child = forkserver.spawn(argv, env)
+    child = processes.forked(argv, env)
     assert child is not None, "no fork server on this Linux machine"
     return child
 
@@ -79,10 +79,11 @@ def test_only_the_lab_entry_points_are_forked_and_the_switch_turns_it_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     env: dict[str, Any] = {}
-    assert forkserver.spawn([sys.executable, "-c", "pass"], env) is None
-    assert forkserver.spawn(["/bin/true", "-m", "lab.cli"], env) is None
+    assert processes.forked([sys.executable, "-c", "pass"], env) is None
+    assert processes.forked(["/bin/true", "-m", "lab.cli"], env) is None
+    assert processes.forked([sys.executable, "-m", "lab.runtime.forkserver"], env) is None
     monkeypatch.setenv(forkserver.ENV_SWITCH, "0")
-    assert forkserver.spawn([*WORKER, "--help"], env) is None
+    assert processes.forked([*WORKER, "--help"], env) is None
     child = processes.WorkerProcess([*WORKER[:4], "--help"], {}, "exec'd")
     assert isinstance(child._proc, subprocess.Popen)
     assert child.finish(timeout=60) == 0

@@ -5,7 +5,10 @@ each row a room (a subpackage, or a group of top-level modules) on a floor, nami
 modules and the pure ones among them. Read from the AST, every import of a ``lab``
 module (at top level or inside a function) must point to the same floor or a lower one,
 every module must sit in exactly one room, the imports must form no cycle, and a pure
-module imports no driver, starts no process and reads no environment variable.
+module imports no driver, starts no process and reads no environment variable. A module
+imported by name is imported too: in a module that calls ``importlib.import_module`` (or
+``__import__``), every string that is a ``lab`` module's dotted name is an arrow to it,
+whether it is the call's literal argument or a constant the name is looked up in.
 """
 
 from __future__ import annotations
@@ -49,10 +52,29 @@ def _paths() -> dict[str, Path]:
     return {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _imports_by_name(tree: ast.Module) -> bool:
+    """Whether ``tree`` calls ``importlib.import_module`` or ``__import__``."""
+    return any(
+        isinstance(node, ast.Call) and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+            or (isinstance(node.func, ast.Name)
+                and node.func.id in ("import_module", "__import__")))
+        for node in ast.walk(tree)
+    )
+
+
 def _imports(path: Path, known: set[str]) -> set[str]:
-    """The ``lab`` modules (dotted, without ``lab.``) that ``path`` imports."""
+    """The ``lab`` modules (dotted, without ``lab.``) that ``path`` imports: by an import
+    statement, or, in a module that imports by name, by any string naming one."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if _imports_by_name(tree):
+        found.update(
+            node.value[4:] for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value.startswith("lab.") and node.value[4:] in known
+        )
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
             node.module == "lab" or node.module.startswith("lab.")
         ):
@@ -106,6 +128,37 @@ def test_every_module_sits_in_exactly_one_room() -> None:
         assert pure <= members, f"{room}: pure modules not in the row: {sorted(pure - members)}"
         inside = {m.rsplit(".", 1)[0] if "." in m else "" for m in members}
         assert inside == {"" if room == "lab" else room[4:]}, f"{room} holds another room's module"
+
+
+def test_a_module_imported_by_name_is_an_arrow(tmp_path: Path) -> None:
+    """``importlib.import_module("lab.cli")``, or a constant naming ``lab.cli`` in a module
+    that imports by name, counts as importing ``lab.cli``: an arrow up by name is seen like
+    any other. A module that never imports by name only mentions what it names."""
+    known = set(_paths())
+    literal = tmp_path / "literal.py"
+    literal.write_text('import importlib\nimportlib.import_module("lab.cli")\n'
+                       '__import__("lab.errors")\n')
+    assert _imports(literal, known) == {"cli", "errors"}
+    looked_up = tmp_path / "looked_up.py"
+    looked_up.write_text('from importlib import import_module\n'
+                         'PRELOAD = ("lab.runtime.worker", "lab.no_such_module", "json")\n'
+                         'for name in PRELOAD:\n    import_module(name)\n')
+    assert _imports(looked_up, known) == {"runtime.worker"}
+    mentioned = tmp_path / "mentioned.py"
+    mentioned.write_text('ARGV = ["python", "-m", "lab.cli", "worker"]\n')
+    assert _imports(mentioned, known) == set()
+
+
+def test_the_fork_server_preloads_only_what_its_caller_may_import() -> None:
+    """The fork server imports what ``lab.runtime.processes`` tells it to: modules of that
+    module's floor or below (and the standard library), never a program above it."""
+    from lab.runtime import processes
+
+    floor = {module: number for number, _, ms, _ in _rows() for module in ms}
+    mine = floor["runtime.processes"]
+    preloaded = [name[4:] for name in processes.PRELOAD if name.startswith("lab.")]
+    assert preloaded, "the fork server preloads none of the lab: its point is lost"
+    assert [name for name in preloaded if floor.get(name, mine + 1) > mine] == []
 
 
 def test_subpackages_are_documented() -> None:

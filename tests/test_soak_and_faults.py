@@ -14,7 +14,7 @@ from lab import errors, protocol
 from lab.faults import clocksteps, diskfull, soak
 from lab.faults.chaos_settings import Settings
 from lab.pg import embedded
-from lab.runtime import forkserver
+from lab.runtime import processes
 
 
 def test_rounds_cover_exactly_the_asked_workflows() -> None:
@@ -58,7 +58,7 @@ def test_a_sample_sees_a_child_process_and_its_memory() -> None:
 def test_a_worker_forked_from_the_fork_server_counts_as_a_worker() -> None:
     env = {"PATH": os.environ.get("PATH", ""), protocol.DSN_ENV: "postgresql://127.0.0.1:9/x",
            protocol.TOKEN_ENV: "token"}  # a worker retrying a database that is not there
-    child = forkserver.spawn([sys.executable, "-m", "lab.cli", "worker", "--schema", "s",
+    child = processes.forked([sys.executable, "-m", "lab.cli", "worker", "--schema", "s",
                               "--tool", "http://127.0.0.1:9"], env)
     assert child is not None
     try:

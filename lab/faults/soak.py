@@ -38,7 +38,7 @@ from lab import errors, escape, files
 from lab.faults import chaos
 from lab.faults.chaos_settings import Settings
 from lab.pg import embedded, providers
-from lab.runtime import forkserver
+from lab.runtime import processes
 
 ROLES = ("controller", "postgres", "workers", "other")
 PROC_LIMIT = 64 * files.KIB
@@ -125,7 +125,7 @@ def role(pid: int) -> str:
     comm = _proc(pid, "comm").strip()
     if comm == "postgres":
         return "postgres"
-    if comm == forkserver.command_name("lab.cli", ["worker"]):
+    if comm == processes.command_name("lab.cli", ["worker"]):
         return "workers"  # forked from the fork server: named, its command line is the server's
     command = _proc(pid, "cmdline").split("\0")
     if "lab.cli" in command and "worker" in command:

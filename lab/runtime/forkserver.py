@@ -7,14 +7,18 @@ job's time. The fork server pays it once: it is started as ``python -m
 lab.runtime.forkserver`` by the same interpreter, imports the worker's modules, and then
 forks one child per request.
 
+What it imports first is its caller's to say (``spawn``'s ``preload``), and the caller
+names only modules the layer table lets it import: the runtime's own, or below. A
+program of a higher floor (``lab.cli``) is not preloaded here; its child imports it by
+name after the fork, as ``python -m`` would, from modules already warm.
+
 Each child is a real OS process like an exec'd one: its own pid, its own stdin, stdout
 and stderr pipes (passed as file descriptors), exactly the environment and working
 directory asked for, and the asked module's entry point called with the asked
 arguments, as its ``__main__`` block does under ``python -m``. SIGKILL ends it
 mid-window with no cleanup code run. What it does not redo is importing: its modules
 are the ones the server imported, from the same interpreter and the same files. No
-preloaded module (``PRELOAD``) reads the environment at import time, so a child sees
-its own.
+preloaded module reads the environment at import time, so a child sees its own.
 
 The server forks from one thread and holds no connection, no thread and no lock when it
 does. It reaps its children and reports each one's exit code (``-N`` for signal N, as
@@ -41,12 +45,9 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-# The modules a child may run, each with its entry point (what its ``__main__`` block
-# calls with the command line's arguments).
-ENTRY_POINTS = {"lab.cli": "main", "lab.runtime.toolprocess": "serve_main"}
-PRELOAD = (*ENTRY_POINTS, "lab.runtime.processes")
 # Requests are one datagram each (SOCK_SEQPACKET keeps message boundaries).
 MAX_REQUEST = 256 * 1024
 PR_SET_NAME = 15  # prctl(2)
@@ -129,10 +130,10 @@ class Child:
 class _Server:
     """The parent's end of one fork server process."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lab.runtime.forkserver", str(theirs.fileno())],
+            [sys.executable, "-m", "lab.runtime.forkserver", str(theirs.fileno()), *preload],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
         )
         theirs.close()
@@ -149,13 +150,14 @@ class _Server:
             self.process.wait()
             raise OSError("the fork server did not start")
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str]) -> Child:
+    def spawn(self, module: str, entry: str, args: list[str], env: dict[str, str],
+              name: str) -> Child:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        request = json.dumps({"module": module, "args": args, "env": env,
-                              "cwd": os.getcwd()}).encode()
+        request = json.dumps({"module": module, "entry": entry, "args": args, "env": env,
+                              "cwd": os.getcwd(), "name": name}).encode()
         try:
             with self.lock:
                 socket.send_fds(self.channel, [request],
@@ -190,7 +192,7 @@ class _Server:
         )
 
 
-_servers: dict[int, _Server] = {}
+_servers: dict[tuple[int, tuple[str, ...]], _Server] = {}
 _servers_lock = threading.Lock()
 
 
@@ -200,22 +202,37 @@ def enabled() -> bool:
             and hasattr(socket, "send_fds"))
 
 
-def spawn(argv: list[str], env: dict[str, str]) -> Child | None:
+def spawn(
+    argv: list[str], env: dict[str, str], entry_points: Mapping[str, str],
+    preload: Sequence[str] = (), name: str = "",
+) -> Child | None:
     """Fork ``argv`` (``[sys.executable, "-m", module, *args]``) from this process's fork
-    server, started on first use; None when it cannot be (the caller execs instead)."""
+    server for ``preload``, started on first use; None when it cannot be (the caller
+    execs instead).
+
+    ``entry_points``: the modules that may be forked, each with its entry point (what
+    its ``__main__`` block calls with the command line's arguments). ``preload``: the
+    modules the server imports before it forks, named by the caller from what the layer
+    table lets it import; a forked module not among them is imported by its child.
+    ``name``: what the child shows in ``/proc/PID/comm`` (at most 15 bytes; by default the
+    module's last part). An exec'd child shows its command line; a forked one would show
+    the server's without it.
+    """
     if (not enabled() or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m"
-            or argv[2] not in ENTRY_POINTS):
+            or argv[2] not in entry_points):
         return None
+    key = (os.getpid(), tuple(preload))
     with _servers_lock:
-        server = _servers.get(os.getpid())
+        server = _servers.get(key)
         if server is None or server.process.poll() is not None:
             try:
-                server = _Server()
+                server = _Server(key[1])
             except OSError:
                 return None
-            _servers[os.getpid()] = server
+            _servers[key] = server
     try:
-        return server.spawn(argv[2], argv[3:], env)
+        return server.spawn(argv[2], entry_points[argv[2]], argv[3:], env,
+                            (name or argv[2].rsplit(".", 1)[-1])[:15])
     except OSError:
         return None
 
@@ -247,12 +264,14 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], set_up: 
         for stream in (sys.stdout, sys.stderr):
             if isinstance(stream, io.TextIOWrapper):
                 stream.reconfigure(line_buffering=True, write_through=True)
-        _name_process(request["module"], request["args"])
+        _name_process(request["name"])
         os.close(set_up)  # from here on the child is what its parent asked for
-        module = sys.modules[request["module"]]
-        sys.argv = [module.__file__ or request["module"], *request["args"]]
         try:
-            code = getattr(module, ENTRY_POINTS[request["module"]])(request["args"])
+            # Preloaded, or imported here by name as ``python -m`` would: a module above
+            # the server's floor is the child's to import, never the server's.
+            module = importlib.import_module(request["module"])
+            sys.argv = [module.__file__ or request["module"], *request["args"]]
+            code = getattr(module, request["entry"])(request["args"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):
@@ -270,23 +289,15 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int], set_up: 
         os._exit(code)
 
 
-def command_name(module: str, args: list[str]) -> str:
-    """The name a forked child shows in ``/proc/PID/comm`` (at most 15 bytes): ``lab
-    worker`` for ``lab.cli worker ...``, the module's last part otherwise. An exec'd child
-    shows its command line; a forked one would show the server's without this."""
-    if module == "lab.cli" and args:
-        return f"lab {args[0]}"[:15]
-    return module.rsplit(".", 1)[-1][:15]
-
-
-def _name_process(module: str, args: list[str]) -> None:
+def _name_process(name: str) -> None:
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(PR_SET_NAME, command_name(module, args).encode(), 0, 0, 0)
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-def serve(channel_fd: int) -> None:
-    """The server loop: fork a child per request, report each one's exit code."""
-    for name in PRELOAD:
+def serve(channel_fd: int, preload: Sequence[str] = ()) -> None:
+    """The server loop: import ``preload``, then fork a child per request and report each
+    one's exit code."""
+    for name in preload:
         importlib.import_module(name)
     channel = socket.socket(fileno=channel_fd)
     wake_r, wake_w = os.pipe()
@@ -370,8 +381,9 @@ def _reap(controls: dict[int, socket.socket]) -> None:
 
 
 def main() -> None:
-    """``python -m lab.runtime.forkserver FD``: serve the parent on the socket ``FD``."""
-    serve(int(sys.argv[1]))
+    """``python -m lab.runtime.forkserver FD [MODULE...]``: import the modules, then serve
+    the parent on the socket ``FD``."""
+    serve(int(sys.argv[1]), sys.argv[2:])
 
 
 if __name__ == "__main__":

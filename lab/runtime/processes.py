@@ -30,6 +30,28 @@ from lab.runtime import backoff, egress, forkserver, sealing, store, tool, worke
 WORKER_APP_PREFIX = "lab-worker:"
 # How long a worker waits for a lost database (failures in a row) before it gives up.
 DB_PATIENCE_S = 60.0
+# The lab programs a child may be forked as (``python -m MODULE``), each with its entry
+# point: what its ``__main__`` block calls with the command line's arguments.
+FORKED = {"lab.cli": "main", "lab.runtime.toolprocess": "serve_main"}
+# What the fork server imports before it forks: what this module may import itself (the
+# runtime and below; the tool process brings the command-line parser), never a program of
+# a higher floor: a ``lab.cli`` child imports that module after its fork.
+PRELOAD = ("lab.runtime.processes", "lab.runtime.toolprocess")
+
+
+def forked(argv: list[str], env: dict[str, str]) -> forkserver.Child | None:
+    """``argv`` forked from this process's fork server (see ``FORKED`` and ``PRELOAD``), or
+    None when it cannot be (the caller execs instead)."""
+    return forkserver.spawn(argv, env, FORKED, PRELOAD,
+                            name=command_name(argv[2], argv[3:]) if len(argv) > 2 else "")
+
+
+def command_name(module: str, args: list[str]) -> str:
+    """The name a forked child shows in ``/proc/PID/comm`` (at most 15 bytes): ``lab
+    worker`` for ``lab.cli worker ...``, the module's last part otherwise."""
+    if module == "lab.cli" and args:
+        return f"lab {args[0]}"[:15]
+    return module.rsplit(".", 1)[-1][:15]
 
 
 @dataclass(frozen=True)
@@ -211,7 +233,7 @@ class WorkerProcess:
         # Forked from the warm fork server where there is one (half a second of start-up
         # CPU less per child), else exec'd; either way a real process with its own pipes.
         self._proc: subprocess.Popen[str] | forkserver.Child = (
-            forkserver.spawn(argv, env) if fork else None
+            forked(argv, env) if fork else None
         ) or subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
