@@ -385,6 +385,9 @@ def _add_chaos(commands: Commands[argparse.ArgumentParser]) -> None:
     chaos.add_argument("--terminate-backends", type=float, default=2000.0,
                        help="mean ms between pg_terminate_backend of a worker (0: never)")
     chaos.add_argument("--non-idempotent-share", type=float, default=0.2)
+    chaos.add_argument("--non-idempotent-fenced", action="store_true",
+                       help="the non-idempotent tool offers the fenced lookup: its unknowns "
+                            "whose lookup is absent are requeued with proof, not reviewed")
     chaos.add_argument("--seed", type=int, default=42)
     chaos.add_argument("--restart-postgres-every", type=float, default=0.0, metavar="MS",
                        help="SIGKILL and restart PostgreSQL about every MS (0: never; "

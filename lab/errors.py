@@ -28,6 +28,8 @@ with ``from exc`` so nothing above them ever handles a driver exception::
         ├── OutcomeUnknown  the request may have taken effect: reconcile
         ├── ToolUnavailable the request never reached the tool: retry later
         └── ToolRefused     the tool answered with a definite refusal
+            ├── StartFenced     a fenced lookup closed this start: never applied
+            └── NoFencedLookup  the tool cannot prove absence: a person decides
 
 Exit codes of every ``lab`` subcommand (``exit_code`` is the only place that
 decides them; ``lab.cli.main`` prints the one-line message)::
@@ -145,6 +147,15 @@ class ToolUnavailable(ToolError):
 
 class ToolRefused(ToolError):
     """Tool refused the request with a definite answer."""
+
+
+class StartFenced(ToolRefused):
+    """Tool refused an effect request because a fenced lookup already answered "absent"
+    for its start: the request never took effect and never will."""
+
+
+class NoFencedLookup(ToolRefused):
+    """Tool cannot prove absence: it offers no fenced lookup (a person decides)."""
 
 
 EXIT_OK = 0

@@ -86,8 +86,9 @@ EVENT_KINDS = {
     "retry_scheduled": "a trusted 429: queued again on a persisted timer",
     "failed": "the workflow failed (refused, budget spent, or proven undispatched)",
     "lease_expired": "recover_expired found the lease over: running became unknown",
-    "reconciled": "a lookup settled an unknown: lookup=found (succeeded) or lookup=absent "
-                  "(requeued)",
+    "reconciled": "a lookup settled an unknown: lookup=found (succeeded), lookup=absent "
+                  "(requeued), or lookup=absent closed_through=F (a fenced lookup's proof: "
+                  "requeued, cancelled or failed, idempotent or not)",
     "manual_review": "an unknown waits for a person (detail reason=REVIEW_REASON)",
     "requeued_undispatched": "a review requeued work proven never dispatched",
     "requeue": "a reviewer requeued the workflow",
@@ -103,6 +104,8 @@ REVIEW_REASONS = {
     "not_dispatched_no_start_barrier": "unknown, non-idempotent, and no start barrier under "
                                        "its fence: the database proves the tool was never "
                                        "called (a reviewer may requeue without --force)",
+    "non_idempotent_effect_found": "unknown, non-idempotent, and the fenced lookup found "
+                                   "its effect: a person settles it with the receipt in view",
     "cancel_requested": "unknown and cancellation was requested: a person decides",
     "attempt_budget_spent": "the persistent attempt budget is spent (failed, or unknown "
                             "waiting for a person)",
@@ -218,9 +221,15 @@ class Harness:
 
     # -- building blocks -------------------------------------------------------
 
-    def credit_tool(self, idempotent: bool = True) -> Rig:
-        """Start a credit tool on loopback with a client and a seed-configured worker."""
-        service = tool.ToolService(self.dsn, self.schema, idempotent=idempotent).start()
+    def credit_tool(self, idempotent: bool = True, fenced_lookup: bool | None = None) -> Rig:
+        """Start a credit tool on loopback with a client and a seed-configured worker.
+
+        ``fenced_lookup`` (default: as ``idempotent``) says whether the tool answers the
+        fenced lookup that proves absence; a non-idempotent tool with it lets the runtime
+        requeue an unknown whose lookup is absent, without a person.
+        """
+        service = tool.ToolService(self.dsn, self.schema, idempotent=idempotent,
+                                   fenced_lookup=fenced_lookup).start()
         self._services.append(service)
         client = tool.ToolClient(service.endpoint, service.token)
         self._clients.append(client)

@@ -57,8 +57,10 @@ def test_non_idempotent_unknown_never_automatically_replays(lab, observe):
 
 
 def test_unknown_404_uses_original_key_and_stops_at_budget(lab, observe):
-    """Each lost claim is looked up over HTTP with the original effect key; an empty
-    answer requeues it only while the persistent attempt budget lasts, then a person decides."""
+    """Each lost claim is looked up over HTTP with the original effect key and its start's
+    fence; the fenced "absent" proves no request of it can land, so it requeues the work
+    while the persistent attempt budget lasts, then ends it failed, with that proof, and
+    nothing is ever dispatched past the budget."""
     job = lab.approved(idempotent=True)
     rig = lab.credit_tool(idempotent=True)
     key = job.effect_key
@@ -66,21 +68,20 @@ def test_unknown_404_uses_original_key_and_stops_at_budget(lab, observe):
         claimed = lab.store.claim("lost", SECOND)
         assert claimed is not None, "missing claim"
         lab.store.unknown(claimed)
-        if attempt < 3:
-            rig.worker.reconcile(job.id)
-            assert lab.state(job.id).effect_key == key, "key changed"
-        else:
-            with pytest.raises(errors.ManualReview):
-                rig.worker.reconcile(job.id)
+        settled = rig.worker.reconcile(job.id)
+        assert settled.effect_key == key, "key changed"
+        assert settled.state == ("ready" if attempt < 3 else "failed"), settled.state
     for _ in range(4):
         rig.worker.run_one()
     final = lab.state(job.id)
-    assert final.state == "unknown"
+    assert final.state == "failed"
+    assert final.review_reason == "attempt_budget_spent"
     assert final.attempt == 3
     assert lab.effects() == 0
     assert rig.service.lookups == 3
+    assert rig.service.calls == 0
     observe({
-        "lookup": "HTTP 404",
+        "lookup": "HTTP 404, start closed",
         "original_key_preserved": final.effect_key == key,
         "attempts": final.attempt,
         "persistent_budget": final.max_attempts,

@@ -59,7 +59,9 @@ def test_cancel_after_effect_preserves_succeeded_fact(lab, observe):
 
 def test_cancellation_during_lookup_cannot_requeue(lab, observe):
     """A cancellation that lands while the authoritative lookup is in flight is seen at
-    write time: the empty lookup does not requeue the work; it stays for manual review."""
+    write time: the empty lookup does not requeue the work. The lookup was fenced, so its
+    "absent" proves no request of the lost attempt can land: the workflow ends cancelled,
+    truthfully, with no effect and no person needed."""
     job = lab.approved(idempotent=True)
     rig = lab.credit_tool(idempotent=True)
     claimed = lab.store.claim("owner", timedelta(seconds=1))
@@ -73,15 +75,17 @@ def test_cancellation_during_lookup_cannot_requeue(lab, observe):
         lab.store.cancel(harness.PROPOSER, job.id)
 
     rig.service.on_lookup = cancel_during_lookup
-    with pytest.raises(errors.ManualReview):
-        rig.worker.reconcile(job.id)
+    rig.worker.reconcile(job.id)
+    for _ in range(2):
+        rig.worker.run_one()
     final = lab.state(job.id)
     assert seen_keys == [job.effect_key]
-    assert final.state == "unknown"
+    assert final.state == "cancelled"
     assert final.cancel_requested is True
+    assert lab.effects() == 0 and rig.service.calls == 0
     observe({
         "cancel_during": "HTTP lookup",
-        "lookup": "404",
+        "lookup": "404, start closed",
         "state": final.state,
         "cancel_requested": final.cancel_requested,
         "effects": lab.effects(),

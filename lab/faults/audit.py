@@ -23,7 +23,7 @@ AUDIT_SQL = Path(__file__).with_name("audit.sql")
 AUDIT_SQL_LIMIT = 64 * files.KIB
 # The checker's kinds that state the same rules as the audit's (by effect key).
 SHARED_KINDS = ("duplicate_effect", "succeeded_without_effect", "effect_without_owner",
-                "lost_workflow")
+                "lost_workflow", "write_after_absent", "false_outcome")
 
 
 @dataclass(frozen=True)

@@ -61,3 +61,22 @@ JOIN events done ON done.workflow_id = w.id AND done.kind = 'completed'
 JOIN events later ON later.workflow_id = w.id AND later.seq > done.seq
                  AND later.kind IN ('claimed', 'lease_expired')
 WHERE w.state = 'succeeded';
+
+-- name: write_after_absent
+-- "Absent" is final: no effect comes from a start at a fence that a fenced lookup of its
+-- key answered "absent" for (the tombstone in tool_fences closes every fence up to it).
+SELECT coalesce((SELECT min(w.id) FROM workflows w WHERE w.effect_key = e.effect_key), ''),
+       e.effect_key,
+       'receipt ' || e.receipt || ' from fence ' || e.fence::text
+       || ', absent answered through fence ' || f.closed_through::text
+FROM tool_effects e JOIN tool_fences f ON f.effect_key = e.effect_key
+WHERE e.fence <= f.closed_through;
+
+-- name: false_outcome
+-- No workflow ends failed, cancelled or incompatible while an effect of its key and plan
+-- is in the ledger.
+SELECT w.id, w.effect_key, 'ended ' || w.state || ' with an effect in the ledger'
+FROM workflows w
+WHERE w.state IN ('failed', 'cancelled', 'incompatible')
+  AND EXISTS (SELECT 1 FROM tool_effects e
+               WHERE e.effect_key = w.effect_key AND e.fingerprint = w.fingerprint);

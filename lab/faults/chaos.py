@@ -97,7 +97,7 @@ class _Population:
 
     def __init__(
         self, dsn: str, token: str, keys: sealing.KeyCatalog, idempotent: bool, size: int,
-        slots: int, ledger_dsn: str | None = None,
+        slots: int, ledger_dsn: str | None = None, fenced_lookup: bool | None = None,
     ):
         self.label = "idempotent" if idempotent else "non_idempotent"
         self.code = "i" if idempotent else "n"
@@ -108,6 +108,7 @@ class _Population:
         self.generation = 0
         self.dsn = dsn
         self.ledger_dsn = ledger_dsn or dsn
+        self.fenced_lookup = fenced_lookup
         self.keys = keys
         self.tool_proxy: proxy.Proxy | None = None
         self.acknowledged: list[invariants.Acknowledged] = []
@@ -122,7 +123,8 @@ class _Population:
             self.dsn, self.schema, create=True, application_name="lab-chaos", keys=self.keys
         )
         self.service = tool.ToolService(
-            self.ledger_dsn, self.schema, idempotent=self.idempotent
+            self.ledger_dsn, self.schema, idempotent=self.idempotent,
+            fenced_lookup=self.fenced_lookup,
         ).start()
         self.client = tool.ToolClient(self.service.endpoint, self.service.token)
         self.reconciler = worker.Worker(
@@ -236,7 +238,8 @@ class Chaos:
         self.worker_dsn = self._via(WORKERS_POSTGRES)
         self.populations = [
             _Population(dsn, self.token, self.keys, idempotent, size, slots,
-                        ledger_dsn=self._via(TOOL_POSTGRES))
+                        ledger_dsn=self._via(TOOL_POSTGRES),
+                        fenced_lookup=True if settings.non_idempotent_fenced else None)
             for idempotent, size, slots in split(settings)
         ]
         self._stop_recoverer = threading.Event()
@@ -824,6 +827,9 @@ class Chaos:
             "dropped_replies": service.dropped,
             "rejected_429": service.rejected,
             "lookups": service.lookups,
+            # Keys a fenced lookup answered "absent" for, and requests refused after that.
+            "keys_closed_by_lookup": len(history.absences),
+            "late_writes_refused": service.fenced,
             "manual_reviews": dict(sorted(reviews.items())),
             "events": dict(sorted(events.items())),
             "violations": len(found),
@@ -836,6 +842,8 @@ class Chaos:
         tally.rejected += service.rejected
         tally.calls += service.calls
         tally.lookups += service.lookups
+        tally.closed += len(history.absences)
+        tally.refused_late += service.fenced
 
     def _faults_report(self, tally: _Tally) -> dict[str, Any]:
         """The report's ``faults``: what was injected, and what the tool refused or lost."""
@@ -847,6 +855,8 @@ class Chaos:
             "termination_timer_without_backend": c.termination_misses,
             "dropped_replies": tally.dropped,
             "rejected_429": tally.rejected,
+            "keys_closed_by_lookup": tally.closed,
+            "late_writes_refused": tally.refused_late,
             "postgres_restarts": len(c.restarts),
             "partitions": len(self.partitions.log),
             "partition_log": self.partitions.log,
@@ -872,6 +882,8 @@ class _Tally:
     rejected: int = 0
     calls: int = 0
     lookups: int = 0
+    closed: int = 0
+    refused_late: int = 0
 
 def run(
     dsn: str,

@@ -44,6 +44,7 @@ class ChaosOptions:
     clock_step_every: float = 0.0
     clock_step_max: int = 60
     batch: int = 1
+    non_idempotent_fenced: bool = False
     output: str = "evidence/chaos.json"
     lab_postgres: str = providers.AUTO
 
@@ -59,6 +60,7 @@ def settings_from(options: ChaosOptions) -> Settings:
         kill_every_ms=options.kill_every,
         drop_replies=options.drop_replies,
         reject_429=options.reject_429,
+        non_idempotent_fenced=options.non_idempotent_fenced,
         terminate_every_ms=options.terminate_backends,
         non_idempotent_share=options.non_idempotent_share,
         seed=options.seed,

@@ -51,6 +51,9 @@ class Settings:
     idle_exit: float = IDLE_EXIT_S
     drain_timeout: float = DRAIN_TIMEOUT_S
     batch: int = 1  # each worker's ``--batch``: workflows claimed and in flight together
+    # The non-idempotent tool offers the fenced lookup, so its unknowns whose lookup is
+    # absent are requeued with proof instead of waiting for a person.
+    non_idempotent_fenced: bool = False
 
     @property
     def proxied(self) -> bool:
@@ -69,6 +72,7 @@ class Settings:
             "drop_reply_rate": self.drop_replies,
             "reject_429_rate": self.reject_429,
             "non_idempotent_share": self.non_idempotent_share,
+            "non_idempotent_fenced_lookup": self.non_idempotent_fenced,
             "lease_s": self.lease,
             "heartbeat_s": self.heartbeat,
             "backoff_s": self.backoff,

@@ -22,6 +22,11 @@ a read-only snapshot that never goes through a transition. Each rule returns
                               worker saw committed that the final row does not carry, or
                               a ledger effect whose start barrier (committed before every
                               dispatch) is not in the database
+    write_after_absent        an effect from a start at a fence that a fenced lookup of its
+                              key had answered "absent" for (it landed after the answer, or
+                              the answer missed it): "absent" was not final
+    false_outcome             a workflow that ended failed, cancelled or incompatible while
+                              an effect of its key and plan is in the ledger
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ LOST_WORKFLOW = "lost_workflow"
 BUDGET_OVERRUN = "budget_overrun"
 SUCCEEDED_WITHOUT_EFFECT = "succeeded_without_effect"
 LOST_AFTER_RESTART = "lost_after_restart"
+WRITE_AFTER_ABSENT = "write_after_absent"
+FALSE_OUTCOME = "false_outcome"
 KINDS = (
     DUPLICATE_EFFECT,
     EFFECT_WITHOUT_OWNER,
@@ -69,6 +76,8 @@ KINDS = (
     BUDGET_OVERRUN,
     SUCCEEDED_WITHOUT_EFFECT,
     LOST_AFTER_RESTART,
+    WRITE_AFTER_ABSENT,
+    FALSE_OUTCOME,
 )
 
 
@@ -109,6 +118,16 @@ class EffectFact:
     receipt: str
     idempotent: bool
     start_id: str | None = None
+    fence: int = 0
+
+
+@dataclass(frozen=True)
+class AbsenceFact:
+    """A fenced lookup's tombstone: "absent" was answered for ``effect_key`` at fences up
+    to ``closed_through``."""
+
+    effect_key: str
+    closed_through: int
 
 
 @dataclass(frozen=True)
@@ -142,6 +161,7 @@ class History:
     effects: Sequence[EffectFact]
     barriers: Sequence[BarrierFact] = ()
     acknowledged: Sequence[Acknowledged] = ()
+    absences: Sequence[AbsenceFact] = ()
 
 
 @dataclass(frozen=True)
@@ -262,7 +282,12 @@ def replayed_dispatches(history: History) -> list[Violation]:
                         )
                     )
                 pending = event.fence
-            elif event.kind in ("retry_scheduled", "forced_requeue") and event.fence == pending:
+            elif event.fence == pending and (
+                event.kind in ("retry_scheduled", "forced_requeue")
+                or (event.kind == "reconciled" and "closed_through=" in event.detail)
+            ):
+                # A 429, an unreachable tool, a person's decision, or a fenced lookup's
+                # proof of absence: the dispatch at that fence took no effect.
                 pending = None
         rows = effects.get(wf.effect_key, [])
         if len(rows) > 1:
@@ -400,6 +425,41 @@ def lost_after_restart(history: History) -> list[Violation]:
     return found
 
 
+def writes_after_absent(history: History) -> list[Violation]:
+    """No effect from a start whose key a fenced lookup answered "absent" for at that
+    start's fence or later: the ledger must have refused it."""
+    closed = {absence.effect_key: absence.closed_through for absence in history.absences}
+    owners = _owner_ids(history)
+    return [
+        Violation(
+            WRITE_AFTER_ABSENT,
+            owners.get(effect.effect_key, ""),
+            effect.effect_key,
+            f"receipt {effect.receipt} from a start at fence {effect.fence}; a lookup had "
+            f"answered absent through fence {closed[effect.effect_key]}",
+        )
+        for effect in sorted(history.effects, key=lambda e: e.seq)
+        if effect.effect_key in closed and effect.fence <= closed[effect.effect_key]
+    ]
+
+
+def false_outcomes(history: History) -> list[Violation]:
+    """No workflow ends failed, cancelled or incompatible while its effect is in the ledger."""
+    effects = _effects_by_key(history)
+    found: list[Violation] = []
+    for wf in history.workflows:
+        if wf.state not in TERMINAL_STATES or wf.state == "succeeded":
+            continue
+        matching = [e for e in effects.get(wf.effect_key, []) if e.fingerprint == wf.fingerprint]
+        if matching:
+            found.append(Violation(
+                FALSE_OUTCOME, wf.id, wf.effect_key,
+                f"ended {wf.state} with {len(matching)} effect(s) in the ledger "
+                f"(receipt {matching[0].receipt})",
+            ))
+    return found
+
+
 RULES: tuple[Callable[[History], list[Violation]], ...] = (
     duplicate_effects,
     effects_without_owner,
@@ -410,6 +470,8 @@ RULES: tuple[Callable[[History], list[Violation]], ...] = (
     budget_overruns,
     succeeded_without_effect,
     lost_after_restart,
+    writes_after_absent,
+    false_outcomes,
 )
 
 
@@ -466,4 +528,5 @@ def load(
         effects=[EffectFact(**row) for row in rows["effects"]],
         barriers=[BarrierFact(**row) for row in rows["barriers"]],
         acknowledged=list(acknowledged),
+        absences=[AbsenceFact(**row) for row in rows["fences"]],
     )

@@ -15,8 +15,18 @@ A group's outcome is each request's own:
 * a lost connection fails the whole group with ``psycopg.OperationalError``: the
   commit may have happened, which is what the tool's 503 tells the caller (who
   reconciles through the lookup);
-* a request that waited longer than ``wait_s`` for the writer is answered with
-  ``LedgerBusy`` and never written, so no write lands after its caller gave up.
+* a request that waited longer than ``wait_s`` for the writer, its connection or its
+  statement is answered with ``LedgerBusy`` and not written by this tool. That is
+  defence in depth, not a proof: a statement held in a partitioned link to the database
+  can still commit whenever the link heals.
+
+The proof is the fence. Each request carries the fence of the start that sent it, and
+the lookup is fenced: a lookup at fence F that finds no effect for a key records so (a
+tombstone in ``tool_fences``, in the lookup's own transaction), and the ledger refuses
+every later write of that key from a start at fence F or older (``Fenced``: a conflict,
+never applied). Writes and lookups of one key lock the same ``tool_fences`` row, so
+whichever commits first is seen by the other: "absent" at fence F is final, however late
+a request of that start arrives.
 """
 
 from __future__ import annotations
@@ -44,6 +54,32 @@ class LedgerBusy(Exception):
     """The ledger could not take the write in time: nothing was written."""
 
 
+class Fenced:
+    """A write refused because a lookup already answered "absent" for its key at its
+    start's fence or a later one: the request will never take effect."""
+
+    def __init__(self, effect_key: str, closed_through: int) -> None:
+        self.effect_key = effect_key
+        self.closed_through = closed_through
+
+    def __repr__(self) -> str:
+        return f"Fenced({self.effect_key!r}, closed_through={self.closed_through})"
+
+
+@dataclass(frozen=True)
+class Absent:
+    """A lookup's "no effect" answer. ``final`` when it was fenced: no request of a start
+    at ``fence`` or older can take effect after it."""
+
+    effect_key: str
+    fence: int | None
+
+    @property
+    def final(self) -> bool:
+        """True when this absence is a proof (a fenced lookup recorded it)."""
+        return self.fence is not None
+
+
 @dataclass(frozen=True)
 class Effect:
     """One validated effect request, as the ledger writes it."""
@@ -55,6 +91,7 @@ class Effect:
     currency: str
     trace_id: str | None
     start_id: str | None
+    fence: int = 0
     receipt: str = field(default_factory=lambda: names.new_id("rcpt"))
 
     def row(self) -> dict[str, Any]:
@@ -62,11 +99,12 @@ class Effect:
         return {"effect_key": self.effect_key, "fingerprint": self.fingerprint,
                 "account": self.account, "amount_minor": self.amount_minor,
                 "currency": self.currency, "receipt": self.receipt,
-                "trace_id": self.trace_id, "start_id": self.start_id}
+                "trace_id": self.trace_id, "start_id": self.start_id, "fence": self.fence}
 
 
-Outcome = Receipt | None
-"""A written effect's receipt, or None: its idempotent key holds another plan's effect."""
+Outcome = Receipt | Fenced | None
+"""A written effect's receipt; ``Fenced`` when a fenced lookup closed its start; None: its
+idempotent key holds another plan's effect."""
 
 
 @dataclass(frozen=True)
@@ -78,18 +116,37 @@ class _Waiting:
     outcome: Future[Outcome] = field(default_factory=Future)
 
 
-# One statement for both kinds: the partial unique index only holds idempotent rows, so
-# a non-idempotent ledger's rows never conflict and are all written.
+# One statement for both kinds. ``f`` locks each key's fence row (creating it at -1, "no
+# lookup yet"): ON CONFLICT DO UPDATE waits for a lookup holding that row and returns the
+# row's latest committed version, so a write that follows a fenced "absent" sees its
+# tombstone. Only rows whose start is newer than the key's tombstone are inserted. The
+# partial unique index only holds idempotent rows, so a non-idempotent ledger's rows never
+# conflict there. Keys are locked in key order (no deadlock between two groups).
+# The statement answers each request by receipt: "written", or "fenced" with the bound.
 _INSERT: LiteralString = """
-    INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account, amount_minor,
-                              currency, receipt, trace_id, start_id)
-    SELECT effect_key, %s, fingerprint, account, amount_minor, currency, receipt,
-           trace_id, start_id
-      FROM json_to_recordset(%s::json) AS r(
-           effect_key text, fingerprint text, account text, amount_minor bigint,
-           currency text, receipt text, trace_id text, start_id text)
-    ON CONFLICT (effect_key) WHERE idempotent DO NOTHING
-    RETURNING receipt
+    WITH r AS (
+        SELECT * FROM json_to_recordset(%(rows)s::json) AS r(
+            effect_key text, fingerprint text, account text, amount_minor bigint,
+            currency text, receipt text, trace_id text, start_id text, fence bigint)
+    ), f AS (
+        INSERT INTO tool_fences AS t (effect_key)
+        SELECT DISTINCT effect_key FROM r ORDER BY effect_key
+        ON CONFLICT (effect_key) DO UPDATE SET closed_through = t.closed_through
+        RETURNING t.effect_key, t.closed_through
+    ), w AS (
+        INSERT INTO tool_effects (effect_key, idempotent, fingerprint, account, amount_minor,
+                                  currency, receipt, trace_id, start_id, fence)
+        SELECT r.effect_key, %(idempotent)s, r.fingerprint, r.account, r.amount_minor,
+               r.currency, r.receipt, r.trace_id, r.start_id, r.fence
+          FROM r JOIN f USING (effect_key)
+         WHERE r.fence > f.closed_through
+        ON CONFLICT (effect_key) WHERE idempotent DO NOTHING
+        RETURNING receipt
+    )
+    SELECT receipt, 'written' AS answer, NULL::bigint AS closed_through FROM w
+    UNION ALL
+    SELECT r.receipt, 'fenced', f.closed_through
+      FROM r JOIN f USING (effect_key) WHERE r.fence <= f.closed_through
 """
 
 # A group of one (a quiet tool's usual case) reads its row with ``json_to_record``: the
@@ -99,6 +156,23 @@ _INSERT_ONE: LiteralString = _INSERT.replace("json_to_recordset(", "json_to_reco
 _EXISTING = """
     SELECT effect_key, receipt, fingerprint FROM tool_effects
      WHERE effect_key = ANY(%s) AND idempotent
+"""
+
+_COUNT_REFUSED = """
+    UPDATE tool_fences SET refused_writes = refused_writes + 1 WHERE effect_key = ANY(%s)
+"""
+
+# The fenced lookup, in one transaction: lock the key's fence row first (a write of the key
+# holds it until its commit), then read the ledger, then (absent only) raise the tombstone.
+_LOCK_FENCE = """
+    INSERT INTO tool_fences AS t (effect_key) VALUES (%s)
+    ON CONFLICT (effect_key) DO UPDATE SET closed_through = t.closed_through
+"""
+
+_CLOSE_FENCE = """
+    UPDATE tool_fences SET closed_through = greatest(closed_through, %s),
+                           absent_answers = absent_answers + 1
+     WHERE effect_key = %s
 """
 
 _LOOKUP = """
@@ -163,11 +237,35 @@ class Ledger:
             self._ready.notify()
         return waiting.outcome.result()
 
-    def find(self, effect_key: str) -> Receipt | None:
-        """The authoritative lookup: the effect recorded under ``effect_key``, if any."""
+    def find(self, effect_key: str, fence: int | None = None) -> Receipt | Absent:
+        """The authoritative lookup: the effect recorded under ``effect_key``, or ``Absent``.
+
+        With a ``fence`` the lookup is fenced: an absent answer is recorded as a tombstone
+        in the same transaction, so no write of that key from a start at ``fence`` or older
+        can land afterwards (``Absent.final``). Without one, absent means "not yet".
+        """
+        deadline = time.monotonic() + self._wait_s
         with self._pool.connection(timeout=self._wait_s) as conn:
-            row = conn.execute(_LOOKUP, (effect_key,)).fetchone()
-        return None if row is None else Receipt(row["receipt"], effect_key, row["fingerprint"])
+            _check_deadline(deadline)
+            if fence is None:
+                row = conn.execute(_LOOKUP, (effect_key,)).fetchone()
+            else:
+                with conn.transaction():
+                    conn.execute(_LOCK_FENCE, (effect_key,))
+                    row = conn.execute(_LOOKUP, (effect_key,)).fetchone()
+                    if row is None:
+                        conn.execute(_CLOSE_FENCE, (fence, effect_key))
+        if row is None:
+            return Absent(effect_key, fence)
+        return Receipt(row["receipt"], effect_key, row["fingerprint"])
+
+    def fences(self, effect_key: str) -> dict[str, int] | None:
+        """The key's tombstone row (closed_through, absent_answers, refused_writes), if any."""
+        with self._pool.connection(timeout=self._wait_s) as conn:
+            row = conn.execute(
+                "SELECT closed_through, absent_answers, refused_writes FROM tool_fences"
+                " WHERE effect_key = %s", (effect_key,)).fetchone()
+        return None if row is None else dict(row)
 
     # -- the writer thread --
 
@@ -189,12 +287,21 @@ class Ledger:
         """Write ``group`` in one transaction and settle each request; never raises."""
         if not group:
             return
+        # The group's deadline is its oldest request's: no request of it is written by this
+        # tool after its own wait ran out (the pool wait and the statement are bounded too).
+        deadline = min(waiting.arrived for waiting in group) + self._wait_s
         try:
-            with self._pool.connection(timeout=self._wait_s) as conn:
+            with self._pool.connection(timeout=max(deadline - time.monotonic(), 0.001)) as conn:
+                _check_deadline(deadline)
                 outcomes = self._insert(conn, [waiting.effect for waiting in group])
-        except PoolTimeout as exc:
+        except (PoolTimeout, LedgerBusy) as exc:
             for waiting in group:
                 waiting.outcome.set_exception(LedgerBusy(str(exc)))
+            return
+        except psycopg.errors.QueryCanceled:
+            # statement_timeout: the statement was cancelled, so nothing of it committed.
+            for waiting in group:
+                waiting.outcome.set_exception(LedgerBusy("the ledger's statement timed out"))
             return
         except psycopg.Error as exc:
             if len(group) > 1 and not isinstance(exc, psycopg.OperationalError):
@@ -222,15 +329,24 @@ class Ledger:
             statement, rows = _INSERT_ONE, json.dumps(effects[0].row())
         else:
             statement, rows = _INSERT, json.dumps([effect.row() for effect in effects])
-        inserted = {row["receipt"] for row in conn.execute(statement, (self.idempotent, rows))}
+        answers = {row["receipt"]: row for row in
+                   conn.execute(statement, {"idempotent": self.idempotent, "rows": rows})}
+        fenced = [e.effect_key for e in effects
+                  if e.receipt in answers and answers[e.receipt]["answer"] == "fenced"]
+        if fenced:
+            conn.execute(_COUNT_REFUSED, (fenced,))
         # A key already taken (idempotent rows are never removed, so the row that took it
         # is committed, or was inserted by this very statement) answers with its receipt.
-        others = [e.effect_key for e in effects if e.receipt not in inserted]
+        others = [e.effect_key for e in effects if e.receipt not in answers]
         existing = {row["effect_key"]: row for row in
                     (conn.execute(_EXISTING, (others,)).fetchall() if others else [])}
         outcomes: list[Outcome] = []
         for effect in effects:
-            if effect.receipt in inserted:
+            answer = answers.get(effect.receipt)
+            if answer is not None and answer["answer"] == "fenced":
+                outcomes.append(Fenced(effect.effect_key, answer["closed_through"]))
+                continue
+            if answer is not None:
                 outcomes.append(Receipt(effect.receipt, effect.effect_key, effect.fingerprint))
                 continue
             held = existing[effect.effect_key]
@@ -238,3 +354,9 @@ class Ledger:
             outcomes.append(Receipt(held["receipt"], effect.effect_key, held["fingerprint"])
                             if same else None)
         return outcomes
+
+
+def _check_deadline(deadline: float) -> None:
+    """``LedgerBusy`` when ``deadline`` (``time.monotonic()``) has passed: do not write."""
+    if time.monotonic() >= deadline:
+        raise LedgerBusy("the ledger was busy too long")

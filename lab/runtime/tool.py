@@ -61,6 +61,10 @@ MAX_BODY_BYTES = 4096
 LEDGER_WAIT_S = 3.0
 EFFECTS_PATH = "/effects"
 START_HEADER = "Lab-Start-Id"
+# The fence of the start that sent an effect request; the ledger refuses a write of a key
+# whose fenced lookup already answered "absent" at that fence or a later one.
+FENCE_HEADER = "Lab-Fence"
+_FENCE = re.compile(r"[0-9]{1,18}")
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-[0-9a-f]{16}-0[01]")
 _START_ID = re.compile(r"st1_[0-9a-f]{32}")
 # A hold that nobody releases ends on its own: a forgotten hold must not hang a run.
@@ -157,13 +161,18 @@ class Dispatchable(Protocol):
 class ToolService:
     """The credit service on 127.0.0.1, writing its ledger in ``schema``.
 
-    ``idempotent`` services keep one effect per key and answer lookups;
-    non-idempotent ones record every call and have no authoritative lookup.
+    ``idempotent`` services keep one effect per key; non-idempotent ones record every
+    call. ``fenced_lookup`` says whether the service answers the authoritative lookup
+    (``GET /effects/KEY?fence=F``, whose "absent" is final for starts at fence F or older):
+    by default an idempotent service does and a non-idempotent one does not (it answers
+    501, so a person decides its unknown outcomes).
     """
 
-    def __init__(self, dsn: str, schema: str, *, idempotent: bool, token: str | None = None):
+    def __init__(self, dsn: str, schema: str, *, idempotent: bool, token: str | None = None,
+                 fenced_lookup: bool | None = None):
         names.check_schema_name(schema)
         self.idempotent = idempotent
+        self.fenced_lookup = idempotent if fenced_lookup is None else fenced_lookup
         self.token = token or secrets.token_urlsafe(24)
         #: While True, every effect reply is dropped after the commit (see ``drop_next_reply``).
         self.drop_responses = False
@@ -187,6 +196,7 @@ class ToolService:
         self._failed = 0
         self._held = 0
         self._slowed = 0
+        self._fenced = 0
         self._drop_rate = 0.0
         self._reject_rate = 0.0
         self._random = random.Random(0)
@@ -198,7 +208,10 @@ class ToolService:
             kwargs={
                 "autocommit": True,
                 "row_factory": dict_row,
-                "options": f"-c search_path={schema}",
+                # A statement that runs past the ledger's wait is cancelled (nothing of it
+                # commits): defence in depth; the fence is what makes "absent" final.
+                "options": f"-c search_path={schema}"
+                           f" -c statement_timeout={int(LEDGER_WAIT_S * 1000)}",
                 "application_name": "lab-tool",
             },
             connection_class=psycopg.Connection[dict[str, Any]],
@@ -231,6 +244,12 @@ class ToolService:
         """Authenticated lookups received."""
         with self._lock:
             return self._lookups
+
+    @property
+    def fenced(self) -> int:
+        """Effect requests refused because a fenced lookup had closed their start."""
+        with self._lock:
+            return self._fenced
 
     @property
     def dropped(self) -> int:
@@ -436,25 +455,34 @@ class ToolService:
     # -- the ledger --
 
     def record_effect(
-        self, body: dict[str, Any], trace_id: str | None = None, start_id: str | None = None
-    ) -> tuple[HTTPStatus, Receipt | None]:
-        """Write the effect for ``body`` (once per key when idempotent), with its trace.
+        self, body: dict[str, Any], trace_id: str | None = None, start_id: str | None = None,
+        fence: int = 0,
+    ) -> tuple[HTTPStatus, Receipt | ledger.Fenced | None]:
+        """Write the effect for ``body`` (once per key when idempotent), with its trace and
+        its start's ``fence``.
 
+        Returns (200, receipt), (409, None) for a key holding another plan's effect, or
+        (409, ``Fenced``) when a fenced lookup already answered "absent" for this start.
         Raises ``psycopg.Error`` when the ledger's database failed (the write may have
         committed) and ``ledger.LedgerBusy`` when nothing was written.
         """
-        receipt = self._ledger.record(ledger.Effect(
+        outcome = self._ledger.record(ledger.Effect(
             effect_key=body["effect_key"], fingerprint=body["fingerprint"],
             account=body["account"], amount_minor=body["amount_minor"],
-            currency=body["currency"], trace_id=trace_id, start_id=start_id,
+            currency=body["currency"], trace_id=trace_id, start_id=start_id, fence=fence,
         ))
-        if receipt is None:
+        if isinstance(outcome, ledger.Fenced):
+            with self._lock:
+                self._fenced += 1
+            return HTTPStatus.CONFLICT, outcome
+        if outcome is None:
             return HTTPStatus.CONFLICT, None
-        return HTTPStatus.OK, receipt
+        return HTTPStatus.OK, outcome
 
-    def find_effect(self, effect_key: str) -> Receipt | None:
-        """The authoritative lookup: the effect recorded under ``effect_key``, if any."""
-        return self._ledger.find(effect_key)
+    def find_effect(self, effect_key: str, fence: int | None = None) -> Receipt | ledger.Absent:
+        """The authoritative lookup: the effect recorded under ``effect_key``, or ``Absent``
+        (final when ``fence`` is given: see ``ledger.Ledger.find``)."""
+        return self._ledger.find(effect_key, fence)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -596,11 +624,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         trace = _TRACEPARENT.fullmatch(self.headers.get("traceparent", ""))
         start = self.headers.get(START_HEADER, "")
+        fence = self.headers.get(FENCE_HEADER, "")
         try:
             status, receipt = self.tool.record_effect(
                 body,
                 trace_id=trace.group(1) if trace else None,
                 start_id=start if _START_ID.fullmatch(start) else None,
+                fence=int(fence) if _FENCE.fullmatch(fence) else 0,
             )
         except (psycopg.Error, ledger.LedgerBusy):
             # The ledger's database is away (its pool reconnects) or busy. The write may
@@ -609,6 +639,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if faults.hold is not None and faults.hold.commit == "after":
             faults.hold._block()
+        if isinstance(receipt, ledger.Fenced):
+            # A fenced lookup answered "absent" for this start: the request never applies.
+            self._reply(status, {"error": "start_fenced_by_lookup",
+                                 "closed_through": receipt.closed_through})
+            return
         if receipt is None:
             self._reply(status, {"error": "effect_key_reused_with_other_plan"})
             return
@@ -626,27 +661,41 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         prefix = EFFECTS_PATH + "/"
-        if not self.path.startswith(prefix):
+        address = urllib.parse.urlsplit(self.path)
+        if not address.path.startswith(prefix):
             self._reply(HTTPStatus.NOT_FOUND, {"error": "not_found"})
             return
         if not self._authenticated():
             return
-        self.tool._count_lookup()
-        if not self.tool.idempotent:
+        if not self.tool.fenced_lookup and not self.tool.idempotent:
             self._reply(HTTPStatus.NOT_IMPLEMENTED, {"error": "no_authoritative_lookup"})
             return
-        key = self.path[len(prefix):]
+        query = urllib.parse.parse_qs(address.query)
+        fences = query.get("fence", [])
+        if len(fences) > 1 or (fences and not _FENCE.fullmatch(fences[0])):
+            self._reply(HTTPStatus.BAD_REQUEST, {"error": "bad_fence"})
+            return
+        if fences and not self.tool.fenced_lookup:
+            self._reply(HTTPStatus.NOT_IMPLEMENTED, {"error": "no_fenced_lookup"})
+            return
+        self.tool._count_lookup()
+        key = urllib.parse.unquote(address.path[len(prefix):])
         if self.tool.on_lookup is not None:
             self.tool.on_lookup(key)
         try:
-            receipt = self.tool.find_effect(key)
+            answer = self.tool.find_effect(key, int(fences[0]) if fences else None)
         except (psycopg.Error, ledger.LedgerBusy):
             self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "ledger_unavailable"})
             return
-        if receipt is None:
-            self._reply(HTTPStatus.NOT_FOUND, {"error": "no_effect"})
+        if isinstance(answer, ledger.Absent):
+            body: dict[str, Any] = {"error": "no_effect"}
+            if answer.final:
+                # Recorded with the answer: no request of a start at this fence or older
+                # can take effect from now on.
+                body["closed_through"] = answer.fence
+            self._reply(HTTPStatus.NOT_FOUND, body)
             return
-        self._reply(HTTPStatus.OK, receipt.to_json())
+        self._reply(HTTPStatus.OK, answer.to_json())
 
 
 class _NotDelivered(Exception):
@@ -788,6 +837,7 @@ class ToolClient:
         if start is not None:
             headers["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
             headers[START_HEADER] = start.start_id
+            headers[FENCE_HEADER] = str(start.fence)
         return json.dumps(body).encode(), headers
 
     def call(self, work: Dispatchable, start: barriers.StartBarrier | None = None) -> Receipt:
@@ -836,22 +886,42 @@ class ToolClient:
                 replies.append(exc)
         return replies
 
-    def lookup(self, effect_key: str) -> Receipt | None:
-        """The tool's authoritative answer: the receipt for ``effect_key`` or None."""
+    def lookup(self, effect_key: str, fence: int | None = None) -> Receipt | None:
+        """The tool's authoritative answer: the receipt for ``effect_key`` or None.
+
+        With ``fence`` (the fence of the start in question) the lookup is fenced: None
+        then proves that no request of a start at that fence or older will ever take
+        effect. A tool that answered "absent" without that proof, or that offers no
+        fenced lookup, raises ``errors.NoFencedLookup``.
+        """
+        path = f"{EFFECTS_PATH}/{urllib.parse.quote(effect_key, safe='')}"
+        if fence is not None:
+            path += f"?fence={int(fence)}"
         try:
-            status, data = self._request(
-                "GET", f"{EFFECTS_PATH}/{urllib.parse.quote(effect_key, safe='')}", None, {}
-            )
+            status, data = self._request("GET", path, None, {})
         except (_NotDelivered, _Lost) as exc:
             raise errors.ToolUnavailable("tool lookup failed") from exc
         if status == HTTPStatus.NOT_FOUND:
+            if fence is not None and _closed_through(data) != fence:
+                raise errors.NoFencedLookup("tool answered absent without closing the start")
             return None
         if status == HTTPStatus.SERVICE_UNAVAILABLE:
             # The ledger is away for now (a 501, no authoritative lookup, stays a refusal).
             raise errors.ToolUnavailable("tool lookup answered HTTP 503: try again later")
+        if status == HTTPStatus.NOT_IMPLEMENTED and fence is not None:
+            raise errors.NoFencedLookup("tool offers no fenced lookup")
         if status != HTTPStatus.OK:
             raise errors.ToolRefused(f"tool lookup answered HTTP {status}")
         return _receipt(data)
+
+
+def _closed_through(data: bytes) -> int | None:
+    """The fence a 404 lookup answer says it closed, if any."""
+    try:
+        value = json.loads(data).get("closed_through")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _effect_reply(status: int, data: bytes) -> Receipt:
@@ -860,6 +930,8 @@ def _effect_reply(status: int, data: bytes) -> Receipt:
         raise errors.RateLimited()
     if status >= 500:
         raise errors.OutcomeUnknown(f"tool failed with HTTP {status}")
+    if status == HTTPStatus.CONFLICT and _closed_through(data) is not None:
+        raise errors.StartFenced("tool refused the effect: a fenced lookup closed its start")
     if status != HTTPStatus.OK:
         raise errors.ToolRefused(f"tool refused the effect with HTTP {status}")
     return _receipt(data)

@@ -258,11 +258,15 @@ class Worker:
         return list(taken.completed), taken.claims
 
     def reconcile(self, workflow_id: str) -> store.Workflow:
-        """Settle an ``unknown`` workflow through the tool's authoritative lookup.
+        """Settle an ``unknown`` workflow through the tool's fenced lookup.
 
-        The lookup uses the workflow's original effect key. A found effect
-        completes it; an absent one requeues it when that is safe; a
-        non-idempotent tool is never looked up nor replayed: ``ManualReview``.
+        The lookup uses the workflow's original effect key and the fence of its last
+        start. A found effect completes an idempotent workflow. An absent one, fenced by
+        the tool, is a proof that no request of its starts took or will take effect, so
+        the workflow is requeued (or ends cancelled or failed, truthfully), idempotent or
+        not. A non-idempotent workflow whose tool offers no fenced lookup, or whose effect
+        the lookup found, waits for a person (``ManualReview``), as does an idempotent one
+        whose tool answered absent without the proof (unless its key may be requeued).
         Work in any other state is returned as it is.
         """
         current = self.db.get(workflow_id)
@@ -278,21 +282,35 @@ class Worker:
                 "manual review required: integrity", reason="integrity"
             ) from None
         try:
-            if not current.idempotent:
-                settled = self.db.require_review(current, "non_idempotent")
-            else:
-                receipt = self.client.lookup(current.effect_key)
-                self._stage(protocol.AFTER_LOOKUP, current)
-                if receipt is not None:
-                    settled = self.db.settle_found(current, receipt)
-                else:
-                    settled = self.db.settle_absent(current)
+            settled = self._settle(current)
         except errors.ManualReview:
             # The review itself is the committed settlement.
             self._stage(protocol.AFTER_SETTLE, current)
             raise
         self._stage(protocol.AFTER_SETTLE, settled)
         return settled
+
+    def _settle(self, current: store.Workflow) -> store.Workflow:
+        """Look the unknown workflow up (fenced) and commit what the answer proves."""
+        try:
+            receipt = self.client.lookup(current.effect_key, fence=current.fence)
+        except errors.NoFencedLookup:
+            if not current.idempotent:
+                # Today's rule for a tool that cannot prove absence: a person decides.
+                return self.db.require_review(current, "non_idempotent")
+            receipt = self.client.lookup(current.effect_key)
+            self._stage(protocol.AFTER_LOOKUP, current)
+            if receipt is not None:
+                return self.db.settle_found(current, receipt)
+            return self.db.settle_absent(current)
+        self._stage(protocol.AFTER_LOOKUP, current)
+        if receipt is None:
+            return self.db.settle_absent(current, closed_through=current.fence)
+        if not current.idempotent:
+            # The effect happened at least once; a non-idempotent key may hold more than
+            # one request's effect, so a person settles it with the receipt in view.
+            return self.db.require_review(current, "non_idempotent_effect_found")
+        return self.db.settle_found(current, receipt)
 
     @contextmanager
     def _heartbeats(self, claims: list[store.Workflow]) -> Iterator[None]:

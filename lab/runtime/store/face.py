@@ -288,13 +288,24 @@ class Store:
         with self._transaction("record a reconciled effect") as conn:
             return settlement.settle_found(conn, unknown, receipt, sealed)
 
-    def settle_absent(self, unknown: Workflow) -> Workflow:
+    def settle_absent(self, unknown: Workflow, *, closed_through: int | None = None) -> Workflow:
         """The authoritative lookup found no effect: queue the same key again.
 
-        Only an idempotent plan with attempts left and no cancellation, all
-        re-checked at write time, is requeued; otherwise the workflow stays
-        unknown for manual review and ``errors.ManualReview`` names the reason.
+        Without ``closed_through`` the absence proves nothing about a request still in
+        flight: only an idempotent plan (its key deduplicates a late write) with attempts
+        left and no cancellation, all re-checked at write time, is requeued; otherwise the
+        workflow stays unknown for manual review and ``errors.ManualReview`` names the
+        reason.
+
+        ``closed_through`` is the fence a fenced lookup closed (at least the workflow's):
+        then the absence is a proof, recorded in the audit event. The plan, idempotent or
+        not, is requeued when it has attempts left; a cancelled one ends ``cancelled`` and
+        one whose attempts are spent ends ``failed`` (``attempt_budget_spent``): true
+        outcomes (``settlement.settle_proven_absent``).
         """
+        if closed_through is not None:
+            with self._transaction("settle a proven absence") as conn:
+                return settlement.settle_proven_absent(conn, unknown, closed_through)
         with self._transaction("requeue after an empty lookup") as conn:
             requeued = settlement.requeue_absent(conn, unknown)
         if requeued is not None:

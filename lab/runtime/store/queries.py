@@ -316,11 +316,16 @@ HISTORY_EVENTS: LiteralString = (
     "SELECT seq, workflow_id, kind, fence, detail FROM events ORDER BY seq"
 )
 HISTORY_EFFECTS: LiteralString = (
-    "SELECT seq, effect_key, fingerprint, receipt, idempotent, start_id "
+    "SELECT seq, effect_key, fingerprint, receipt, idempotent, start_id, fence "
     "FROM tool_effects ORDER BY seq"
 )
 HISTORY_BARRIERS: LiteralString = (
     "SELECT start_id, workflow_id, fence FROM start_barriers ORDER BY start_id"
+)
+# The fenced lookup's tombstones: keys a lookup answered "absent" for, through which fence.
+HISTORY_FENCES: LiteralString = (
+    "SELECT effect_key, closed_through FROM tool_fences WHERE closed_through >= 0"
+    " ORDER BY effect_key"
 )
 
 # -- the server, for the fault tools (lab.faults.diagnostics) ------------------------------

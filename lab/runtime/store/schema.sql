@@ -104,7 +104,20 @@ CREATE TABLE tool_effects (
  receipt text NOT NULL UNIQUE,
  trace_id text CHECK (trace_id ~ '^[0-9a-f]{32}$'),
  start_id text,
+ -- The fence of the start that sent the request (0 when it carried none).
+ fence bigint NOT NULL DEFAULT 0 CHECK (fence >= 0),
  created_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE UNIQUE INDEX tool_effects_one_per_key ON tool_effects (effect_key) WHERE idempotent;
 CREATE INDEX tool_effects_by_key ON tool_effects (effect_key);
+
+-- The fenced lookup's tombstones: one row per effect key the tool has seen. A lookup at
+-- fence F that finds no effect raises closed_through to F in the transaction that looked,
+-- and every later write of that key from a start at fence <= closed_through is refused.
+-- Writes and lookups of one key serialize on this row (both lock it), so "absent" is final.
+CREATE TABLE tool_fences (
+ effect_key text PRIMARY KEY,
+ closed_through bigint NOT NULL DEFAULT -1,
+ absent_answers integer NOT NULL DEFAULT 0,
+ refused_writes integer NOT NULL DEFAULT 0
+);

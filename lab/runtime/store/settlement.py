@@ -126,6 +126,31 @@ def requeue_absent(conn: Connection, unknown: Workflow) -> Workflow | None:
     return None if row is None else Workflow.from_row(row)
 
 
+def settle_proven_absent(conn: Connection, unknown: Workflow, closed_through: int) -> Workflow:
+    """A fenced lookup proved no request of ``unknown``'s starts took or will take effect
+    (it closed every fence up to ``closed_through``): requeue it while attempts last, end
+    it cancelled when cancellation was asked, or failed when its attempts are spent, the
+    proof in its ``reconciled`` event. Idempotent or not: nothing can land later."""
+    if closed_through < unknown.fence:
+        raise errors.Conflict(f"a lookup closed through fence {closed_through} does not "
+                              f"cover the workflow's start at fence {unknown.fence}")
+    row = fenced(
+        conn, unknown, "unknown",
+        "state = CASE WHEN cancel_requested THEN 'cancelled'"
+        " WHEN attempt >= max_attempts THEN 'failed' ELSE 'ready' END,"
+        " ready_at = clock_timestamp(), owner = '', lease_until = NULL,"
+        " review_reason = CASE WHEN NOT cancel_requested AND attempt >= max_attempts"
+        " THEN 'attempt_budget_spent' ELSE '' END", (),
+        refusal="workflow changed during reconciliation",
+        event=("reconciled", f"lookup=absent closed_through={closed_through}"),
+    )
+    if row["state"] == "cancelled":
+        event_seq(conn, unknown.id, "cancelled", unknown.fence, "at=reconcile")
+    elif row["state"] == "failed":
+        event_seq(conn, unknown.id, "failed", unknown.fence, "cause=attempt_budget_spent")
+    return Workflow.from_row(row)
+
+
 def absent_review_reason(unknown: Workflow, current: Workflow) -> str:
     """Why an unknown workflow the empty lookup could not requeue waits for a person;
     ``errors.Stale`` when it changed since ``unknown`` was read."""

@@ -37,8 +37,9 @@ def create_schema(dsn: str, schema: str) -> None:
 def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
     """Everything the invariant checker reads, as plain rows, in one consistent snapshot.
 
-    ``workflows``, ``events``, ``effects`` (the tool's ledger) and ``barriers`` (start
-    barriers: id, workflow, fence) of one schema, read in a single REPEATABLE READ
+    ``workflows``, ``events``, ``effects`` (the tool's ledger), ``barriers`` (start
+    barriers: id, workflow, fence) and ``fences`` (the fenced lookup's tombstones: key,
+    closed through) of one schema, read in a single REPEATABLE READ
     transaction, so the four see one moment even while something still writes. Only
     reads: the checker never goes through a transition.
     """
@@ -58,4 +59,5 @@ def history_rows(dsn: str, schema: str) -> dict[str, list[dict[str, Any]]]:
                 "events": conn.execute(queries.HISTORY_EVENTS).fetchall(),
                 "effects": conn.execute(queries.HISTORY_EFFECTS).fetchall(),
                 "barriers": conn.execute(queries.HISTORY_BARRIERS).fetchall(),
+                "fences": conn.execute(queries.HISTORY_FENCES).fetchall(),
             }
