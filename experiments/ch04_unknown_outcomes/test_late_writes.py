@@ -142,7 +142,7 @@ def test_statement_held_between_tool_and_database_is_refused(lab, observe):
         assert done is not None and done.state == "succeeded", done
         link.heal()
         lab.wait_until(lambda: partitioned.fenced == 1, within=15,
-                       what="the healed link to deliver the held INSERT and the ledger to refuse it")
+                       what="the held INSERT to arrive and the ledger to refuse it")
     finally:
         link.heal()
         partitioned.stop()

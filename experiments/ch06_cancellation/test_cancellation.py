@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
-
-from lab import errors, harness
+from lab import harness
 from lab.runtime import store
 
 
