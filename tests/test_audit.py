@@ -41,7 +41,8 @@ def test_the_audit_shares_no_code_with_the_runtime_or_the_checker() -> None:
 def test_the_audit_file_names_every_rule() -> None:
     rules = [name for name, _ in audit.queries()]
     assert rules == ["duplicate_effect", "succeeded_without_effect", "effect_without_dispatch",
-                     "lost_workflow", "resurrected_after_completion"]
+                     "lost_workflow", "resurrected_after_completion", "write_after_absent",
+                     "false_outcome"]
 
 
 def _succeeded(lab: Any, idempotent: bool) -> Any:
@@ -81,6 +82,21 @@ def test_a_duplicated_effect_and_a_lost_workflow_are_found_by_both(lab: Any) -> 
     assert {"duplicate_effect", "succeeded_without_effect", "lost_workflow"} <= rules, findings
     kinds = {v.kind for v in found}
     assert {"duplicate_effect", "lost_workflow"} <= kinds
+    assert audit.compare(findings, [(v.kind, v.effect_key) for v in found])["agree"] is True
+
+
+def test_a_write_after_absent_and_a_false_outcome_are_found_by_both(lab: Any) -> None:
+    """A ledger row from a start a fenced lookup had closed, and a failed workflow whose
+    effect is in the ledger (forged into the tables): both checkers flag both, and agree."""
+    job = _succeeded(lab, idempotent=True)
+    lab.store.execute("UPDATE tool_fences SET closed_through = 5 WHERE effect_key = %s",
+                      (job.effect_key,))
+    failed = _succeeded(lab, idempotent=True)
+    lab.store.execute("UPDATE workflows SET state = 'failed', result = NULL WHERE id = %s",
+                      (failed.id,))
+    findings, found = _both(lab)
+    assert {"write_after_absent", "false_outcome"} <= {f.rule for f in findings}, findings
+    assert {"write_after_absent", "false_outcome"} <= {v.kind for v in found}, found
     assert audit.compare(findings, [(v.kind, v.effect_key) for v in found])["agree"] is True
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from lab.faults import invariants
 from lab.faults.invariants import (
+    AbsenceFact,
     Acknowledged,
     BarrierFact,
     EffectFact,
@@ -265,8 +266,45 @@ def test_effect_of_a_failed_workflow_is_named() -> None:
         history, effects=[*history.effects, EffectFact(9, "k-spent", "fp-spent", "r-9", True)]
     )
     found = invariants.check(history)
-    assert [v.kind for v in found] == [invariants.EFFECT_WITHOUT_OWNER]
+    assert [v.kind for v in found] == [invariants.EFFECT_WITHOUT_OWNER,
+                                       invariants.FALSE_OUTCOME]
     assert _named(found, invariants.EFFECT_WITHOUT_OWNER, "wf-spent", "k-spent")
+    assert _named(found, invariants.FALSE_OUTCOME, "wf-spent", "k-spent")
+
+
+def test_a_write_at_a_fence_a_lookup_closed_is_named() -> None:
+    """An effect from a start at or below the fence a lookup answered "absent" for."""
+    history = replace(clean_history(), absences=[AbsenceFact("k-ok", 1)])
+    found = invariants.check(history)
+    assert [v.kind for v in found] == [invariants.WRITE_AFTER_ABSENT]
+    assert _named(found, invariants.WRITE_AFTER_ABSENT, "wf-ok", "k-ok")
+
+
+def test_a_write_from_a_newer_start_than_the_tombstone_is_clean() -> None:
+    """The requeued attempt's start (fence 2) may write after "absent" at fence 1."""
+    history = clean_history()
+    effects = [replace(e, fence=2) if e.effect_key == "k-ok" else e for e in history.effects]
+    history = replace(history, effects=effects, absences=[AbsenceFact("k-ok", 1)])
+    assert invariants.check(history) == []
+
+
+def test_a_proven_absence_lets_a_non_idempotent_dispatch_be_retried() -> None:
+    """A non-idempotent dispatch at fence 1, a fenced "absent" under fence 1, then a second
+    dispatch: not a replay. The same history without the proof is one."""
+    def history_with(detail: str) -> History:
+        events = [EventFact(1, "wf-n", "claimed", 1), EventFact(2, "wf-n", "dispatching", 1),
+                  EventFact(3, "wf-n", "lease_expired", 1),
+                  EventFact(4, "wf-n", "reconciled", 1, detail),
+                  EventFact(5, "wf-n", "claimed", 2), EventFact(6, "wf-n", "dispatching", 2),
+                  EventFact(7, "wf-n", "completed", 2)]
+        workflow = WorkflowFact("wf-n", "succeeded", False, "k-n", "fp-n", 2, 2, 3,
+                                result=_receipt("k-n", "fp-n", "r-n"))
+        return History([workflow], events, [EffectFact(1, "k-n", "fp-n", "r-n", False, fence=2)],
+                       absences=[AbsenceFact("k-n", 1)])
+
+    assert invariants.replayed_dispatches(history_with("lookup=absent closed_through=1")) == []
+    unproven = invariants.replayed_dispatches(history_with("lookup=absent"))
+    assert [v.kind for v in unproven] == [invariants.REPLAYED_DISPATCH]
 
 
 @pytest.mark.parametrize(
@@ -305,6 +343,8 @@ def test_every_kind_is_exercised_above() -> None:
         "budget_overrun",
         "succeeded_without_effect",
         "lost_after_restart",
+        "write_after_absent",
+        "false_outcome",
     }
 
 

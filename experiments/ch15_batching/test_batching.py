@@ -233,3 +233,54 @@ def test_a_sigkill_at_after_batch_leaves_reviews_that_prove_nothing_was_dispatch
         "violations": len(violations),
     })
 
+
+
+def test_a_sigkill_with_a_non_idempotent_batch_in_flight_needs_no_person_when_absence_is_proven(
+    lab: harness.Harness, observe: Observe
+) -> None:
+    """A worker with --batch 4 SIGKILLed while its 4 non-idempotent requests are held in a
+    tool that offers the fenced lookup: each lookup answers absent and closes its start, so
+    all 4 are requeued with that proof and none waits for a person; the held requests are
+    refused when they reach the ledger, and a restarted worker performs each effect once."""
+    rig = lab.credit_tool(idempotent=False, fenced_lookup=True)
+    ids = [lab.approved(idempotent=False).id for _ in range(BATCH)]
+    holds = [rig.service.hold_next(seconds=120) for _ in range(BATCH)]
+    crashed = _batch_worker(lab, rig, "held-batch", BATCH)
+    try:
+        for hold in holds:
+            hold.wait_held(timeout=60)
+        lab.mark("tool", f"{BATCH} requests held")
+        crashed.kill()
+        lab.mark("held-batch", "SIGKILL with its batch in flight")
+        # Whether the worker saw its client time out first or not, every claim ends unknown.
+        lab.wait_until(lambda: all(lab.state(i).state == "unknown" or lab.store.lease_expired(i)
+                                   for i in ids),
+                       within=30, what="every claim of the batch to be unknown or its lease over")
+        lab.store.recover_expired()
+        reasons = _reconcile(rig, ids)
+        requeued = [lab.state(i).state for i in ids]
+    finally:
+        for hold in holds:
+            hold.release()
+    for hold in holds:
+        hold.wait_finished(timeout=30)
+    _batch_worker(lab, rig, "restarted", BATCH).finish()
+    finals = [lab.state(i) for i in ids]
+    violations = _violations(lab)
+    observe({
+        "batch": BATCH,
+        "tool": "non-idempotent, fenced lookup",
+        "requests_in_flight_at_kill": BATCH,
+        "reviews": len(reasons),
+        "requeued_with_proof": requeued.count("ready"),
+        "late_requests_refused": rig.service.fenced,
+        "completed_after_restart": sum(1 for w in finals if w.state == "succeeded"),
+        "effects": lab.effects(),
+        "violations": len(violations),
+    })
+    assert reasons == [], reasons
+    assert requeued == ["ready"] * BATCH
+    assert rig.service.fenced == BATCH
+    assert [w.state for w in finals] == ["succeeded"] * BATCH
+    assert lab.effects() == BATCH
+    assert violations == [], [v.to_json() for v in violations]
