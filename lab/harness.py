@@ -242,6 +242,20 @@ class Harness:
         )
         return Rig(service=service, client=client, worker=runner)
 
+    def worker_via(
+        self, rig: Rig, *, endpoint: str | None = None, timeout: float = 5.0,
+        name: str = "worker-b",
+    ) -> worker.Worker:
+        """Another in-process worker on ``rig``'s tool, whose calls go to ``endpoint`` (a
+        proxy in front of the tool; default the tool itself) and give up after ``timeout``
+        seconds: a short timeout makes a held request outlive its caller. Its client is
+        closed with the experiment."""
+        client = tool.ToolClient(endpoint or rig.service.endpoint, rig.service.token,
+                                 timeout=timeout)
+        self._clients.append(client)
+        return worker.Worker(db=self.store, client=client, name=name, lease=SEED_LEASE,
+                             backoff=WORKER_BACKOFF)
+
     def approved(
         self,
         idempotent: bool = True,

@@ -13,18 +13,10 @@ from __future__ import annotations
 
 from lab import harness
 from lab.faults import audit, invariants, proxy
-from lab.pg import edge
-from lab.runtime import tool, worker
+from lab.runtime import tool
 
 # Far below the tool's default 5 s, so each window costs about a second of waiting.
 CLIENT_TIMEOUT_S = 1.0
-
-
-def _worker_via(lab: harness.Harness, endpoint: str, token: str, name: str) -> worker.Worker:
-    """An in-process worker whose tool calls go to ``endpoint`` and give up after 1 s."""
-    client = tool.ToolClient(endpoint, token, timeout=CLIENT_TIMEOUT_S)
-    return worker.Worker(db=lab.store, client=client, name=name, lease=harness.SEED_LEASE,
-                         backoff=harness.WORKER_BACKOFF)
 
 
 def _port(endpoint: str) -> int:
@@ -47,7 +39,8 @@ def test_request_held_in_the_network_is_refused_after_a_fenced_absent(lab, obser
     job = lab.approved(idempotent=True)
     link = proxy.Proxy("127.0.0.1", _port(rig.service.endpoint), "worker-tool").start()
     try:
-        held = _worker_via(lab, f"http://127.0.0.1:{link.port}", rig.service.token, "held")
+        held = lab.worker_via(rig, endpoint=f"http://127.0.0.1:{link.port}",
+                              timeout=CLIENT_TIMEOUT_S, name="held")
         link.partition(proxy.BLACKHOLE)
         held.run_one()
         unknown = lab.state(job.id)
@@ -85,7 +78,7 @@ def test_request_held_in_a_slow_tool_is_refused_and_the_budget_ends_failed(lab, 
     request reaches the ledger and is refused: failed with no effect, which is true."""
     rig = lab.credit_tool(idempotent=True)
     job = lab.approved(idempotent=True)
-    slow = _worker_via(lab, rig.service.endpoint, rig.service.token, "slow")
+    slow = lab.worker_via(rig, timeout=CLIENT_TIMEOUT_S, name="slow")
     hold = rig.service.hold_next(seconds=60, commit="before")
     try:
         slow.run_one()
@@ -128,11 +121,12 @@ def test_statement_held_between_tool_and_database_is_refused(lab, observe):
     statement reaches PostgreSQL and is refused by the tombstone: one effect, succeeded."""
     rig = lab.credit_tool(idempotent=True)
     job = lab.approved(idempotent=True)
-    link = proxy.Proxy(*edge.dsn_address(lab.dsn), "tool-database").start()
-    partitioned = tool.ToolService(edge.dsn_via(lab.dsn, "127.0.0.1", link.port), lab.schema,
+    link, via = proxy.for_database(lab.dsn, "tool-database")
+    partitioned = tool.ToolService(via, lab.schema,
                                    idempotent=True, token=rig.service.token).start()
     try:
-        held = _worker_via(lab, partitioned.endpoint, rig.service.token, "held")
+        held = lab.worker_via(rig, endpoint=partitioned.endpoint, timeout=CLIENT_TIMEOUT_S,
+                              name="held")
         link.partition(proxy.BLACKHOLE)
         held.run_one()
         unknown = lab.state(job.id)
@@ -171,7 +165,7 @@ def test_non_idempotent_absent_is_proven_and_requeued_without_a_person(lab, obse
     request is refused when it arrives, and the retry performs the effect exactly once."""
     rig = lab.credit_tool(idempotent=False, fenced_lookup=True)
     job = lab.approved(idempotent=False)
-    slow = _worker_via(lab, rig.service.endpoint, rig.service.token, "slow")
+    slow = lab.worker_via(rig, timeout=CLIENT_TIMEOUT_S, name="slow")
     hold = rig.service.hold_next(seconds=60, commit="before")
     try:
         slow.run_one()

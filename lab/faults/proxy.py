@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lab import errors
+from lab.pg import edge
 
 T = TypeVar("T")
 
@@ -204,6 +205,12 @@ class Proxy:
                 if end is not None:
                     with contextlib.suppress(Exception):
                         end.close()
+
+
+def for_database(dsn: str, name: str = "database") -> tuple[Proxy, str]:
+    """A started proxy in front of ``dsn``'s server, and the DSN that goes through it."""
+    link = Proxy(*edge.dsn_address(dsn), name).start()
+    return link, edge.dsn_via(dsn, "127.0.0.1", link.port)
 
 
 class Partitions:

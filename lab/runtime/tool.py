@@ -837,7 +837,11 @@ class ToolClient:
         if start is not None:
             headers["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
             headers[START_HEADER] = start.start_id
-            headers[FENCE_HEADER] = str(start.fence)
+        # The fence of the start, or of the claim when a caller sends no barrier: a request
+        # without one is treated as fence 0, refused once any lookup closed its key.
+        fence = start.fence if start is not None else getattr(work, "fence", None)
+        if isinstance(fence, int) and not isinstance(fence, bool) and fence >= 0:
+            headers[FENCE_HEADER] = str(fence)
         return json.dumps(body).encode(), headers
 
     def call(self, work: Dispatchable, start: barriers.StartBarrier | None = None) -> Receipt:
