@@ -3,7 +3,9 @@
 ``Store`` (in ``face``) is what callers hold: it owns the connection pool and the
 transactions. Inside them, ``lifecycle``, ``claims``, ``settlement`` and ``review`` are
 the transitions as functions over a connection, built from ``transitions``' fenced steps;
-``queries`` names every SQL statement once; ``records`` holds the snapshots and names;
+``decisions`` holds what is decided without I/O (refusals, what a due row becomes instead
+of running, why work waits for a person); ``queries`` names every SQL statement once;
+``records`` holds the snapshots and names;
 ``tables`` creates the schema (``schema.sql``) and reads the invariant checker's history.
 """
 

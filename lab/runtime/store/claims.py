@@ -12,8 +12,7 @@ from typing import Any
 from lab import errors
 from lab.runtime import sealing
 from lab.runtime.barrier import Completion, StartBarrier
-from lab.runtime.plan import SUPPORTED_PLAN_VERSION, Plan
-from lab.runtime.store import queries
+from lab.runtime.store import decisions, queries
 from lab.runtime.store.records import Claimed, Finished, Step, Workflow
 from lab.runtime.store.transitions import (
     Connection,
@@ -24,31 +23,6 @@ from lab.runtime.store.transitions import (
     release,
     verified_barrier,
 )
-
-
-def check_claimer(owner: str, lease: timedelta) -> None:
-    """Refuse an empty owner or a lease that is not positive, before any I/O."""
-    if not owner:
-        raise errors.Rejected("owner must be non-empty")
-    if lease <= timedelta(0):
-        raise errors.Rejected("lease must be positive")
-
-
-def claim_diversion(row: dict[str, Any]) -> tuple[str, str, str] | None:
-    """What a due ready row becomes instead of running: (state, event kind, reason)."""
-    if row["cancel_requested"]:
-        return ("cancelled", "cancelled", "")
-    if row["approval_lapsed"]:
-        return ("waiting_approval", "approval_expired", "")
-    if row["plan_version"] != SUPPORTED_PLAN_VERSION:
-        return ("incompatible", "incompatible", "unsupported_plan_version")
-    try:
-        intact = Plan.from_json(row["plan"]).fingerprint() == row["fingerprint"]
-    except errors.Rejected:
-        intact = False
-    if not intact:
-        return ("failed", "integrity_failed", "integrity")
-    return None
 
 
 def divert(conn: Connection, row: dict[str, Any], diverted: tuple[str, str, str]) -> None:
@@ -65,7 +39,7 @@ def claim_next(conn: Connection, owner: str, lease: timedelta) -> tuple[bool, Wo
     row = conn.execute(queries.CLAIM_QUERY).fetchone()
     if row is None:
         return True, None
-    diverted = claim_diversion(row)
+    diverted = decisions.claim_diversion(row)
     if diverted is None:
         claimed = conn.execute(queries.CLAIM_ROW, (owner, lease, row["id"])).fetchone()
         assert claimed is not None
@@ -125,7 +99,7 @@ def complete_and_claim(
             return Step(completed, [])
         claimable = []
         for row in rows:
-            diverted = claim_diversion(row)
+            diverted = decisions.claim_diversion(row)
             if diverted is None:
                 claimable.append(row)
             else:

@@ -26,7 +26,15 @@ from lab.pg import edge
 from lab.runtime import sealing
 from lab.runtime.barrier import Completion, StartBarrier
 from lab.runtime.plan import Plan, Receipt
-from lab.runtime.store import claims, lifecycle, queries, review, settlement, transitions
+from lab.runtime.store import (
+    claims,
+    decisions,
+    lifecycle,
+    queries,
+    review,
+    settlement,
+    transitions,
+)
 from lab.runtime.store.records import Actor, Finished, Step, Workflow
 from lab.runtime.store.tables import create_schema
 
@@ -135,7 +143,7 @@ class Store:
         Creating the same operation again returns the same workflow; the same
         operation with different parameters raises ``errors.Conflict``.
         """
-        lifecycle.check_creation(actor, operation, plan)
+        decisions.check_creation(actor, operation, plan)
         fingerprint = plan.fingerprint()
         with self._transaction("create a workflow") as conn:
             return lifecycle.create(conn, actor, operation, plan, fingerprint)
@@ -179,7 +187,7 @@ class Store:
         unchanged) or a stored plan that no longer matches its fingerprint
         (failed, reason ``integrity``). Returns None when nothing is due.
         """
-        claims.check_claimer(owner, lease)
+        decisions.check_claimer(owner, lease)
         while True:
             with self._transaction("claim work") as conn:
                 done, claimed = claims.claim_next(conn, owner, lease)
@@ -225,7 +233,7 @@ class Store:
         barrier must keep the database's proof that nothing was dispatched. ``limit``
         0 only completes (and recovers).
         """
-        claims.check_claimer(owner, lease)
+        decisions.check_claimer(owner, lease)
         if limit < 0:
             raise errors.Rejected("claim limit must not be negative")
         sealed = claims.sealed_results(self.keys, finished)
@@ -311,7 +319,7 @@ class Store:
         if requeued is not None:
             return requeued
         current = self.get(unknown.id)
-        return self.require_review(current, settlement.absent_review_reason(unknown, current))
+        return self.require_review(current, decisions.absent_review_reason(unknown, current))
 
     def require_review(self, unknown: Workflow, reason: str) -> Workflow:
         """Leave an unknown workflow for a person, recording why; raises ``ManualReview``.
@@ -397,7 +405,7 @@ class Store:
         self, reviewer: Actor, workflow_id: str, outcome: str, reason: str
     ) -> Workflow:
         """A person closes an unknown workflow as ``failed`` or ``succeeded`` (checked by hand)."""
-        review.check_resolution(outcome, reason)
+        decisions.check_resolution(outcome, reason)
         with self._transaction("resolve a reviewed workflow") as conn:
             return review.resolve_reviewed(conn, self.keys, reviewer, workflow_id, outcome,
                                            reason)

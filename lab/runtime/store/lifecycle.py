@@ -15,16 +15,6 @@ from lab.runtime.store.records import DEFAULT_MAX_ATTEMPTS, Actor, Workflow
 from lab.runtime.store.transitions import Connection, event_seq, locked
 
 
-def check_creation(actor: Actor, operation: str, plan: Plan) -> None:
-    """Refuse, before any I/O, what no creation may hold: an invalid plan, an actor who
-    is not a proposer, an empty tenant, subject or operation."""
-    plan.validate()
-    if actor.role != "proposer":
-        raise errors.Denied("only a proposer may create a workflow")
-    if not operation or not actor.tenant or not actor.subject:
-        raise errors.Rejected("tenant, subject and operation must be non-empty")
-
-
 def create(
     conn: Connection, actor: Actor, operation: str, plan: Plan, fingerprint: str
 ) -> Workflow:

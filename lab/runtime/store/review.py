@@ -104,14 +104,6 @@ def requeue_reviewed(
     return Workflow.from_row(updated)
 
 
-def check_resolution(outcome: str, reason: str) -> None:
-    """Refuse, before any I/O, a resolution other than failed or succeeded, or no reason."""
-    if outcome not in ("failed", "succeeded"):
-        raise errors.Rejected("a review resolves to 'failed' or 'succeeded'")
-    if not reason.strip():
-        raise errors.Rejected("resolving a review needs a reason")
-
-
 def resolve_reviewed(
     conn: Connection, keys: sealing.KeyCatalog, reviewer: Actor, workflow_id: str,
     outcome: str, reason: str,

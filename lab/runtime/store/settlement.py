@@ -151,20 +151,6 @@ def settle_proven_absent(conn: Connection, unknown: Workflow, closed_through: in
     return Workflow.from_row(row)
 
 
-def absent_review_reason(unknown: Workflow, current: Workflow) -> str:
-    """Why an unknown workflow the empty lookup could not requeue waits for a person;
-    ``errors.Stale`` when it changed since ``unknown`` was read."""
-    if current.state != "unknown" or current.fence != unknown.fence:
-        raise errors.Stale("workflow changed during reconciliation")
-    if current.cancel_requested:
-        reason = "cancel_requested"
-    elif current.attempt >= current.max_attempts:
-        reason = "attempt_budget_spent"
-    else:
-        reason = "non_idempotent"
-    return reason
-
-
 def quarantine(conn: Connection, workflow: Workflow, reason: str) -> Workflow:
     """Refuse to act on a workflow whose stored records failed verification."""
     row = fenced(
