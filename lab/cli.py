@@ -485,7 +485,8 @@ def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
 def _add_review(commands: Commands[argparse.ArgumentParser]) -> None:
     review = commands.add_parser("review", help="list and decide work in manual review")
     review.add_argument("--schema", required=True, help="the schema holding the workflows")
-    review.add_argument("--tenant", default="tenant-a")
+    review.add_argument("--tenant", default="tenant-a",
+                        help="the reviewer's tenant: every read and decision is limited to it")
     review.add_argument("--reviewer", default="reviewer", help="who decides (recorded)")
     review_commands = review.add_subparsers(dest="review_command", required=True)
     review_commands.add_parser("list", help="workflows waiting for a person")
