@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 import pytest
 
-from lab import errors, names, protocol, recorder
+from lab import errors, names, protocol, recorder, redact
 from lab.pg import providers
 from lab.runtime import egress
 
@@ -137,7 +139,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DSN_KEY] = dsn
     config.stash[_DATABASE_KEY] = database
     config.stash[_PROBLEM_KEY] = problem
+    if dsn:
+        from lab.pg import edge
+
+        password = edge.password_of(dsn)
+        # Raw and as a URL carries it (DBOS's system database URL): scrubbed from reports.
+        redact.remember(password, quote(password, safe="") if password else None)
     recorder.register(config, database)
+
+
+def _scrubbed(value: Any, secrets: frozenset[str]) -> Any:
+    """``value`` (a report's longrepr or sections: strings, lists, tuples and pytest's
+    dataclasses of them) with every secret scrubbed, dataclasses edited in place so the
+    traceback keeps its shape (the crash message stays the first line the gate reads)."""
+    if isinstance(value, str):
+        return redact.scrub(value, secrets)
+    if isinstance(value, list):
+        return [_scrubbed(item, secrets) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_scrubbed(item, secrets) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            setattr(value, field.name, _scrubbed(getattr(value, field.name), secrets))
+    return value
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -487,7 +511,15 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Mark a failed item, and scrub every secret this process holds (``lab.redact``)
+    from the report's traceback and captured output, before the terminal, xdist or
+    ``tests.jsonl`` sees it: pytest prints a failing frame's arguments, a DSN with its
+    password among them."""
     report = yield
     if report.failed:
         item.lab_failed = True  # type: ignore[attr-defined]
+    secrets = redact.remembered()
+    if secrets:
+        report.longrepr = _scrubbed(report.longrepr, secrets)
+        report.sections = _scrubbed(report.sections, secrets)
     return report
