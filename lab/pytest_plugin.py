@@ -34,6 +34,7 @@ from urllib.parse import quote
 import pytest
 
 from lab import errors, names, protocol, recorder, redact
+from lab.evidence import observations
 from lab.pg import providers
 from lab.runtime import egress
 
@@ -193,6 +194,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 _CONSTANT_KEY = pytest.StashKey[list[str]]()
+_UNDECLARED_KEY = pytest.StashKey[list[str]]()
 LONG_RUNNING = "long_running"
 T = TypeVar("T")
 
@@ -235,6 +237,7 @@ def long_ones_first(
 
 def _flag_constant_observations(items: list[pytest.Item]) -> None:
     problems: dict[Path, dict[str, list[str]]] = {}
+    undeclared: dict[Path, dict[str, list[str]]] = {}
     for item in items:
         if "experiments" not in item.path.parts:
             continue
@@ -245,14 +248,16 @@ def _flag_constant_observations(items: list[pytest.Item]) -> None:
             except (OSError, UnicodeDecodeError):
                 source = ""  # pytest collected it, so it read; nothing to say here
             problems[item.path] = constant_observations_by_function(source, item.path.name)
-        by_function = problems[item.path]
+            undeclared[item.path] = observations.undeclared_in_source(source, item.path.name)
         name = getattr(item, "originalname", item.name)
-        # An observe() in a helper may serve any test of the file: each of them answers for it.
-        found = by_function.get(name, []) + [
-            p for f, extra in by_function.items() if not f.startswith("test") for p in extra
-        ]
-        if found:
-            item.stash[_CONSTANT_KEY] = found
+        for by_function, key in ((problems[item.path], _CONSTANT_KEY),
+                                 (undeclared[item.path], _UNDECLARED_KEY)):
+            # An observe() in a helper may serve any test of the file: each test answers for it.
+            found = by_function.get(name, []) + [
+                p for f, extra in by_function.items() if not f.startswith("test") for p in extra
+            ]
+            if found:
+                item.stash[key] = found
 
 
 def _constant(node: ast.expr) -> bool:
@@ -476,9 +481,12 @@ def observe(request: pytest.FixtureRequest) -> Any:
     def record(
         value: dict[str, Any], *, facts: tuple[str, ...] = (), measurements: tuple[str, ...] = ()
     ) -> None:
-        properties = recorder.observation_properties(
-            value, facts=facts, measurements=measurements
-        )
+        try:
+            properties = recorder.observation_properties(
+                value, facts=facts, measurements=measurements
+            )
+        except ValueError as exc:  # an undeclared or stray key: the author's one line
+            pytest.fail(str(exc), pytrace=False)
         print(f"{protocol.OBSERVATION} {json.dumps(properties[0][1], sort_keys=True)}")
         request.node.user_properties.extend(properties)
 
@@ -493,6 +501,9 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     if found:
         pytest.fail("constant observation: " + "; ".join(found)
                     + "; observe() must record what was read back", pytrace=False)
+    undeclared = item.stash.get(_UNDECLARED_KEY, None)
+    if undeclared:
+        pytest.fail("; ".join(undeclared), pytrace=False)
     # Restarts of a database server during the test body, read from the launcher only if
     # this process has loaded it (a test that restarts a server has): the limits the
     # evidence signs are derived from them.

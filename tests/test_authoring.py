@@ -194,7 +194,7 @@ def test_constant(lab, observe):
     job = lab.approved()
     lab.credit_tool().worker.run_one()
     assert lab.state(job.id).state == "succeeded"
-    observe({"effects": 1, "replayed": False})
+    observe({"effects": 1, "replayed": False}, facts=("effects", "replayed"))
 '''
 
 

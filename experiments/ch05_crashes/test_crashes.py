@@ -48,7 +48,8 @@ def test_two_worker_processes_claim_exactly_one(lab, observe):
         "effects": lab.effects(),
         "state": lab.state(job.id).state,
         "winner": winner.name,
-    }, measurements=("winner",))
+    }, measurements=("winner",), facts=("os_processes", "claims", "claimed_by_one_of_the_two",
+                                        "loser_stages", "effects", "state"))
 
 
 def test_sigkill_after_claim_queries_404_and_restarts(lab, observe):
@@ -76,7 +77,7 @@ def test_sigkill_after_claim_queries_404_and_restarts(lab, observe):
         "attempts": final.attempt,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("signal", "window", "lease_expiry", "state", "attempts", "effects", "post_calls"))
 
 
 def test_sigkill_after_tool_reconciles_existing_effect(lab, observe):
@@ -104,7 +105,7 @@ def test_sigkill_after_tool_reconciles_existing_effect(lab, observe):
         "attempts": final.attempt,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("signal", "window", "lease_expiry", "state", "attempts", "effects", "post_calls"))
 
 
 @pytest.mark.parametrize("window", ["after_claim", "after_tool"])
@@ -137,4 +138,5 @@ def test_sigkill_non_idempotent_requires_manual_review(lab, observe, window):
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
         "review_reason": final.review_reason,
-    })
+    }, facts=("signal", "window", "lease_expiry", "state", "effects", "post_calls",
+              "review_reason"))
