@@ -355,6 +355,32 @@ def test_a_changed_experiment_differs_naming_experiment_and_fact(
     assert row["passed"] is True, "the experiment passed everywhere: only its fact differs"
 
 
+def test_evidence_compare_fails_naming_experiment_and_key_of_a_differing_fact(
+    repo: Path, tmp_path: Path, lab_dsn: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``lab evidence compare``, CI's check of its two genuine runs: two runs of a commit
+    whose experiment declares a fresh workflow id a fact differ, exit 1 naming the
+    experiment and the key (and not the measurement that differs too); a run compared
+    with itself is identical, exit 0."""
+    (repo / "experiments" / "ch01_repro" / "test_repro.py").write_text(CHANGED)
+    labtree.commit(repo)
+    first, second = tmp_path / "first", tmp_path / "second"
+    _lab_run(repo, first, lab_dsn)
+    _lab_run(repo, second, lab_dsn)
+    monkeypatch.chdir(repo)
+    code = cli.main(["evidence", "compare", str(first), str(second)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "facts DIFFER: 26 of 27 experiments the same" in out
+    differs = [line for line in out.splitlines() if line.startswith("differs: ")]
+    assert len(differs) == 1, out
+    assert differs[0].startswith("differs: ch01_repro/test_one_credit workflow: ")
+    assert "elapsed_s" not in differs[0]
+    assert cli.main(["evidence", "compare", str(first), str(first)]) == 0
+    assert "facts IDENTICAL: 27 of 27 experiments the same" in capsys.readouterr().out
+
+
 def test_unverified_evidence_is_refused_before_any_rerun(
     repo: Path, tmp_path: Path, lab_dsn: str
 ) -> None:
