@@ -283,7 +283,8 @@ def test_a_sigkill_with_a_non_idempotent_batch_in_flight_needs_no_person_when_ab
         "completed_after_restart": sum(1 for w in finals if w.state == "succeeded"),
         "effects": lab.effects(),
         "violations": len(violations),
-    })
+    }, facts=("batch", "tool", "requests_in_flight_at_kill", "reviews", "requeued_with_proof",
+              "late_requests_refused", "completed_after_restart", "effects", "violations"))
     assert reasons == [], reasons
     assert requeued == ["ready"] * BATCH
     assert rig.service.fenced == BATCH
