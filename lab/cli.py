@@ -101,6 +101,12 @@ def _evidence(args: argparse.Namespace) -> int:
     return verify_evidence(options_from(EvidenceOptions, args))
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from lab import reproduce
+
+    return reproduce.compare_main(options_from(reproduce.CompareOptions, args))
+
+
 def verify_evidence(options: EvidenceOptions) -> int:
     """``lab evidence verify|show``: both verify; 0 only when the evidence verifies.
 
@@ -318,7 +324,7 @@ def _add_reproduce(commands: Commands[argparse.ArgumentParser]) -> None:
 
 
 def _add_evidence(commands: Commands[argparse.ArgumentParser]) -> None:
-    ev = commands.add_parser("evidence", help="verify or show signed evidence")
+    ev = commands.add_parser("evidence", help="verify, show or compare signed evidence")
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
     show = ev_commands.add_parser("show", help="verify, then print the summary of the report")
@@ -329,7 +335,14 @@ def _add_evidence(commands: Commands[argparse.ArgumentParser]) -> None:
                                 help="PEM of the expected signer (the only key accepted)")
         ev_command.add_argument("--check-sources", action="store_true",
                                 help="compare every signed digest and the manifest with this tree")
+    compare = ev_commands.add_parser(
+        "compare", help="verify two runs and compare their facts; exit 1 naming any that differ")
+    compare.add_argument("first", help="the first run's evidence directory")
+    compare.add_argument("second", help="the second run's evidence directory")
+    compare.add_argument("--public-key", default=None,
+                         help="PEM of the expected signer of both (the only key accepted)")
     ev.set_defaults(handler=_evidence)
+    compare.set_defaults(handler=_compare)
 
 
 def _add_manifest(commands: Commands[argparse.ArgumentParser]) -> None:
@@ -485,7 +498,8 @@ def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
 def _add_review(commands: Commands[argparse.ArgumentParser]) -> None:
     review = commands.add_parser("review", help="list and decide work in manual review")
     review.add_argument("--schema", required=True, help="the schema holding the workflows")
-    review.add_argument("--tenant", default="tenant-a")
+    review.add_argument("--tenant", default="tenant-a",
+                        help="the reviewer's tenant: every read and decision is limited to it")
     review.add_argument("--reviewer", default="reviewer", help="who decides (recorded)")
     review_commands = review.add_subparsers(dest="review_command", required=True)
     review_commands.add_parser("list", help="workflows waiting for a person")

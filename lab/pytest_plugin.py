@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 import pytest
 
-from lab import errors, names, protocol, recorder
+from lab import errors, names, protocol, recorder, redact
+from lab.evidence import observations
 from lab.pg import providers
 from lab.runtime import egress
 
@@ -137,7 +140,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DSN_KEY] = dsn
     config.stash[_DATABASE_KEY] = database
     config.stash[_PROBLEM_KEY] = problem
+    if dsn:
+        from lab.pg import edge
+
+        password = edge.password_of(dsn)
+        # Raw and as a URL carries it (DBOS's system database URL): scrubbed from reports.
+        redact.remember(password, quote(password, safe="") if password else None)
     recorder.register(config, database)
+
+
+def _scrubbed(value: Any, secrets: frozenset[str]) -> Any:
+    """``value`` (a report's longrepr or sections: strings, lists, tuples and pytest's
+    dataclasses of them) with every secret scrubbed, dataclasses edited in place so the
+    traceback keeps its shape (the crash message stays the first line the gate reads)."""
+    if isinstance(value, str):
+        return redact.scrub(value, secrets)
+    if isinstance(value, list):
+        return [_scrubbed(item, secrets) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_scrubbed(item, secrets) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            setattr(value, field.name, _scrubbed(getattr(value, field.name), secrets))
+    return value
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -169,6 +194,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 _CONSTANT_KEY = pytest.StashKey[list[str]]()
+_UNDECLARED_KEY = pytest.StashKey[list[str]]()
 LONG_RUNNING = "long_running"
 T = TypeVar("T")
 
@@ -211,6 +237,7 @@ def long_ones_first(
 
 def _flag_constant_observations(items: list[pytest.Item]) -> None:
     problems: dict[Path, dict[str, list[str]]] = {}
+    undeclared: dict[Path, dict[str, list[str]]] = {}
     for item in items:
         if "experiments" not in item.path.parts:
             continue
@@ -221,14 +248,16 @@ def _flag_constant_observations(items: list[pytest.Item]) -> None:
             except (OSError, UnicodeDecodeError):
                 source = ""  # pytest collected it, so it read; nothing to say here
             problems[item.path] = constant_observations_by_function(source, item.path.name)
-        by_function = problems[item.path]
+            undeclared[item.path] = observations.undeclared_in_source(source, item.path.name)
         name = getattr(item, "originalname", item.name)
-        # An observe() in a helper may serve any test of the file: each of them answers for it.
-        found = by_function.get(name, []) + [
-            p for f, extra in by_function.items() if not f.startswith("test") for p in extra
-        ]
-        if found:
-            item.stash[_CONSTANT_KEY] = found
+        for by_function, key in ((problems[item.path], _CONSTANT_KEY),
+                                 (undeclared[item.path], _UNDECLARED_KEY)):
+            # An observe() in a helper may serve any test of the file: each test answers for it.
+            found = by_function.get(name, []) + [
+                p for f, extra in by_function.items() if not f.startswith("test") for p in extra
+            ]
+            if found:
+                item.stash[key] = found
 
 
 def _constant(node: ast.expr) -> bool:
@@ -452,9 +481,12 @@ def observe(request: pytest.FixtureRequest) -> Any:
     def record(
         value: dict[str, Any], *, facts: tuple[str, ...] = (), measurements: tuple[str, ...] = ()
     ) -> None:
-        properties = recorder.observation_properties(
-            value, facts=facts, measurements=measurements
-        )
+        try:
+            properties = recorder.observation_properties(
+                value, facts=facts, measurements=measurements
+            )
+        except ValueError as exc:  # an undeclared or stray key: the author's one line
+            pytest.fail(str(exc), pytrace=False)
         print(f"{protocol.OBSERVATION} {json.dumps(properties[0][1], sort_keys=True)}")
         request.node.user_properties.extend(properties)
 
@@ -469,6 +501,9 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     if found:
         pytest.fail("constant observation: " + "; ".join(found)
                     + "; observe() must record what was read back", pytrace=False)
+    undeclared = item.stash.get(_UNDECLARED_KEY, None)
+    if undeclared:
+        pytest.fail("; ".join(undeclared), pytrace=False)
     # Restarts of a database server during the test body, read from the launcher only if
     # this process has loaded it (a test that restarts a server has): the limits the
     # evidence signs are derived from them.
@@ -487,7 +522,15 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Mark a failed item, and scrub every secret this process holds (``lab.redact``)
+    from the report's traceback and captured output, before the terminal, xdist or
+    ``tests.jsonl`` sees it: pytest prints a failing frame's arguments, a DSN with its
+    password among them."""
     report = yield
     if report.failed:
         item.lab_failed = True  # type: ignore[attr-defined]
+    secrets = redact.remembered()
+    if secrets:
+        report.longrepr = _scrubbed(report.longrepr, secrets)
+        report.sections = _scrubbed(report.sections, secrets)
     return report

@@ -332,3 +332,68 @@ def cli_main(options: ReproduceOptions) -> int:
     if not evidence.exists():
         raise errors.InputError(f"evidence {evidence}: no such file or directory")
     return reproduce(evidence, runs=options.runs, out=Path(options.out), public_key=pinned)
+
+
+# --------------------------------------------------------------------------- lab evidence compare
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """``lab evidence compare A B [--public-key PEM]``: the facts of two verified runs."""
+
+    evidence_command: str
+    first: str
+    second: str
+    public_key: str | None = None
+
+
+def _verified_report(path: Path, public_key: Any, root: Path) -> dict[str, Any]:
+    """The report of ``path``, verified like ``lab evidence verify`` (a PASS), or refused."""
+    if not path.exists():
+        raise errors.InputError(f"evidence {path}: no such file or directory")
+    trusted = [] if public_key is not None else verification.trusted_keys_for(root, path)
+    verdict = verification.verify(path, public_key=public_key, trusted=trusted, root=root)
+    if verdict.unreadable is not None:
+        raise errors.InputError(verification.printable(verdict.unreadable))
+    if not verdict.ok or verdict.report is None:
+        first = verdict.problems[0] if verdict.problems else "no report"
+        raise errors.Refused(verification.printable(f"{path}: not verified: {first}"))
+    return dict(verdict.report)
+
+
+def differences(comparison: reproduction.Comparison) -> list[str]:
+    """One line per differing fact (``chapter/name [params] key: A -> B``) and per
+    experiment that did not pass in both runs."""
+    lines: list[str] = []
+    for e in comparison.experiments:
+        lines += [f"{e.label} {_where(f.nodeid)}{f.key}: {_short(f.original)} -> "
+                  + " | ".join(_short(v) for v in f.values) for f in e.differing]
+        if not e.passed:
+            lines.append(f"{e.label}: outcome {e.original_outcome} -> {' '.join(e.outcomes)}")
+    return lines
+
+
+def compare_main(options: CompareOptions, console: Console | None = None) -> int:
+    """``lab evidence compare A B``: verify both runs, compare their facts as ``lab
+    reproduce`` does (``lab.evidence.reproduction``); exit 0 only when every fact of every
+    experiment is the same and every experiment passed in both, else 1, naming each
+    differing experiment and key."""
+    root = Path.cwd()
+    pinned = None
+    if options.public_key:
+        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+    first = _verified_report(Path(options.first), pinned, root)
+    second = _verified_report(Path(options.second), pinned, root)
+    comparison = reproduction.compare(first, [second])
+    show = console or summary.console_for_output()
+    differing = differences(comparison)
+    if differing:
+        show.print(table(comparison))
+    total = len(comparison.experiments)
+    same = sum(1 for e in comparison.experiments if e.same and e.passed)
+    verdict = "IDENTICAL" if comparison.identical else "DIFFER"
+    show.print(Text(f"facts {verdict}: {same} of {total} experiments the same in "
+                    f"{options.first} and {options.second}"))
+    for line in differing:
+        show.print(Text(f"differs: {line}"))
+    return 0 if comparison.identical else 1

@@ -48,9 +48,34 @@ class ResolveOptions(ReviewOptions):
     reason: str
 
 
+def may_read(reviewer: store.Actor, workflow: store.Workflow) -> bool:
+    """Whether ``reviewer`` may see ``workflow``: a reviewer of the workflow's own tenant.
+
+    Every review read (``list``, ``show``) passes through this decision; the store's
+    writes (``requeue``, ``resolve``) check the same two things under the row's lock.
+    """
+    return reviewer.role == "reviewer" and reviewer.tenant == workflow.tenant
+
+
+def _readable(db: store.Store, reviewer: store.Actor, workflow_id: str) -> store.Workflow:
+    """``workflow_id`` if ``reviewer`` may read it; otherwise ``errors.NotFound``, worded
+    the same whether it belongs to another tenant or does not exist, so the answer tells
+    a stranger nothing about another tenant's work."""
+    missing = errors.NotFound(
+        f"no workflow {workflow_id!r} for a reviewer of tenant {reviewer.tenant!r}")
+    try:
+        item = db.get(workflow_id)
+    except errors.NotFound:
+        raise missing from None
+    if not may_read(reviewer, item):
+        raise missing
+    return item
+
+
 def cli_main(options: ReviewOptions) -> int:
     """Body of ``lab review list|show|requeue|resolve`` (by the options' kind); the DSN
-    comes from BOOK_LAB_DSN."""
+    comes from BOOK_LAB_DSN. Every read and every decision is scoped to the reviewer's
+    tenant (``--tenant``) and role."""
     dsn = os.environ.get(protocol.DSN_ENV, "")
     if not dsn:
         raise errors.UsageError(f"lab review needs {protocol.DSN_ENV} in its environment")
@@ -60,10 +85,11 @@ def cli_main(options: ReviewOptions) -> int:
     with store.Store.open(dsn, options.schema, max_connections=1,
                           application_name="lab-review") as db:
         if isinstance(options, ShowOptions):
-            item = db.get(options.workflow)
+            item = _readable(db, reviewer, options.workflow)
             start = db.barrier_for(item.id, item.fence)
             print(json.dumps({
                 "workflow": item.id,
+                "tenant": item.tenant,
                 "state": item.state,
                 "review_reason": item.review_reason,
                 "attempt": item.attempt,
@@ -85,8 +111,14 @@ def cli_main(options: ReviewOptions) -> int:
                                        options.reason)
             print(f"resolved {item.id}: state {item.state}")
         else:
-            table = Table("workflow", "attempt", "fence", "reason", "cancel requested")
-            for item in db.in_review():
+            waiting = [item for item in db.in_review(reviewer.tenant)
+                       if may_read(reviewer, item)]
+            if not waiting:
+                print(f"no workflow of tenant {reviewer.tenant!r} waits for review")
+                return 0
+            table = Table("workflow", "attempt", "fence", "reason", "cancel requested",
+                          title=f"tenant {reviewer.tenant}: {len(waiting)} in review")
+            for item in waiting:
                 table.add_row(item.id, str(item.attempt), str(item.fence),
                               item.review_reason or "(not yet reviewed)",
                               "yes" if item.cancel_requested else "no")

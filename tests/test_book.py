@@ -49,7 +49,7 @@ MANIFEST = {
 PURE = '''
 def test_pure(observe):
     """A pure claim | with a pipe."""
-    observe({"pure": callable(observe), "note": "<b>not markup</b>"})
+    observe({"pure": callable(observe), "note": "<b>not markup</b>"}, facts=("pure", "note"))
 '''
 PARAMS = '''
 import pytest
@@ -59,7 +59,7 @@ import pytest
 def test_created(lab, observe, mode):
     """Creating and approving a workflow records two events."""
     job = lab.approved(idempotent=mode == "a")
-    observe({"state": lab.state(job.id).state})
+    observe({"state": lab.state(job.id).state}, facts=("state",))
 '''
 QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio")
 

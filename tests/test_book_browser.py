@@ -40,7 +40,8 @@ def test_crash_point_slice(request, observe):
     directory = Path(request.config.invocation_params.dir) / str(given)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / crashmatrix.OUTPUT_FILE).write_bytes(data)
-    observe({crashmatrix.SIGNED_KEY: crashmatrix.digest(data), "cells": len(matrix["cells"])})
+    observe({crashmatrix.SIGNED_KEY: crashmatrix.digest(data), "cells": len(matrix["cells"])},
+            measurements=(crashmatrix.SIGNED_KEY, "cells"))
     assert matrix["violation_count"] == 0
 '''
 PAGES = ("index.html", "ch05_crashes.html", "crashpoints.html")

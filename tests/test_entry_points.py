@@ -46,6 +46,8 @@ LEAVES: list[tuple[list[str], type[Any], dict[str, Any]]] = [
     (["reproduce", "e"], reproduce.ReproduceOptions, {"evidence": "e"}),
     (["evidence", "verify"], cli.EvidenceOptions, {"evidence_command": "verify"}),
     (["evidence", "show"], cli.EvidenceOptions, {"evidence_command": "show"}),
+    (["evidence", "compare", "a", "b"], reproduce.CompareOptions,
+     {"evidence_command": "compare", "first": "a", "second": "b"}),
     (["manifest", "sync"], manifest.ManifestOptions, {"manifest_command": "sync"}),
     (["manifest", "check"], manifest.ManifestOptions, {"manifest_command": "check"}),
     (["model", "run"], model_command.RunOptions, {}),

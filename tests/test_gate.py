@@ -69,6 +69,9 @@ MANIFEST = {
     ]
 }
 
+# The line of CH01's test_db that the edits below replace.
+OBSERVED = '    observe({"state": "succeeded"}, facts=("state",))'
+
 CH01 = '''
 import pytest
 
@@ -78,12 +81,12 @@ def test_pure(observe):
     over two lines.
 
     Details that are not the claim."""
-    observe({"pure": True, "count": 3})
+    observe({"pure": True, "count": 3}, facts=("pure", "count"))
 
 
 def test_db(lab_dsn, observe):
     """The database claim."""
-    observe({"state": "succeeded"})
+    observe({"state": "succeeded"}, facts=("state",))
 '''
 
 CH02 = '''
@@ -175,19 +178,19 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
     ("old", "new", "finding"),
     [
         pytest.param(
-            '    observe({"state": "succeeded"})',
+            '    observe({"state": "succeeded"}, facts=("state",))',
             '    pytest.skip("no reason")',
             "experiments/ch01_x/test_a.py::test_db skipped",
             id="skipped",
         ),
         pytest.param(
-            '    observe({"state": "succeeded"})',
+            '    observe({"state": "succeeded"}, facts=("state",))',
             "    assert False, 'broken'",
             "experiments/ch01_x/test_a.py::test_db failed",
             id="failed",
         ),
         pytest.param(
-            '    observe({"state": "succeeded"})',
+            '    observe({"state": "succeeded"}, facts=("state",))',
             '    pytest.xfail("known")',
             "experiments/ch01_x/test_a.py::test_db xfailed",
             id="xfail",
@@ -206,14 +209,13 @@ def test_complete_passing_run_is_pass_and_verifies(tree: pytest.Pytester) -> Non
             id="error",
         ),
         pytest.param(
-            '    observe({"state": "succeeded"})',
-            '    observe({"state": "succeeded", "ratio": 0.5})',
-            "experiments/ch01_x/test_a.py::test_db: observation key 'ratio' is neither a fact "
-            "nor a measurement (declare it: observe(..., facts=(...)) or measurements=(...))",
-            id="unclassified-float",
+            '    observe({"state": "succeeded"}, facts=("state",))',
+            '    observe({"state": "succeeded", "ratio": 0.5}, facts=("state",))',
+            "experiments/ch01_x/test_a.py::test_db failed",
+            id="undeclared",
         ),
         pytest.param(
-            '    observe({"state": "succeeded"})',
+            '    observe({"state": "succeeded"}, facts=("state",))',
             '    observe({"state": "succeeded"}, facts=("state",), measurements=("state",))',
             "experiments/ch01_x/test_a.py::test_db: observation key 'state' is neither a fact "
             "nor a measurement (declare it: observe(..., facts=(...)) or measurements=(...))",
@@ -365,7 +367,7 @@ def test_xdist_run_collects_from_workers_and_passes(tree: pytest.Pytester) -> No
 
 def test_crashed_xdist_worker_is_a_failed_experiment(tree: pytest.Pytester) -> None:
     """A worker killed mid-test leaves a failed experiment, never a silent gap."""
-    _edit(tree, '    observe({"state": "succeeded"})', "    import os\n    os._exit(3)")
+    _edit(tree, OBSERVED, "    import os\n    os._exit(3)")
     result = tree.runpytest_subprocess("-p", "no:lab", *QUIET, "-n", "2", "experiments")
     assert result.ret != 0
     report = _report(tree)
@@ -391,12 +393,12 @@ def _real_tree(pytester: pytest.Pytester) -> pytest.Pytester:
         '''
 def test_pure(observe):
     """Pure."""
-    observe({"pure": callable(observe)})
+    observe({"pure": callable(observe)}, facts=("pure",))
 
 
 def test_db(lab_schema, observe):
     """Reaches the run's PostgreSQL through the plugin's schema fixture."""
-    observe({"schema": lab_schema and "made"})
+    observe({"schema": lab_schema and "made"}, facts=("schema",))
 '''
     )
     labtree.publishable(pytester.path, entries)
@@ -468,7 +470,7 @@ def test_more_results_than_declared_fail(tree: pytest.Pytester) -> None:
 
 def test_stopping_early_fails_the_gate(tree: pytest.Pytester) -> None:
     """-x stops at the first failure: the rest never ran, and the gate says so."""
-    _edit(tree, '    observe({"state": "succeeded"})', "    assert False")
+    _edit(tree, OBSERVED, "    assert False")
     labtree.commit(tree.path)
     result = _run(tree, "experiments", "-x")
     assert result.ret != 0
@@ -545,7 +547,7 @@ def test_untracked_root_conftest_that_fakes_passes_fails_naming_it(
     labtree.git(tree.path, "rm", "-q", "--cached", "conftest.py")
     with (tree.path / ".git" / "info" / "exclude").open("a") as handle:
         handle.write("conftest.py\n")
-    _edit(tree, '    observe({"state": "succeeded"})', "    assert False, 'broken'")
+    _edit(tree, OBSERVED, "    assert False, 'broken'")
     labtree.commit(tree.path)
     conftest = tree.path / "conftest.py"
     conftest.write_text(conftest.read_text() + EVIL_HOOK)
@@ -576,7 +578,7 @@ def test_pytest_plugins_module_from_elsewhere_fails_naming_it(
     monkeypatch.syspath_prepend(str(elsewhere))
     monkeypatch.setenv("PYTHONPATH", str(elsewhere))  # the inner run is a subprocess
     monkeypatch.setenv("PYTEST_PLUGINS", "lab_evil_plugin")
-    _edit(tree, '    observe({"state": "succeeded"})', "    assert False, 'broken'")
+    _edit(tree, OBSERVED, "    assert False, 'broken'")
     labtree.commit(tree.path)
     result = _run(tree, "experiments")
     assert result.ret != 0

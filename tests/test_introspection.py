@@ -48,7 +48,7 @@ print("RESULT " + json.dumps({"codes": codes, "heavy": heavy}))
 EXPERIMENT = '''
 def test_db(lab, observe):
     """Needs the database."""
-    observe({"state": lab.state(lab.approved().id).state})
+    observe({"state": lab.state(lab.approved().id).state}, facts=("state",))
 '''
 
 

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from lab import pytest_plugin
+from lab.evidence import observations
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+pytest_plugins = ["pytester"]
 
 
 @pytest.mark.parametrize(
@@ -37,3 +40,48 @@ def test_every_experiment_observation_is_a_measurement():
                                              str(path.relative_to(EXPERIMENTS)))
     ]
     assert found == []
+
+
+def test_every_experiment_declares_the_kind_of_every_key():
+    """No key of an experiment's observe({...}) is a fact by default (issue 41): each is
+    declared in facts= or measurements=, or named as a measurement. The same check fails
+    an experiment at collection; keys spread in from a helper are checked when recorded."""
+    files = sorted(EXPERIMENTS.rglob("test_*.py"))
+    found = [
+        problem
+        for path in files
+        for problems in observations.undeclared_in_source(
+            path.read_text(encoding="utf-8"), str(path.relative_to(EXPERIMENTS))).values()
+        for problem in problems
+    ]
+    assert found == []
+
+
+UNDECLARED = '''
+def test_literal(observe):
+    """A literal observation with an undeclared key."""
+    observe({"seen": int("42"), "took_s": 0.1})
+
+
+def test_computed(observe):
+    """A computed observation with an undeclared key."""
+    observe(dict(seen=int("42")))
+'''
+
+
+def test_an_undeclared_key_fails_its_experiment_in_one_line(pytester):
+    """Through the real plugin: an undeclared key fails its experiment with one line that
+    suggests the declaration; found in the source before the test runs, or when recorded."""
+    pytester.makeini("[pytest]\n")
+    chapter = pytester.path / "experiments" / "ch01_x"
+    chapter.mkdir(parents=True)
+    (chapter / "test_a.py").write_text(UNDECLARED)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "--lab-postgres=none",
+        "--lab-no-evidence", "-rf", "experiments")
+    result.assert_outcomes(failed=2)
+    hint = ("observe: 'seen' has no declared kind: add facts=('seen',) if every run of the "
+            "commit observes the same value, else measurements=('seen',)")
+    # Each failure's whole report is the one line (the literal one also names file:line).
+    result.stdout.fnmatch_lines([f"test_a.py:4: {hint}", hint])
+    assert "Traceback" not in result.stdout.str()

@@ -33,31 +33,56 @@ from lab.evidence import compiler, dsse, gate, observations, reproduction, repro
 # --------------------------------------------------------------------------- classification
 
 
-def test_default_rule_by_name_and_value() -> None:
-    """Names of durations, rates and ids are measurements; floats elsewhere are undecided;
-    everything else is a fact."""
+def test_names_declare_measurements_and_nothing_else_is_a_fact_by_default() -> None:
+    """Names of durations, rates and ids are measurements; every other key must be
+    declared: a string, a list, a count or a float is never a fact by accident, and the
+    one-line error names each such key with the declaration to add."""
     kinds = observations.classify({
-        "state": "succeeded", "effects": 1, "done": True, "reasons": ["integrity"],
         "elapsed_s": 0.31, "wall_ms": 12, "trace_id": "t-1", "claims_per_s": 812.5,
-        "ratio": 0.5, "spread": {"p50": 1.5},
     })
-    assert kinds == {
-        "state": "fact", "effects": "fact", "done": "fact", "reasons": "fact",
-        "elapsed_s": "measurement", "wall_ms": "measurement", "trace_id": "measurement",
-        "claims_per_s": "measurement", "ratio": "unclassified", "spread": "unclassified",
-    }
+    assert set(kinds.values()) == {"measurement"}
+    with pytest.raises(observations.Undeclared) as caught:
+        observations.classify({"state": "succeeded", "claimed_by": ["a"], "elapsed_s": 0.3})
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message == (
+        "observe: 'state', 'claimed_by' have no declared kind: add facts=('state', "
+        "'claimed_by') if every run of the commit observes the same value, else "
+        "measurements=('state', 'claimed_by')")
+    for value in ("x", ["x"], 1, True, None, 0.5, {"p50": 1.5}):
+        with pytest.raises(observations.Undeclared, match="'key' has no declared kind"):
+            observations.classify({"key": value})
 
 
-def test_declarations_override_the_default() -> None:
-    """A declared fact or measurement wins; one declared as both is undecided; a declared
-    key the observation lacks is an error, not a silent no-op."""
+def test_declarations_decide() -> None:
+    """A declared fact or measurement is what it says; one declared as both is
+    undecided; a declared key the observation lacks is an error, not a silent no-op."""
     value = {"ratio": 0.5, "outcome": "took 3.1 s", "state": "x"}
-    kinds = observations.classify(value, facts=("ratio",), measurements=("outcome",))
+    kinds = observations.classify(value, facts=("ratio", "state"), measurements=("outcome",))
     assert kinds == {"ratio": "fact", "outcome": "measurement", "state": "fact"}
-    both = observations.classify(value, facts=("state",), measurements=("state",))
+    both = observations.classify(value, facts=("state", "ratio"),
+                                 measurements=("state", "outcome"))
     assert both["state"] == observations.UNCLASSIFIED
     with pytest.raises(ValueError, match="not in the observation: typo"):
         observations.classify(value, facts=("typo",))
+
+
+def test_undeclared_keys_are_found_in_the_source_before_a_run() -> None:
+    """The collection-time check: literal keys of a literal observe() that no literal
+    declaration names, by function, with file and line; computed declarations are left
+    to the record-time check."""
+    source = (
+        "def test_a(observe):\n"
+        "    observe({'state': s, 'elapsed_s': 1.0, 'winner': w}, measurements=('winner',))\n"
+        "def test_b(observe):\n"
+        "    observe({'state': s}, facts=('state',))\n"
+        "def test_c(observe):\n"
+        "    observe({'state': s}, facts=FACTS)\n"
+    )
+    assert observations.undeclared_in_source(source, "t.py") == {
+        "test_a": ["t.py:2: observe: 'state' has no declared kind: add facts=('state',) if "
+                   "every run of the commit observes the same value, else "
+                   "measurements=('state',)"]}
 
 
 def test_gate_names_the_test_and_each_undecided_key() -> None:
@@ -88,7 +113,8 @@ def _report(values: dict[str, dict[str, Any]], outcome: str = "passed") -> dict[
     for name, observed in values.items():
         nodeid = f"experiments/ch01_x/test_a.py::{name}"
         tests.append({"nodeid": nodeid, "outcome": outcome, "observations": [observed],
-                      "observation_kinds": [observations.classify(observed)]})
+                      "observation_kinds": [observations.classify(
+                          observed, facts=[k for k in observed if not k.endswith("_s")])]})
         rows.append({"chapter": "ch01_x", "name": name, "outcome": outcome, "tests": [nodeid]})
     return {"tests": tests, "experiments": rows}
 
@@ -218,12 +244,14 @@ def test_one_credit(lab, observe):
     assert final.state == "succeeded"
     assert lab.effects() == 1
     observe({"state": final.state, "effects": lab.effects(), "post_calls": rig.service.calls,
-             "elapsed_s": round(time.monotonic() - started, 4)})
+             "elapsed_s": round(time.monotonic() - started, 4)},
+            facts=("state", "effects", "post_calls"))
 '''
 # The deliberate change: a fact that cannot come out the same twice (a fresh workflow id
 # under a name that is not a measurement's).
-CHANGED = EXPERIMENT.replace('"post_calls": rig.service.calls,',
-                             '"post_calls": rig.service.calls, "workflow": job.id,')
+CHANGED = EXPERIMENT.replace(
+    '"post_calls": rig.service.calls,', '"post_calls": rig.service.calls, "workflow": job.id,'
+).replace('"post_calls")', '"post_calls", "workflow")')
 ENTRIES = [{"chapter": "ch01_repro", "name": "test_one_credit", "results": 1,
             "database": True}]
 
@@ -325,6 +353,32 @@ def test_a_changed_experiment_differs_naming_experiment_and_fact(
     assert (row["name"], fact["key"], fact["held"]) == ("test_one_credit", "workflow", 0)
     assert fact["original"].startswith("wf_") and fact["original"] not in fact["values"]
     assert row["passed"] is True, "the experiment passed everywhere: only its fact differs"
+
+
+def test_evidence_compare_fails_naming_experiment_and_key_of_a_differing_fact(
+    repo: Path, tmp_path: Path, lab_dsn: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``lab evidence compare``, CI's check of its two genuine runs: two runs of a commit
+    whose experiment declares a fresh workflow id a fact differ, exit 1 naming the
+    experiment and the key (and not the measurement that differs too); a run compared
+    with itself is identical, exit 0."""
+    (repo / "experiments" / "ch01_repro" / "test_repro.py").write_text(CHANGED)
+    labtree.commit(repo)
+    first, second = tmp_path / "first", tmp_path / "second"
+    _lab_run(repo, first, lab_dsn)
+    _lab_run(repo, second, lab_dsn)
+    monkeypatch.chdir(repo)
+    code = cli.main(["evidence", "compare", str(first), str(second)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "facts DIFFER: 26 of 27 experiments the same" in out
+    differs = [line for line in out.splitlines() if line.startswith("differs: ")]
+    assert len(differs) == 1, out
+    assert differs[0].startswith("differs: ch01_repro/test_one_credit workflow: ")
+    assert "elapsed_s" not in differs[0]
+    assert cli.main(["evidence", "compare", str(first), str(first)]) == 0
+    assert "facts IDENTICAL: 27 of 27 experiments the same" in capsys.readouterr().out
 
 
 def test_unverified_evidence_is_refused_before_any_rerun(

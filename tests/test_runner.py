@@ -41,7 +41,7 @@ def _tree(root: Path) -> None:
         json.dumps({"experiments": [{"chapter": "ch01_x", "name": "test_a", "database": False}]})
     )
     (root / "experiments" / "ch01_x" / "test_a.py").write_text(
-        'def test_a(observe):\n    """A."""\n    observe({"seen": int("42")})\n'
+        'def test_a(observe):\n    """A."""\n    observe({"seen": int("42")}, facts=("seen",))\n'
     )
     (root / "pytest.ini").write_text("[pytest]\n")
 

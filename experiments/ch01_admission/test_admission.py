@@ -38,8 +38,8 @@ def test_proposal_cannot_grant_authority(observe):
     with pytest.raises(errors.Rejected):
         proposal.admit(b" " * 4097)
     observe(
-        {"authority_fields_rejected": rejected, "capability_from_registry": admitted.idempotent}
-    )
+        {"authority_fields_rejected": rejected, "capability_from_registry": admitted.idempotent},
+        facts=("authority_fields_rejected", "capability_from_registry"))
 
 
 def test_operation_key_has_unambiguous_tenant_scope(observe):
@@ -51,7 +51,8 @@ def test_operation_key_has_unambiguous_tenant_scope(observe):
     again = plan.effect_key("a:b", "c")
     assert first == again, "unstable identity"
     observe({"keys_distinct": first != second, "key_stable": first == again,
-             "key_prefix": first.split("_", 1)[0]})
+             "key_prefix": first.split("_", 1)[0]},
+            facts=("keys_distinct", "key_stable", "key_prefix"))
 
 
 def test_operation_identity_rejects_parameter_drift(lab, observe):
@@ -67,5 +68,5 @@ def test_operation_identity_rejects_parameter_drift(lab, observe):
     assert workflows == 1
     observe(
         {"same_workflow": first.id == again.id, "drift_refused_with": drift.typename,
-         "workflows": workflows, "state": lab.state(first.id).state}
-    )
+         "workflows": workflows, "state": lab.state(first.id).state},
+            facts=("same_workflow", "drift_refused_with", "workflows", "state"))

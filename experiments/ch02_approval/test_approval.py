@@ -28,7 +28,8 @@ def test_approval_binds_tenant_role_and_fingerprint(lab, observe):
     assert lab.count_events("approved") == 0, "a denied approval wrote an event"
     lab.store.approve(harness.APPROVER, created.id, created.fingerprint, timedelta(minutes=1))
     assert lab.state(created.id).state == "ready", "approval not persisted"
-    observe({"refused": refusals, "state": lab.state(created.id).state})
+    observe({"refused": refusals, "state": lab.state(created.id).state},
+            facts=("refused", "state"))
 
 
 def test_approval_expires_while_queued(lab, observe):
@@ -44,7 +45,7 @@ def test_approval_expires_while_queued(lab, observe):
         "expiry": "SQL-injected before claim",
         "state": lab.state(job.id).state,
         "post_calls": rig.service.calls,
-    })
+    }, facts=("expiry", "state", "post_calls"))
 
 
 def test_approval_expires_after_claim(lab, observe):
@@ -65,4 +66,4 @@ def test_approval_expires_after_claim(lab, observe):
         "expiry": "SQL-injected after claim",
         "state": lab.state(job.id).state,
         "effects": lab.effects(),
-    })
+    }, facts=("expiry", "state", "effects"))

@@ -45,7 +45,8 @@ def test_two_claimers_cannot_own_one_workflow(lab, observe):
     assert not stuck, f"claimers still running after 10 s: {stuck}"
     assert not failures, failures
     assert len(claims) == 1 and claims[0].id == job.id, claims
-    observe({"concurrent_claimers": 2, "successful_claims": len(claims), "fence": claims[0].fence})
+    observe({"concurrent_claimers": 2, "successful_claims": len(claims), "fence": claims[0].fence},
+            facts=("concurrent_claimers", "successful_claims", "fence"))
 
 
 def test_heartbeat_cannot_revive_an_expired_lease(lab, observe):
@@ -65,7 +66,7 @@ def test_heartbeat_cannot_revive_an_expired_lease(lab, observe):
         "live_lease_extended_s": round((after - claimed.lease_until).total_seconds(), 3),
         "expired_heartbeat_refused_with": stale.typename,
         "lease_expiry": "SQL-injected",
-    })
+    }, facts=("expired_heartbeat_refused_with", "lease_expiry"))
 
 
 def test_expired_owner_cannot_commit_an_old_result(lab, observe):
@@ -92,4 +93,4 @@ def test_expired_owner_cannot_commit_an_old_result(lab, observe):
         "new_fence": second.fence,
         "effects": lab.effects(),
         "state": lab.state(job.id).state,
-    })
+    }, facts=("old_fence", "new_fence", "effects", "state"))

@@ -65,7 +65,8 @@ def test_request_held_in_the_network_is_refused_after_a_fenced_absent(lab, obser
         "state": final.state,
         "effects": lab.effects(),
         "violations": len(violations) + len(findings),
-    })
+    }, facts=("late_path", "after_timeout", "lookup", "late_request", "state", "effects",
+              "violations"))
     assert final.state == "cancelled"
     assert lab.effects() == 0
     assert violations == [] and findings == [], (violations, findings)
@@ -107,7 +108,8 @@ def test_request_held_in_a_slow_tool_is_refused_and_the_budget_ends_failed(lab, 
         "state": ended.state,
         "effects": lab.effects(),
         "violations": len(violations) + len(findings),
-    })
+    }, facts=("late_path", "after_timeout", "lookup", "requeued_attempts", "late_request",
+              "state", "effects", "violations"))
     assert rig.service.fenced == 1
     assert lab.effects() == 0
     assert lab.state(job.id).state == "failed"
@@ -152,7 +154,8 @@ def test_statement_held_between_tool_and_database_is_refused(lab, observe):
         "state": final.state,
         "effects": lab.effects(),
         "violations": len(violations) + len(findings),
-    })
+    }, facts=("late_path", "after_timeout", "lookup", "late_request", "state", "effects",
+              "violations"))
     assert final.state == "succeeded"
     assert lab.effects() == 1
     assert violations == [] and findings == [], (violations, findings)
@@ -191,7 +194,8 @@ def test_non_idempotent_absent_is_proven_and_requeued_without_a_person(lab, obse
         "effects": lab.effects(),
         "manual_reviews": lab.count_events("manual_review"),
         "violations": len(violations) + len(findings),
-    })
+    }, facts=("tool", "after_lookup", "proof_recorded", "late_request", "state", "effects",
+              "manual_reviews", "violations"))
     assert requeued.state == "ready"
     assert rig.service.fenced == 1
     assert done is not None and done.state == "succeeded"
@@ -216,7 +220,7 @@ def test_lookup_that_finds_the_effect_completes_it_and_closes_nothing(lab, obser
         "state": settled.state,
         "closed_through": tombstone[0]["closed_through"] if tombstone else None,
         "effects": lab.effects(),
-    })
+    }, facts=("lookup", "state", "closed_through", "effects"))
     assert settled.state == "succeeded"
     assert tombstone and tombstone[0]["closed_through"] == -1
     assert lab.effects() == 1

@@ -32,7 +32,7 @@ def test_commit_reply_lost_becomes_unknown_then_reconciled(lab, observe):
         "after_lookup": final.state,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("replies_dropped", "after_reply_loss", "after_lookup", "effects", "post_calls"))
 
 
 def test_non_idempotent_unknown_never_automatically_replays(lab, observe):
@@ -53,7 +53,7 @@ def test_non_idempotent_unknown_never_automatically_replays(lab, observe):
         "state": lab.state(job.id).state,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("state", "effects", "post_calls"))
 
 
 def test_unknown_404_uses_original_key_and_stops_at_budget(lab, observe):
@@ -87,7 +87,8 @@ def test_unknown_404_uses_original_key_and_stops_at_budget(lab, observe):
         "persistent_budget": final.max_attempts,
         "state": final.state,
         "effects": lab.effects(),
-    })
+    }, facts=("lookup", "original_key_preserved", "attempts", "persistent_budget", "state",
+              "effects"))
 
 
 def test_terminal_transaction_rolls_back_but_effect_can_be_reconciled(lab, observe):
@@ -122,7 +123,8 @@ def test_terminal_transaction_rolls_back_but_effect_can_be_reconciled(lab, obser
         "after_reconcile": after.state,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("fault", "after_rollback", "result_rolled_back", "completed_events",
+              "lease_expiry", "after_reconcile", "effects", "post_calls"))
 
 
 def test_receipt_fingerprint_mismatch_cannot_complete_or_reconcile(lab, observe):
@@ -149,4 +151,4 @@ def test_receipt_fingerprint_mismatch_cannot_complete_or_reconcile(lab, observe)
         "reconciliation_refused_with": reconciliation.typename,
         "state": lab.state(job.id).state,
         "effects": lab.effects(),
-    })
+    }, facts=("completion_refused_with", "reconciliation_refused_with", "state", "effects"))

@@ -29,18 +29,27 @@ def test_two_worker_processes_claim_exactly_one(lab, observe):
     winner.release()
     winner.finish()
     claims = lab.count_events("claimed")
+    owners = [claim.owner for claim in lab.claims(job.id)]
+    # The loser never passed a claim: it found nothing due and exited without a stage.
+    loser_claimed = [line for line in loser.all_lines() if line.startswith("BOOK_STAGE")]
     assert claims == 1
-    assert [claim.owner for claim in lab.claims(job.id)] == [winner.name]
+    assert owners == [winner.name]
+    assert loser_claimed == []
     assert lab.effects() == 1
     assert rig.service.calls == 1
     assert lab.state(job.id).state == "succeeded", "duplicate process execution"
+    # Which of the two wins is the race's to decide: a measurement. What every run
+    # observes is that one of the two claimed and the other was refused.
     observe({
         "os_processes": 2,
         "claims": claims,
-        "claimed_by": [claim.owner for claim in lab.claims(job.id)],
+        "claimed_by_one_of_the_two": len(owners) == 1 and owners[0] in {a.name, b.name},
+        "loser_stages": loser_claimed,
         "effects": lab.effects(),
         "state": lab.state(job.id).state,
-    })
+        "winner": winner.name,
+    }, measurements=("winner",), facts=("os_processes", "claims", "claimed_by_one_of_the_two",
+                                        "loser_stages", "effects", "state"))
 
 
 def test_sigkill_after_claim_queries_404_and_restarts(lab, observe):
@@ -68,7 +77,7 @@ def test_sigkill_after_claim_queries_404_and_restarts(lab, observe):
         "attempts": final.attempt,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("signal", "window", "lease_expiry", "state", "attempts", "effects", "post_calls"))
 
 
 def test_sigkill_after_tool_reconciles_existing_effect(lab, observe):
@@ -96,7 +105,7 @@ def test_sigkill_after_tool_reconciles_existing_effect(lab, observe):
         "attempts": final.attempt,
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
-    })
+    }, facts=("signal", "window", "lease_expiry", "state", "attempts", "effects", "post_calls"))
 
 
 @pytest.mark.parametrize("window", ["after_claim", "after_tool"])
@@ -129,4 +138,5 @@ def test_sigkill_non_idempotent_requires_manual_review(lab, observe, window):
         "effects": lab.effects(),
         "post_calls": rig.service.calls,
         "review_reason": final.review_reason,
-    })
+    }, facts=("signal", "window", "lease_expiry", "state", "effects", "post_calls",
+              "review_reason"))

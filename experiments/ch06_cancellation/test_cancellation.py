@@ -28,7 +28,8 @@ def test_cancel_before_dispatch(lab, observe):
     rig.worker.run_one()
     assert lab.state(queued.id).state == "cancelled"
     assert rig.service.calls == 0, "queued cancellation ignored"
-    observe({"before_dispatch": "cancelled", "queued": "cancelled", "effects": lab.effects()})
+    observe({"before_dispatch": "cancelled", "queued": "cancelled", "effects": lab.effects()},
+            facts=("before_dispatch", "queued", "effects"))
 
 
 def test_cancel_after_effect_preserves_succeeded_fact(lab, observe):
@@ -52,7 +53,7 @@ def test_cancel_after_effect_preserves_succeeded_fact(lab, observe):
         "cancel_requested": final.cancel_requested,
         "effects": lab.effects(),
         "events": [event["kind"] for event in lab.store.events(job.id)],
-    })
+    }, facts=("state", "cancel_requested", "effects", "events"))
 
 
 def test_cancellation_during_lookup_cannot_requeue(lab, observe):
@@ -87,4 +88,4 @@ def test_cancellation_during_lookup_cannot_requeue(lab, observe):
         "state": final.state,
         "cancel_requested": final.cancel_requested,
         "effects": lab.effects(),
-    })
+    }, facts=("cancel_during", "lookup", "state", "cancel_requested", "effects"))

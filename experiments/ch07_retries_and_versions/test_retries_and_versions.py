@@ -38,7 +38,7 @@ def test_trusted_429_uses_timed_retry(lab, observe):
         "attempts": final.attempt,
         "post_calls": rig.service.calls,
         "effects": lab.effects(),
-    })
+    }, facts=("timer", "attempts", "post_calls", "effects"))
 
 
 def test_trusted_429_exhausts_persistent_budget(lab, observe):
@@ -62,7 +62,7 @@ def test_trusted_429_exhausts_persistent_budget(lab, observe):
         "attempts": final.attempt,
         "post_calls": rig.service.calls,
         "effects": lab.effects(),
-    })
+    }, facts=("state", "persistent_budget", "attempts", "post_calls", "effects"))
 
 
 def test_persisted_version_two_rejected_by_old_worker(lab, observe):
@@ -86,4 +86,4 @@ def test_persisted_version_two_rejected_by_old_worker(lab, observe):
         "worker_version": 1,
         "state": final.state,
         "post_calls": rig.service.calls,
-    })
+    }, facts=("persisted_version", "worker_version", "state", "post_calls"))

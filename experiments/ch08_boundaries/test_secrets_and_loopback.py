@@ -48,7 +48,7 @@ def test_events_exclude_raw_sensitive_inputs(lab, lab_dsn, observe):
         "raw_sensitive_markers_found": 0,
         "scope": "events kind/detail; workflow and tool ledger intentionally retain "
         "business fields",
-    })
+    }, facts=("events_checked", "raw_sensitive_markers_found", "scope"))
 
 
 def test_loopback_boundaries_reject_remote_targets(observe):
@@ -74,5 +74,5 @@ def test_loopback_boundaries_reject_remote_targets(observe):
         "remote_dsns_refused": f"{refused_dsns}/{len(REMOTE_DSNS)}",
         "unsafe_endpoints_refused": f"{refused_endpoints}/{len(UNSAFE_ENDPOINTS)}",
         "localhost_pinned_to": pinned.get("hostaddr"),
-    })
+    }, facts=("remote_dsns_refused", "unsafe_endpoints_refused", "localhost_pinned_to"))
 

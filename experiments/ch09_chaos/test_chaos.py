@@ -49,7 +49,7 @@ def test_chaos_round_keeps_every_invariant(lab_dsn, reached_database, observe):
         # How a random round unfolds varies run to run; the invariants are the facts.
         "states", "effects", "kills", "backend_terminations", "dropped_replies",
         "rejected_429", "leases_expired", "manual_reviews", "manual_review_reasons",
-    ))
+    ), facts=("seed", "workflows", "worker_processes", "violations"))
     assert report["violations"] == [], report["violations"][:10]
     assert sum(report["states"].values()) == settings.workflows
     assert faults["kills"] > 0, "no worker was killed: the round proved nothing about crashes"

@@ -52,7 +52,8 @@ def test_exact_replay_returns_the_existing_barrier(lab, observe):
     assert first.start_id == barrier.start_id(claim.id, claim.fence)
     observe({"replay_returns_first": again == first,
              "start_id_derived_from": "workflow and fence",
-             "rows_written_on_replay": sum(after.values()) - sum(before.values())})
+             "rows_written_on_replay": sum(after.values()) - sum(before.values())},
+            facts=("replay_returns_first", "start_id_derived_from", "rows_written_on_replay"))
 
 
 def test_barrier_drift_is_a_conflict(lab, observe):
@@ -67,7 +68,8 @@ def test_barrier_drift_is_a_conflict(lab, observe):
     after = counts(lab)
     assert after == before
     observe({"drift": "attempt", "refused_with": conflict.typename,
-             "rows_written": sum(after.values()) - sum(before.values())})
+             "rows_written": sum(after.values()) - sum(before.values())},
+            facts=("drift", "refused_with", "rows_written"))
 
 
 def test_fence_moved_before_the_barrier_writes_nothing(lab, observe):
@@ -86,7 +88,8 @@ def test_fence_moved_before_the_barrier_writes_nothing(lab, observe):
     assert counts(lab) == before
     assert lab.store.barrier_for(old.id, old.fence) is None
     observe({"old_fence": old.fence, "new_fence": new.fence, "rows_written": 0,
-             "result": "stale"})
+             "result": "stale"},
+            facts=("old_fence", "new_fence", "rows_written", "result"))
 
 
 @pytest.mark.parametrize("corruption", ["digest", "binding"])
@@ -124,7 +127,8 @@ def test_corrupted_barrier_fails_closed(lab, observe, corruption):
     assert completions(lab) == 0
     assert lab.effects() == 1 and rig.service.calls == 1
     observe({"corruption": corruption, "state": held.state, "review_reason": "integrity",
-             "completions": 0, "effects": lab.effects()})
+             "completions": 0, "effects": lab.effects()},
+            facts=("corruption", "state", "review_reason", "completions", "effects"))
 
 
 def test_success_and_failure_completions_exclude_each_other(lab, observe):
@@ -151,7 +155,8 @@ def test_success_and_failure_completions_exclude_each_other(lab, observe):
         )
     assert completions(lab) == 1
     observe({"first": "succeeded", "second": "rejected by primary key",
-             "completions": completions(lab)})
+             "completions": completions(lab)},
+            facts=("first", "second", "completions"))
 
 
 def test_failure_completion_carries_fixed_facts(lab, observe):
@@ -169,7 +174,8 @@ def test_failure_completion_carries_fixed_facts(lab, observe):
     assert outcomes == ["rate_limited", "rate_limited", "rate_limited_budget_spent"]
     for row in rows:
         assert row["summary"] == barrier.FAILURE_FACTS[row["outcome"]]
-    observe({"outcomes": outcomes, "summaries": "fixed facts", "effects": lab.effects()})
+    observe({"outcomes": outcomes, "summaries": "fixed facts", "effects": lab.effects()},
+            facts=("outcomes", "summaries", "effects"))
 
 
 def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, observe):
@@ -203,7 +209,8 @@ def test_crash_before_barrier_is_proved_undispatched_and_requeued_once(lab, obse
     assert decision == [{"decision": "requeue", "proof": "no start barrier"}]
     observe({"review_reason": held.review_reason, "proof": "no start barrier",
              "requeue": "allowed", "state": final.state, "effects": lab.effects(),
-             "post_calls": rig.service.calls})
+             "post_calls": rig.service.calls},
+            facts=("review_reason", "proof", "requeue", "state", "effects", "post_calls"))
 
 
 def test_proved_undispatched_work_leaves_review_by_itself(lab, observe):
@@ -256,7 +263,9 @@ def test_proved_undispatched_work_leaves_review_by_itself(lab, observe):
     observe({"undispatched": requeued.state, "proof": audit["requeued_undispatched"],
              "budget_spent": failed.state, "dispatched": held.review_reason,
              "reviews_by_a_person": by_a_person, "effects": lab.effects(),
-             "final": lab.state(undispatched.id).state})
+             "final": lab.state(undispatched.id).state},
+            facts=("undispatched", "proof", "budget_spent", "dispatched", "reviews_by_a_person",
+                   "effects", "final"))
 
 
 def test_requeue_of_a_dispatched_workflow_needs_force(lab, observe):
@@ -277,7 +286,8 @@ def test_requeue_of_a_dispatched_workflow_needs_force(lab, observe):
     assert forced.state == "ready"
     assert lab.count_events("forced_requeue") == 1
     observe({"without_force": "denied", "with_force": forced.state,
-             "audited": lab.count_events("forced_requeue")})
+             "audited": lab.count_events("forced_requeue")},
+            facts=("without_force", "with_force", "audited"))
 
 
 def test_key_rotation_keeps_old_results_readable(lab, observe):
@@ -308,7 +318,8 @@ def test_key_rotation_keeps_old_results_readable(lab, observe):
     observe({"old_key_id": "development" if old_kid.startswith("dev-") else "configured",
              "new_key_id": new_result.result["key_id"],
              "old_result_opens_to_its_effect": old_receipt.effect_key == old.effect_key,
-             "unknown_key_id_refused_with": unknown_key.typename, "cipher": "AES-256-GCM"})
+             "unknown_key_id_refused_with": unknown_key.typename, "cipher": "AES-256-GCM"},
+            facts=("old_result_opens_to_its_effect", "unknown_key_id_refused_with", "cipher"))
 
 
 def test_one_trace_id_links_proposal_barrier_effect_and_completion(lab, observe):
@@ -330,7 +341,8 @@ def test_one_trace_id_links_proposal_barrier_effect_and_completion(lab, observe)
     observe({"distinct_trace_ids": len(set(linked.values())), "trace_linked": sorted(linked),
              "ledger_start_id_is_barrier": ledger[0]["start_id"] == start.start_id,
              "completion_recorded": completion is not None,
-             "traceparent": "W3C 00-<trace>-<span>-01"})
+             "traceparent": "W3C 00-<trace>-<span>-01"},
+            facts=("ledger_start_id_is_barrier", "completion_recorded"))
 
 
 def test_sealed_result_is_bound_to_its_workflow(lab, observe):
@@ -346,4 +358,5 @@ def test_sealed_result_is_bound_to_its_workflow(lab, observe):
     moved = dataclasses.replace(b, result=a.result)
     with pytest.raises(errors.IntegrityFailure) as swapped:
         lab.store.receipt_of(moved)
-    observe({"swapped_result_refused_with": swapped.typename, "bound_to": "workflow id"})
+    observe({"swapped_result_refused_with": swapped.typename, "bound_to": "workflow id"},
+            facts=("swapped_result_refused_with", "bound_to"))

@@ -83,7 +83,8 @@ def test_postgres_killed_mid_window_recovers_without_violation(
         "effects": effects,
         "tool_calls": rig.service.calls,
         "violations": len(found),
-    })
+    }, facts=("window", "durability", "postmaster", "effects_when_killed", "state", "effects",
+              "tool_calls", "violations"))
     assert found == [], [v.to_json() for v in found]
     assert final.state == "succeeded"
     assert effects == 1
@@ -149,7 +150,7 @@ def test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant
     }, measurements=(
         # Restarts, partitions and how the round ends vary run to run; violations are the fact.
         "restarts", "partitions", "states", "effects", "manual_review_reasons",
-    ))
+    ), facts=("seed", "workflows", "durability", "violations"))
     assert report["violations"] == [], report["violations"][:10]
     assert sum(report["states"].values()) == settings.workflows
     assert database["durability"]["fsync"] == "on"

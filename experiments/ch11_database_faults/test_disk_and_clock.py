@@ -186,7 +186,8 @@ def test_disk_full_mid_window_fails_writes_and_recovers_without_violation(
         "violations": len(found),
         "audit_findings": len(findings),
     }, measurements=("filesystem", "server_log", "refused_writes_in_order", "examples",
-                     "postmaster_restarted_by_lab", "effects_when_filled"))
+                     "postmaster_restarted_by_lab", "effects_when_filled"),
+       facts=("window", "next_write", "state", "effects", "violations", "audit_findings"))
     assert found == [], [v.to_json() for v in found]
     assert findings == [], findings
     log = record["server_log"]
@@ -256,7 +257,8 @@ def test_clock_steps_mid_window_keep_one_owner_per_fence(
         "violations": len(found),
         "audit_findings": len(findings),
     }, measurements=("steps_s", "leases_expired_early", "leases_late_after_back_step",
-                     "recovered_after_forward_step", "effects_when_stepped", "events"))
+                     "recovered_after_forward_step", "effects_when_stepped", "events"),
+       facts=("window", "state", "effects", "violations", "audit_findings"))
     assert found == [], [v.to_json() for v in found]
     assert findings == [], findings
     assert forward["leases_early"] == 1, "the forward step moved no lease"
@@ -308,7 +310,8 @@ def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
         "effects": report["effects"],
         "violations": report["violation_count"],
         "audit": {k: report["audit"][k] for k in ("audit_findings", "agree")},
-    }, measurements=("filesystem", "disk_full", "clock_steps", "kills", "states", "effects"))
+    }, measurements=("filesystem", "disk_full", "clock_steps", "kills", "states", "effects"),
+       facts=("seed", "workflows", "violations", "audit"))
     assert report["violations"] == [], report["violations"][:10]
     assert report["checkers_agree"], report["audit"]
     assert report["audit"]["audit_findings"] == 0

@@ -38,7 +38,8 @@ def test_every_crash_point_keeps_every_invariant(
             "non_idempotent": crashmatrix.outcome(non_idempotent),
         },
         "wall_s": matrix["timing"]["wall_s"],
-    }, measurements=(crashmatrix.SIGNED_KEY, "cells"))
+    }, measurements=(crashmatrix.SIGNED_KEY, "cells"), facts=("coverage", "violations",
+                                                              "sigkill_after_effect"))
     assert matrix["violation_count"] == 0, [c for c in matrix["cells"] if c.get("violations")]
     assert coverage["missing"] == [] and coverage["reached"] == len(protocol.NAMES)
     assert matrix["summary"][crashmatrix.NOT_REACHED] == 0

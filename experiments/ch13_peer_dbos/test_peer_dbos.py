@@ -104,7 +104,8 @@ def test_dbos_step_reruns_after_sigkill_after_effect(lab, dbos, observe, idempot
         **_seen(dbos, workflow_id),
         "outcome": f"step re-ran after recovery: {calls} tool calls, {effects} effect(s), "
                    f"DBOS status {status}",
-    })
+    }, facts=("peer_window", "system", "effects", "tool_calls", "dbos_version", "dbos_config",
+              "dbos_status", "dbos_steps", "outcome"))
 
 
 def test_dbos_step_retry_budget_restarts_after_crash(lab, dbos, observe):
@@ -137,7 +138,8 @@ def test_dbos_step_retry_budget_restarts_after_crash(lab, dbos, observe):
         **_seen(dbos, workflow_id, max_attempts=budget),
         "outcome": f"{calls} attempts for a budget of {budget}: the budget restarts in the "
                    f"recovering process; DBOS status {status}",
-    })
+    }, facts=("peer_window", "system", "effects", "tool_calls", "budget", "dbos_version",
+              "dbos_config", "dbos_status", "dbos_steps", "outcome"))
 
 
 def test_dbos_lost_reply_ends_in_error_with_the_effect_done(lab, dbos, observe):
@@ -165,7 +167,8 @@ def test_dbos_lost_reply_ends_in_error_with_the_effect_done(lab, dbos, observe):
         **_seen(dbos, workflow_id),
         "outcome": f"DBOS status {status} while the ledger holds {effects} effect(s); "
                    f"{lookups} lookups",
-    })
+    }, facts=("peer_window", "system", "effects", "tool_calls", "lookups", "dbos_version",
+              "dbos_config", "dbos_status", "dbos_steps", "outcome"))
 
 
 def test_dbos_new_version_leaves_the_crashed_workflow_pending(lab, dbos, observe):
@@ -204,7 +207,8 @@ def test_dbos_new_version_leaves_the_crashed_workflow_pending(lab, dbos, observe
         **_seen(dbos, workflow_id),
         "outcome": f"{after_v2['status']} while only v2 ran; a v1 process re-ran the step: "
                    f"{calls} tool calls, DBOS status {status}",
-    })
+    }, facts=("peer_window", "system", "effects", "tool_calls", "status_while_v2_ran",
+              "dbos_version", "dbos_config", "dbos_status", "dbos_steps", "outcome"))
 
 
 def test_dbos_cancel_during_the_call_hides_the_effect(lab, dbos, observe):
@@ -236,7 +240,8 @@ def test_dbos_cancel_during_the_call_hides_the_effect(lab, dbos, observe):
         **seen,
         "outcome": f"DBOS status {status} with {effects} effect(s) in the ledger; "
                    f"{receipts} step output(s) recorded",
-    })
+    }, facts=("peer_window", "system", "effects", "tool_calls", "step_outputs_recorded",
+              "dbos_version", "dbos_config", "dbos_status", "dbos_steps", "outcome"))
 
 
 def test_dbos_postgres_restart_between_effect_and_checkpoint(lab, killable_postgres, observe):
@@ -276,6 +281,7 @@ def test_dbos_postgres_restart_between_effect_and_checkpoint(lab, killable_postg
             "outcome": f"system database restarted before the checkpoint: the process "
                        f"recorded the step ({recorded}), DBOS status {status}, "
                        f"{effects} effect(s)",
-        })
+        }, facts=("peer_window", "system", "effects", "tool_calls", "dbos_version",
+                  "dbos_config", "dbos_status", "dbos_steps", "outcome"))
     finally:
         dbos.close()

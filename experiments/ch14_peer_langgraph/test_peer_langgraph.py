@@ -110,7 +110,9 @@ def test_langgraph_credit_node_reruns_after_sigkill_after_effect(lab, graph, obs
         **seen,
         "outcome": f"credit node re-ran on resume: {calls} tool calls, {effects} effect(s); "
                    f"the state keeps receipt {len(receipts)} of {len(receipts)}",
-    }, measurements=("langgraph_state",))
+    }, measurements=("langgraph_state",), facts=("peer_window", "system", "effects",
+                                                 "tool_calls", "langgraph_versions",
+                                                 "langgraph_config", "outcome"))
 
 
 def test_langgraph_lost_reply_is_replayed_on_resume(lab, graph, observe):
@@ -144,7 +146,10 @@ def test_langgraph_lost_reply_is_replayed_on_resume(lab, graph, observe):
         **_seen(graph, thread),
         "outcome": f"lost reply left next={after_loss['next']}; resume called again: "
                    f"{effects} effect(s), {lookups} lookups",
-    }, measurements=("langgraph_state",))
+    }, measurements=("langgraph_state",), facts=("peer_window", "system", "effects",
+                                                 "tool_calls", "next_after_lost_reply",
+                                                 "langgraph_versions", "langgraph_config",
+                                                 "outcome"))
 
 
 @pytest.mark.parametrize("decision", [
@@ -177,7 +182,10 @@ def test_langgraph_approval_is_any_resume_value(lab, graph, observe, decision):
         "approval_names_this_plan": names_plan,
         **seen,
         "outcome": f"resume value {json.dumps(stored)} accepted as approval: {effects} effect(s)",
-    }, measurements=("langgraph_state",))
+    }, measurements=("langgraph_state",), facts=("peer_window", "system", "effects",
+                                                 "approval_names_this_plan",
+                                                 "langgraph_versions", "langgraph_config",
+                                                 "outcome"))
 
 
 def test_langgraph_resume_after_expiry_still_credits(lab, graph, observe):
@@ -204,7 +212,9 @@ def test_langgraph_resume_after_expiry_still_credits(lab, graph, observe):
         **_seen(graph, thread),
         "outcome": f"resumed at least {late:.2f} s after the approval expired: "
                    f"{effects} effect(s)",
-    }, measurements=("langgraph_state", "outcome"))
+    }, measurements=("langgraph_state", "outcome"), facts=("peer_window", "system", "effects",
+                                                           "langgraph_versions",
+                                                           "langgraph_config"))
 
 
 def test_langgraph_two_processes_resume_one_thread(lab, graph, observe):
@@ -239,7 +249,10 @@ def test_langgraph_two_processes_resume_one_thread(lab, graph, observe):
         **_seen(graph, thread),
         "outcome": f"{len(both)} processes ran the credit node of one thread: "
                    f"{effects} effect(s)",
-    }, measurements=("langgraph_state",))
+    }, measurements=("langgraph_state",), facts=("peer_window", "system", "effects",
+                                                 "tool_calls", "processes_in_credit_node",
+                                                 "langgraph_versions", "langgraph_config",
+                                                 "outcome"))
 
 
 @pytest.mark.parametrize("idempotent", [True, False], ids=["idempotent", "non_idempotent"])
@@ -294,7 +307,10 @@ def test_langgraph_node_delegating_to_the_lab_keeps_one_effect(lab, graph, obser
         **_seen(graph, thread),
         "outcome": f"{calls} tool call(s), {effects} effect(s) after the SIGKILL; "
                    f"lab state {workflow['state']}",
-    }, measurements=("langgraph_state",))
+    }, measurements=("langgraph_state",), facts=("peer_window", "system", "via", "effects",
+                                                 "tool_calls", "lookups", "lab_state",
+                                                 "review_reason", "langgraph_versions",
+                                                 "langgraph_config", "outcome"))
 
 
 def test_langgraph_postgres_restart_between_effect_and_checkpoint(
@@ -341,6 +357,9 @@ def test_langgraph_postgres_restart_between_effect_and_checkpoint(
             "outcome": f"restart before the checkpoint: {ended.split()[-1]} in the node's "
                        f"process, next={after_restart['next']}; resume credited again: "
                        f"{effects} effect(s)",
-        }, measurements=("langgraph_state",))
+        }, measurements=("langgraph_state",), facts=("peer_window", "system", "effects",
+                                                     "tool_calls", "resume_process",
+                                                     "next_after_restart", "langgraph_versions",
+                                                     "langgraph_config", "outcome"))
     finally:
         graph.close()

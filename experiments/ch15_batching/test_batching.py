@@ -140,7 +140,10 @@ def test_a_sigkill_after_a_non_idempotent_batch_leaves_every_workflow_for_a_pers
         "baseline_effects": single["effects"],
         "baseline_replayed": single["replayed"],
         "violations": len(violations),
-    })
+    }, facts=("signal", "window", "lease_expiry", "batch", "left_unknown", "reviews_per_sigkill",
+              "review_reason", "effects", "replayed", "baseline_batch", "baseline_left_unknown",
+              "baseline_reviews_per_sigkill", "baseline_completed_after_restart",
+              "baseline_effects", "baseline_replayed", "violations"))
 
 
 def test_an_idempotent_batch_lost_to_a_sigkill_settles_itself(
@@ -183,7 +186,8 @@ def test_an_idempotent_batch_lost_to_a_sigkill_settles_itself(
         "calls": rig.service.calls,
         "lookups": rig.service.lookups,
         "violations": len(violations),
-    })
+    }, facts=("signal", "window", "lease_expiry", "batch", "left_unknown", "reconciled",
+              "reviews_per_sigkill", "state", "effects", "calls", "lookups", "violations"))
 
 
 def test_a_sigkill_at_after_batch_leaves_reviews_that_prove_nothing_was_dispatched(
@@ -231,7 +235,9 @@ def test_a_sigkill_at_after_batch_leaves_reviews_that_prove_nothing_was_dispatch
         "effects": lab.effects(),
         "calls": rig.service.calls,
         "violations": len(violations),
-    })
+    }, facts=("signal", "window", "lease_expiry", "batch", "start_barriers", "effects_at_crash",
+              "left_unknown", "reviews_per_sigkill", "review_reason", "requeued_with_proof",
+              "final_state", "effects", "calls", "violations"))
 
 
 
@@ -277,7 +283,8 @@ def test_a_sigkill_with_a_non_idempotent_batch_in_flight_needs_no_person_when_ab
         "completed_after_restart": sum(1 for w in finals if w.state == "succeeded"),
         "effects": lab.effects(),
         "violations": len(violations),
-    })
+    }, facts=("batch", "tool", "requests_in_flight_at_kill", "reviews", "requeued_with_proof",
+              "late_requests_refused", "completed_after_restart", "effects", "violations"))
     assert reasons == [], reasons
     assert requeued == ["ready"] * BATCH
     assert rig.service.fenced == BATCH

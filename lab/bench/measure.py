@@ -246,15 +246,15 @@ class Scratch:
     Each database's DSN is derived once from the admin DSN, here.
     """
 
-    admin_dsn: str
+    admin_dsn: str = field(repr=False)
     store_db: str
     tool_db: str
     dbos_db: str
     separate: bool
     created: tuple[str, ...] = ()
-    store_dsn: str = field(init=False)
-    tool_dsn: str = field(init=False)
-    dbos_dsn: str = field(init=False)
+    store_dsn: str = field(init=False, repr=False)
+    tool_dsn: str = field(init=False, repr=False)
+    dbos_dsn: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for role in ("store", "tool", "dbos"):

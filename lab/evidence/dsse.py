@@ -14,7 +14,7 @@ import binascii
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ def load_public_key(pem: bytes) -> ed25519.Ed25519PublicKey:
 class Signer:
     """An Ed25519 key and where it came from (``key_file`` or ``ephemeral``)."""
 
-    key: ed25519.Ed25519PrivateKey
+    key: ed25519.Ed25519PrivateKey = field(repr=False)
     source: str
 
     @property

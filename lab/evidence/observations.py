@@ -1,28 +1,33 @@
-"""Facts and measurements: every observation key is classified when it is recorded.
+"""Facts and measurements: every observation key is declared, and classified when recorded.
 
 A **fact** is expected to be identical on every run of the same commit (effects, final
-states, review reasons, the counts a claim is about); ``lab reproduce`` compares facts
-and fails on any difference. A **measurement** may vary between runs (durations,
-timings, throughput, trace and random ids); it is shown side by side, never compared.
+states, review reasons, the counts a claim is about); ``lab reproduce`` and ``lab
+evidence compare`` compare facts and fail on any difference. A **measurement** may vary
+between runs (durations, timings, throughput, trace and random ids, which of two racing
+processes won); it is shown side by side, never compared.
 
-The rule, in order, for each top-level key of ``observe({...})``:
+Nothing is a fact by default: an author decides, for each key, whether every genuine run
+of the commit observes the same value. The rule, in order, for each top-level key of
+``observe({...}, facts=(...), measurements=(...))``:
 
 1. a key named in both ``facts=`` and ``measurements=`` is ``unclassified``;
 2. a key named in ``facts=`` is a fact, in ``measurements=`` a measurement;
-3. a key whose name matches ``MEASUREMENT_NAMES`` (case-insensitive globs) is a
-   measurement;
-4. a key whose value holds a non-integral number anywhere (a JSON float, also inside
-   lists and objects) is ``unclassified``: a float is usually measured, so a float that
-   is a fact must be declared, and so must a float that is a measurement under another name;
-5. anything else (strings, integers, booleans, null, containers of them) is a fact.
+3. a key whose name matches ``MEASUREMENT_NAMES`` (case-insensitive globs: durations,
+   rates, ids) is a measurement: its name declares it;
+4. any other key is **undeclared**: ``classify`` raises ``Undeclared`` with the
+   declaration to add, so a string, a list or a count is never a fact by accident (a
+   race's winner recorded as a fact did not reproduce: issue 41).
 
-An observation with an ``unclassified`` key (or a key the report carries no kind for)
-fails the gate, naming the test and the key, so the split cannot rot. Pure: the gate,
-the verifier and the plugin share this one rule.
+``undeclared_in_source`` finds rule 4 in an experiment's source before it runs (the
+plugin fails such an experiment at collection, naming file, line and key); ``classify``
+enforces it when the value is recorded. An observation with an ``unclassified`` key (or a
+key the report carries no kind for) fails the gate, naming the test and the key, so the
+split cannot rot. Pure: the gate, the verifier and the plugin share this one rule.
 """
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -44,17 +49,17 @@ def _is_measurement_name(key: str) -> bool:
     return any(fnmatch.fnmatchcase(lowered, pattern) for pattern in MEASUREMENT_NAMES)
 
 
-def holds_float(value: Any) -> bool:
-    """True when ``value`` is, or contains anywhere, a non-integral JSON number (a float)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, float):
-        return True
-    if isinstance(value, Mapping):
-        return any(holds_float(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(holds_float(v) for v in value)
-    return False
+class Undeclared(ValueError):
+    """Keys of an observation whose kind is neither declared nor given by their name."""
+
+
+def declaration_hint(keys: Iterable[str]) -> str:
+    """The one-line message for undeclared ``keys``, with the declaration to add."""
+    names = tuple(keys)
+    listed = ", ".join(repr(k) for k in names)
+    return (f"observe: {listed} {'has' if len(names) == 1 else 'have'} no declared kind: "
+            f"add facts={names!r} if every run of the commit observes the same value, "
+            f"else measurements={names!r}")
 
 
 def classify(
@@ -65,26 +70,77 @@ def classify(
 ) -> dict[str, str]:
     """The kind of each key of ``observation`` by the module's rule.
 
-    Raises ``ValueError`` naming every declared key the observation does not hold:
-    an override that names nothing would silently classify nothing.
+    Raises ``ValueError`` naming every declared key the observation does not hold (an
+    override that names nothing would silently classify nothing), and ``Undeclared``
+    naming every key whose kind is neither declared nor given by its name.
     """
     declared_facts, declared_measurements = set(facts), set(measurements)
     stray = sorted((declared_facts | declared_measurements) - set(observation))
     if stray:
         raise ValueError(f"observe: declared keys not in the observation: {', '.join(stray)}")
     kinds: dict[str, str] = {}
-    for key, value in observation.items():
+    undeclared: list[str] = []
+    for key in observation:
         if key in declared_facts and key in declared_measurements:
             kinds[key] = UNCLASSIFIED
         elif key in declared_facts:
             kinds[key] = FACT
         elif key in declared_measurements or _is_measurement_name(key):
             kinds[key] = MEASUREMENT
-        elif holds_float(value):
-            kinds[key] = UNCLASSIFIED
         else:
-            kinds[key] = FACT
+            undeclared.append(key)
+    if undeclared:
+        raise Undeclared(declaration_hint(undeclared))
     return kinds
+
+
+def _literal_names(node: ast.expr) -> set[str] | None:
+    """The strings of a literal tuple or list of strings; None when not such a literal."""
+    if isinstance(node, ast.Tuple | ast.List) and all(
+        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+    ):
+        return {str(e.value) for e in node.elts if isinstance(e, ast.Constant)}
+    return None
+
+
+def undeclared_in_source(source: str, filename: str = "<source>") -> dict[str, list[str]]:
+    """Rule 4 found in ``source`` before it runs, by the name of the function holding the
+    ``observe({...})`` call: one message per call naming file, line and keys.
+
+    Only what the source fixes is judged: a literal dict's literal keys, with literal
+    ``facts=``/``measurements=`` tuples; anything computed is left to ``classify``.
+    """
+    try:
+        tree = ast.parse(source, filename)
+    except SyntaxError:
+        return {}
+    found: dict[str, list[str]] = {}
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+                    and child.func.id == "observe" and child.args
+                    and isinstance(child.args[0], ast.Dict)):
+                declared: set[str] = set()
+                judged = True
+                for keyword in child.keywords:
+                    if keyword.arg in ("facts", "measurements"):
+                        names = _literal_names(keyword.value)
+                        judged = judged and names is not None
+                        declared |= names or set()
+                keys = [k.value for k in child.args[0].keys
+                        if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+                missing = [k for k in keys if k not in declared and not _is_measurement_name(k)]
+                if judged and missing:
+                    found.setdefault(function, []).append(
+                        f"{filename}:{child.lineno}: {declaration_hint(missing)}")
+            visit(child, function)
+
+    visit(tree, "")
+    return found
 
 
 def undecided(observation: Any, kinds: Any) -> list[str]:

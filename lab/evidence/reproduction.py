@@ -185,7 +185,7 @@ def compare(original: Mapping[str, Any], reproductions: Sequence[Mapping[str, An
 
     Experiments come in the original's order, then any only a re-run has. A key the
     original classified as anything but a measurement is compared as a fact (the gate
-    refuses unclassified keys, so that is only ever a declared or default fact).
+    refuses unclassified keys, so that is only ever a declared fact).
     """
     if not reproductions:
         raise ValueError("compare needs at least one reproduction")

@@ -66,7 +66,7 @@ class ClockSteps:
     """Steps one server's clock and keeps what happened."""
 
     server: Server
-    dsn: str
+    dsn: str = field(repr=False)
     schemas: Sequence[str]
     rng: random.Random
     max_s: int

@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -297,10 +297,10 @@ def cell_id(boundary: str, fault: str, kind: str) -> str:
 
 @dataclass
 class _Run:
-    dsn: str
-    token: str
+    dsn: str = field(repr=False)
+    token: str = field(repr=False)
     seed: int
-    keys: sealing.KeyCatalog
+    keys: sealing.KeyCatalog = field(repr=False)
     keep_schemas: bool
     restart: Callable[[], float] | None
 

@@ -152,7 +152,7 @@ class Peer:
     Owns every process it starts and its schema; ``close`` kills and drops them.
     """
 
-    dsn: str
+    dsn: str = field(repr=False)
     schema: str
     on_event: Callable[[str, str], None] | None = None
     children: list[processes.WorkerProcess] = field(default_factory=list)

@@ -257,10 +257,10 @@ def snapshot(dsn: str, schema: str, thread: str) -> dict[str, Any]:
 class Peer:
     """LangGraph processes of one experiment on one checkpoint schema; ``close`` cleans up."""
 
-    dsn: str
+    dsn: str = field(repr=False)
     schema: str
     store_schema: str
-    keys: sealing.KeyCatalog
+    keys: sealing.KeyCatalog = field(repr=False)
     on_event: Callable[[str, str], None] | None = None
     children: list[processes.WorkerProcess] = field(default_factory=list)
 

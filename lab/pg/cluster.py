@@ -95,7 +95,7 @@ def restarts() -> int:
 class Provisioned:
     """A PostgreSQL server ready for a run, and how it came to be."""
 
-    dsn: str
+    dsn: str = field(repr=False)
     provider: str
     server_version: str
     details: dict[str, str] = field(default_factory=dict)

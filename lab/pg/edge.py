@@ -90,6 +90,15 @@ def database_of(dsn: str) -> str:
     return str(params.get("dbname") or params.get("user") or "postgres")
 
 
+def password_of(dsn: str) -> str | None:
+    """The password ``dsn`` carries (or ``PGPASSWORD``), if any; None for a malformed DSN."""
+    try:
+        params = conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return None
+    return str(params.get("password") or os.environ.get("PGPASSWORD") or "") or None
+
+
 def sqlalchemy_url(dsn: str) -> str:
     """``dsn`` as the SQLAlchemy URL DBOS takes for its system database."""
     params = conninfo.conninfo_to_dict(loopback.check_dsn(dsn))

@@ -26,7 +26,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
@@ -155,7 +155,7 @@ def run_parent() -> str:
 class Server:
     """A running embedded cluster: where to reach it, how it came to be, how to stop it."""
 
-    dsn: str
+    dsn: str = field(repr=False)
     server_version: str
     details: dict[str, str]
     cluster: Embedded

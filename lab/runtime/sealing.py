@@ -34,7 +34,7 @@ SEALED_FORMAT = "lab-sealed@v1"
 class KeyCatalog:
     """Key ids to AES-256 keys; ``active`` seals, every key opens."""
 
-    keys: Mapping[str, bytes]
+    keys: Mapping[str, bytes] = field(repr=False)
     active: str
     development: bool = False
     _aad_prefix: bytes = field(default=b"lab/result@v1\0", repr=False)

@@ -49,7 +49,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
-from lab import errors, loopback, names, protocol
+from lab import errors, loopback, names, protocol, redact
 from lab.runtime import barrier as barriers
 from lab.runtime import ledger
 from lab.runtime.plan import Receipt
@@ -174,6 +174,7 @@ class ToolService:
         self.idempotent = idempotent
         self.fenced_lookup = idempotent if fenced_lookup is None else fenced_lookup
         self.token = token or secrets.token_urlsafe(24)
+        redact.remember(self.token)  # kept out of this process's test reports
         #: While True, every effect reply is dropped after the commit (see ``drop_next_reply``).
         self.drop_responses = False
         #: Called with the effect key during each authoritative lookup, before the ledger

@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from lab import errors, protocol
+from lab import errors, protocol, redact
 from lab.runtime import egress, processes, tool
 
 DROP_COMMAND = "drop"
@@ -120,6 +120,7 @@ class ToolProcess:
         self.schema = schema
         self.idempotent = idempotent
         self.token = token
+        redact.remember(token)  # kept out of this process's test reports
         self.name = name
         self._on_event = on_event
         self.port = 0

@@ -384,10 +384,10 @@ class Store:
 
     # -- review, and what an operator's recoverer reads ---------------------------------
 
-    def in_review(self) -> list[Workflow]:
-        """Workflows waiting for a person: unknown, with the recorded reason."""
+    def in_review(self, tenant: str) -> list[Workflow]:
+        """``tenant``'s workflows waiting for a person: unknown, with the recorded reason."""
         with self._transaction("list manual reviews") as conn:
-            return review.in_review(conn)
+            return review.in_review(conn, tenant)
 
     def requeue_reviewed(
         self, reviewer: Actor, workflow_id: str, *, force: bool = False, reason: str = ""

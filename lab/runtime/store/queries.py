@@ -268,7 +268,7 @@ OPEN_STARTS: LiteralString = """
 # -- review ------------------------------------------------------------------------------
 
 IN_REVIEW: LiteralString = (
-    "SELECT * FROM workflows WHERE state = 'unknown' ORDER BY updated_at, id"
+    "SELECT * FROM workflows WHERE state = 'unknown' AND tenant = %s ORDER BY updated_at, id"
 )
 INSERT_REVIEW: LiteralString = (
     "INSERT INTO reviews (workflow_id, reviewer, decision, proof, reason) "

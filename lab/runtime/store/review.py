@@ -129,9 +129,10 @@ def resolve_reviewed(
     return Workflow.from_row(updated)
 
 
-def in_review(conn: Connection) -> list[Workflow]:
-    """Workflows waiting for a person: unknown, with the recorded reason."""
-    return [Workflow.from_row(row) for row in conn.execute(queries.IN_REVIEW).fetchall()]
+def in_review(conn: Connection, tenant: str) -> list[Workflow]:
+    """``tenant``'s workflows waiting for a person: unknown, with the recorded reason."""
+    rows = conn.execute(queries.IN_REVIEW, (tenant,)).fetchall()
+    return [Workflow.from_row(row) for row in rows]
 
 
 def open_counts(conn: Connection) -> dict[str, int]:
