@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +140,53 @@ def test_shorten_cuts_long_observations() -> None:
     """Observations are compact JSON, cut with an ellipsis."""
     assert summary.shorten({"b": 1, "a": 2}) == '{"a": 2, "b": 1}'
     assert summary.shorten("x" * 100, 10) == "x" * 9 + "…"
+
+
+def test_the_database_a_run_asks_for_is_read_from_its_pytest_arguments() -> None:
+    """``--lab-postgres``/``--lab-dsn`` in either spelling, the last one winning."""
+    assert runner.requested_database([]) == ("auto", None, False)
+    assert runner.requested_database(
+        ["--lab-postgres", "dsn", "--lab-dsn=host=127.0.0.1", "-q"]) == ("dsn", "host=127.0.0.1",
+                                                                        False)
+    assert runner.requested_database(
+        ["--lab-postgres=dsn", "--lab-postgres=embedded", "--lab-allow-remote-dsn"]
+    ) == ("embedded", None, True)
+
+
+def _refusing_port() -> tuple[socket.socket, int]:
+    """A loopback port bound but not listening: a connection to it is refused."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    return held, held.getsockname()[1]
+
+
+def test_an_unreachable_dsn_stops_the_run_before_pytest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line, exit 3, no test collected and no evidence written (a real process)."""
+    _tree(tmp_path)
+    held, port = _refusing_port()
+    with held:
+        env = {**os.environ, "BOOK_LAB_DSN": f"postgresql://x:s3cret@127.0.0.1:{port}/db"}
+        env.pop("PYTEST_ADDOPTS", None)
+        done = subprocess.run([sys.executable, "-m", "lab.cli", "run"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == errors.EXIT_ENVIRONMENT, done.stderr
+    assert done.stderr.splitlines() == [
+        f"lab run: PostgreSQL at 127.0.0.1:{port} cannot be reached: Connection refused "
+        "(the DSN of BOOK_LAB_DSN or --lab-dsn)"]
+    assert done.stdout == "" and "s3cret" not in done.stderr
+    assert not (tmp_path / "evidence").exists()
+
+
+def test_a_dsn_is_probed_only_when_the_run_would_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another provider asked for: the DSN in the environment is not the run's, no probe."""
+    held, port = _refusing_port()
+    with held:
+        environ = {"BOOK_LAB_DSN": f"postgresql://x@127.0.0.1:{port}/db"}
+        runner.check_database(["--lab-postgres", "none"], environ)
+        runner.check_database(["--lab-postgres=embedded"], environ)
+        with pytest.raises(errors.ProvisioningError, match="cannot be reached"):
+            runner.check_database([], environ)
+        with pytest.raises(errors.ProvisioningError, match="cannot be reached"):
+            runner.check_database([], {"PYTEST_ADDOPTS": f"--lab-dsn 'host=127.0.0.1 port={port}'"})
