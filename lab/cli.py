@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from lab import errors, parsing, protocol
+from lab.options import option
 from lab.parsing import options_from as options_from  # re-exported: the tests use cli's
 from lab.pg import providers
 
@@ -31,9 +33,11 @@ class EvidenceOptions:
     """What ``lab evidence verify|show`` is asked to do: the subcommand and its flags."""
 
     evidence_command: str
-    path: str = "evidence"
-    public_key: str | None = None
-    check_sources: bool = False
+    path: str = option("evidence", help="evidence directory or envelope file", positional=True)
+    public_key: str | None = option(
+        None, help="PEM of the expected signer (the only key accepted)")
+    check_sources: bool = option(
+        False, help="compare every signed digest and the manifest with this tree")
 
 
 def _plancheck(args: argparse.Namespace) -> int:
@@ -229,8 +233,7 @@ def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _lab_postgres_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES,
-                        help="where the run's PostgreSQL comes from (auto: a DSN, a container, "
-                             "then an embedded server)")
+                        help=providers.MODE_HELP)
 
 
 def _add_worker(commands: Commands[parsing.Parser]) -> None:
@@ -302,25 +305,18 @@ def _add_evidence(commands: Commands[parsing.Parser]) -> None:
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
     show = ev_commands.add_parser("show", help="verify, then print the summary of the report")
     for ev_command in (verify, show):
-        ev_command.add_argument("path", nargs="?", default="evidence",
-                                help="evidence directory or envelope file")
-        ev_command.add_argument("--public-key", default=None,
-                                help="PEM of the expected signer (the only key accepted)")
-        ev_command.add_argument("--check-sources", action="store_true",
-                                help="compare every signed digest and the manifest with this tree")
+        parsing.add_options(ev_command, EvidenceOptions)
     ev.set_defaults(handler=_evidence)
 
 
 def _add_manifest(commands: Commands[parsing.Parser]) -> None:
     man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")
     man_commands = man.add_subparsers(dest="manifest_command", required=True)
+    from lab.evidence import manifest
+
     for sub, text in (("sync", "rewrite it from collection (exact counts), show the diff"),
                       ("check", "exit 1 naming each difference from collection")):
-        sub_parser = man_commands.add_parser(sub, help=text)
-        sub_parser.add_argument("--experiments", default="experiments",
-                                help="the directory of chapter experiments")
-        sub_parser.add_argument("--manifest", default=None,
-                                help="default: EXPERIMENTS/manifest.json")
+        parsing.add_options(man_commands.add_parser(sub, help=text), manifest.ManifestOptions)
     man.set_defaults(handler=_manifest)
 
 
@@ -549,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A pool's retries are logged as warnings; the one-line error below says what failed.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     name = " ".join(
         str(part) for part in (args.command, *_subcommand(args)) if part
     )

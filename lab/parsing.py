@@ -11,8 +11,11 @@ import argparse
 import dataclasses
 import difflib
 import re
+import typing
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from lab import options
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -154,3 +157,49 @@ def undocumented(parser: argparse.ArgumentParser) -> list[str]:
                   and default_text(action) is None and not _OWN_DEFAULT.search(text)):
                 problems.append(f"{name}: no default shown")
     return problems
+
+
+def _value_type(annotation: Any) -> tuple[type, bool]:
+    """The type of one value of a field annotated ``annotation``, and whether it repeats."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) is tuple:
+        return args[0], True
+    if args:  # ``X | None``
+        return _value_type(args[0])[0], False
+    return annotation, False
+
+
+def add_options(parser: argparse.ArgumentParser, kind: type[Any]) -> None:
+    """Add the flags the options dataclass ``kind`` declares (``lab.options.option``).
+
+    The default is the field's and the value's type its annotation's; a ``bool`` is a
+    switch, a tuple a repeatable flag. Fields that declare no flag are left out.
+    """
+    hints = typing.get_type_hints(kind)
+    for field in dataclasses.fields(kind):
+        flag = options.flag_of(field)
+        if flag is None:
+            continue
+        value_type, repeats = _value_type(hints[field.name])
+        settings: dict[str, Any] = {"help": flag.help}
+        if flag.metavar is not None:
+            settings["metavar"] = flag.metavar
+        if flag.choices is not None:
+            settings["choices"] = flag.choices
+        if value_type is not str and value_type is not bool:
+            settings["type"] = value_type
+        if flag.positional:
+            if field.default is not dataclasses.MISSING:
+                settings.update(nargs="?", default=field.default)
+            parser.add_argument(field.name, **settings)
+            continue
+        names = flag.flags or (f"--{field.name.replace('_', '-')}",)
+        if value_type is bool:
+            parser.add_argument(*names, dest=field.name, action="store_true", help=flag.help)
+        elif flag.repeat or repeats:
+            # argparse appends to a copy of a list default; the options hold a tuple.
+            parser.add_argument(*names, dest=field.name, action="append", default=[], **settings)
+        elif flag.required:
+            parser.add_argument(*names, dest=field.name, required=True, **settings)
+        else:
+            parser.add_argument(*names, dest=field.name, default=field.default, **settings)

@@ -146,3 +146,53 @@ def test_the_parser_class_is_used_throughout() -> None:
         command.parser.formatter_class, parsing.HelpFormatter)
         for command in parsing.walk(cli.build_parser()))
     assert isinstance(cli.build_parser(), argparse.ArgumentParser)
+
+
+def test_an_options_dataclass_declares_its_flags() -> None:
+    """``option(...)`` fields become flags with their help, default, metavar and kind,
+    and parsing them gives back the dataclass; a field without ``option`` is no flag."""
+    import dataclasses
+
+    from lab.options import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Declared:
+        thing_command: str
+        target: str = option(help="what to act on", positional=True)
+        count: int = option(3, help="how many", metavar="N")
+        ratio: float | None = option(None, help="a share")
+        tag: tuple[str, ...] = option((), help="repeatable")
+        loud: bool = option(False, help="say more")
+        mode: str = option("a", help="which", choices=("a", "b"))
+
+    parser = parsing.Parser(prog="lab thing")
+    parsing.add_options(parser, Declared)
+    assert parsing.undocumented(parser) == []
+    assert [a.dest for a in parser._actions][1:] == [
+        "target", "count", "ratio", "tag", "loud", "mode"]
+    args = parser.parse_args(["t", "--count", "5", "--tag", "p", "--tag", "q", "--loud",
+                              "--ratio", "0.5"])
+    args.thing_command = "x"
+    assert cli.options_from(Declared, args) == Declared(
+        "x", "t", 5, 0.5, ("p", "q"), True, "a")
+    defaults = parser.parse_args(["t"])
+    defaults.thing_command = "x"
+    assert cli.options_from(Declared, defaults) == Declared("x", "t")
+    text = " ".join(parser.format_help().split())
+    assert "--count N how many (default: 3)" in text and "say more (default: off)" in text
+
+
+@pytest.mark.parametrize("words", [("evidence", "verify"), ("evidence", "show"),
+                                   ("manifest", "sync"), ("manifest", "check")])
+def test_these_commands_take_their_flags_from_their_options(words: tuple[str, ...]) -> None:
+    """Converted commands: each flag's help is the one their options dataclass declares."""
+    import dataclasses
+
+    from lab.evidence import manifest
+    from lab.options import flag_of
+
+    kind = cli.EvidenceOptions if words[0] == "evidence" else manifest.ManifestOptions
+    declared = {f.name: flag.help for f in dataclasses.fields(kind)
+                if (flag := flag_of(f)) is not None}
+    command = next(c for c in parsing.walk(cli.build_parser()) if c.words == ("lab", *words))
+    assert {a.dest: a.help for a in command.options} == declared
