@@ -196,3 +196,56 @@ def test_these_commands_take_their_flags_from_their_options(words: tuple[str, ..
                 if (flag := flag_of(f)) is not None}
     command = next(c for c in parsing.walk(cli.build_parser()) if c.words == ("lab", *words))
     assert {a.dest: a.help for a in command.options} == declared
+
+
+_SH_BLOCK = re.compile(r"```sh\n(.*?)```", re.S)
+
+
+def _doc_commands() -> list[tuple[str, str]]:
+    """(page, command) for each command line in the ``sh`` blocks of README.md and docs/
+    (the author's guide runs its own, in tests/test_authoring.py)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found: list[tuple[str, str]] = []
+    for page in pages:
+        if page.name == "authoring.md":
+            continue
+        for block in _SH_BLOCK.findall(page.read_text(encoding="utf-8")):
+            for line in block.splitlines():
+                for command in line.split("#", 1)[0].split("&&"):
+                    command = command.rsplit("|", 1)[-1].strip()
+                    if command:
+                        found.append((str(page.relative_to(ROOT)), command))
+    return found
+
+
+def test_every_command_the_docs_print_exists_and_parses() -> None:
+    """A documented command names a script that exists, a module that imports, a file
+    that is there, or ``lab`` arguments its parser accepts, so a renamed command or
+    option cannot linger in the docs. (CI runs the README's two commands themselves.)"""
+    import importlib.util
+    import shlex
+
+    problems: list[str] = []
+    commands = _doc_commands()
+    for page, command in commands:
+        words = [w for w in shlex.split(command) if not re.fullmatch(r"[A-Z_]+=\S*", w)]
+        program, arguments = words[0], words[1:]
+        if program.endswith("/lab"):
+            try:
+                cli.build_parser().parse_args(arguments)
+            except SystemExit:
+                problems.append(f"{page}: {command}: lab does not accept it")
+        elif program.endswith("/python") and arguments[:1] == ["-m"]:
+            if importlib.util.find_spec(arguments[1]) is None:
+                problems.append(f"{page}: {command}: no module {arguments[1]}")
+            problems += [f"{page}: {command}: no file {a}" for a in arguments[2:]
+                         if a.startswith("tests/") and not (ROOT / a).is_file()]
+        elif program.startswith(".venv/bin/"):
+            # A tool the lock installs (ruff, mypy): declared in pyproject.toml.
+            declared = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+            if f'"{program.removeprefix(".venv/bin/")}' not in declared:
+                problems.append(f"{page}: {command}: no dependency provides it")
+        elif not (ROOT / program).is_file():
+            problems.append(f"{page}: {command}: no such program in the checkout")
+    assert problems == []
+    assert ("README.md", "scripts/run-lab") in commands
