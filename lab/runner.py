@@ -131,16 +131,21 @@ def requested_database(arguments: Sequence[str]) -> tuple[str, str | None, bool]
 
 
 def check_database(pytest_args: Sequence[str], environ: Mapping[str, str]) -> None:
-    """Stop ``lab run`` before pytest starts when the DSN it would use cannot be reached.
+    """Stop ``lab run`` before pytest starts when it could get no PostgreSQL.
 
-    Only a given DSN is probed (the ``dsn`` provider, or ``auto`` with a DSN): a server
-    the run starts itself is the plugin's to start. Raises ``errors.ProvisioningError``
-    (exit 3) in one line.
+    The provider is chosen as the plugin will choose it (``cluster.choose_provider``,
+    which says in one paragraph what was tried when nothing fits), and a given DSN is
+    connected to once; a server the run starts itself is the plugin's to start. Raises
+    ``errors.ProvisioningError`` (exit 3) in one line.
     """
     arguments = [*shlex.split(environ.get("PYTEST_ADDOPTS", "")), *pytest_args]
     mode, dsn, remote = requested_database(arguments)
+    if mode not in providers.MODES:
+        return  # none (no server, by request), or a word pytest itself will refuse
+    chosen = cluster.choose_provider(mode, dsn, lambda: cluster.docker_answers(environ),
+                                     lambda: cluster.find_binaries(environ), environ)
     given = cluster.given_dsn(dsn, environ)
-    if mode in (providers.AUTO, providers.DSN) and given is not None:
+    if chosen == providers.DSN and given is not None:
         cluster.reach(given, allow_remote=remote, environ=environ)
 
 

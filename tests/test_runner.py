@@ -218,3 +218,16 @@ def test_a_dsn_is_probed_only_when_the_run_would_use_it(monkeypatch: pytest.Monk
             runner.check_database([], environ)
         with pytest.raises(errors.ProvisioningError, match="cannot be reached"):
             runner.check_database([], {"PYTEST_ADDOPTS": f"--lab-dsn 'host=127.0.0.1 port={port}'"})
+
+
+def test_a_run_with_no_way_to_a_server_stops_before_pytest(tmp_path: Path) -> None:
+    """No DSN, no Docker daemon, no server binaries (a directory without them is named):
+    the run stops in one paragraph naming each fix, before any test."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    environ = {"LAB_PG_BINARIES": str(empty), "DOCKER_HOST": f"unix://{tmp_path}/none.sock"}
+    with pytest.raises(errors.ProvisioningError, match="No PostgreSQL server could be provided"):
+        runner.check_database([], environ)
+    with pytest.raises(errors.ProvisioningError, match="needs PostgreSQL server binaries"):
+        runner.check_database(["--lab-postgres", "embedded"], environ)
+    runner.check_database(["--lab-postgres=none"], environ)
