@@ -64,7 +64,7 @@ def is_required(action: argparse.Action) -> bool:
 def default_text(action: argparse.Action) -> str | None:
     """The default ``action`` shows, as text; None when it has none to show (required).
 
-    A help text that already explains its default ("default: ...") is left to say it.
+    A help text that already says its default ("(default HEAD)") is left to say it.
     """
     default = action.default
     if default == argparse.SUPPRESS or is_required(action):
