@@ -3,8 +3,10 @@
 Subcommands are thin: each parses its arguments, turns them into the command's typed
 options (``options_from``, the one place a parsed namespace becomes options) and calls
 one module's entry point with them, so every behaviour lives (and is tested) in its
-module. This is the only module of ``lab/`` that knows argparse, apart from the child
-processes run with ``python -m`` that parse their own argv.
+module. This module declares every command and option (with help; ``lab.parsing`` shows
+each default and suggests the command meant); no other module of ``lab/`` builds the
+``lab`` command line, apart from the child processes run with ``python -m`` that parse
+their own argv.
 """
 
 from __future__ import annotations
@@ -12,42 +14,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
 
-from lab import errors, protocol
+from lab import errors, parsing, protocol
+from lab.options import option
+from lab.parsing import options_from as options_from  # re-exported: the tests use cli's
 from lab.pg import providers
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
-Options = TypeVar("Options", bound="DataclassInstance")
 Commands = argparse._SubParsersAction  # the type of ``add_subparsers()``'s result
-
-# Parsed attributes that choose the handler rather than carry an option (unless the
-# options ask for one by name, as ``lab evidence``'s and ``lab manifest``'s do).
-_DISPATCH = frozenset({"command", "handler", "evidence_command", "manifest_command",
-                       "model_command", "bench_command", "review_command", "book_command"})
-
-
-def options_from(kind: type[Options], args: argparse.Namespace) -> Options:
-    """The one place where parsed arguments become a command's typed, frozen options.
-
-    Every parsed option must be a field of ``kind`` and every field a parsed option, so
-    no flag is dropped or invented on the way; a list (``action="append"``, a remainder)
-    becomes a tuple.
-    """
-    fields = {field.name for field in dataclasses.fields(kind)}
-    parsed = {name: value for name, value in vars(args).items()
-              if name in fields or name not in _DISPATCH}
-    if parsed.keys() != fields:
-        raise TypeError(f"{kind.__name__} does not match the parser: "
-                        f"{sorted(parsed.keys() ^ fields)}")
-    return kind(**{name: tuple(value) if isinstance(value, list) else value
-                   for name, value in parsed.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +33,11 @@ class EvidenceOptions:
     """What ``lab evidence verify|show`` is asked to do: the subcommand and its flags."""
 
     evidence_command: str
-    path: str = "evidence"
-    public_key: str | None = None
-    check_sources: bool = False
+    path: str = option("evidence", help="evidence directory or envelope file", positional=True)
+    public_key: str | None = option(
+        None, help="PEM of the expected signer (the only key accepted)")
+    check_sources: bool = option(
+        False, help="compare every signed digest and the manifest with this tree")
 
 
 def _plancheck(args: argparse.Namespace) -> int:
@@ -258,10 +238,11 @@ def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _lab_postgres_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES)
+    parser.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES,
+                        help=providers.MODE_HELP)
 
 
-def _add_worker(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_worker(commands: Commands[parsing.Parser]) -> None:
     worker = commands.add_parser("worker", help="run one work item as an OS process")
     worker.add_argument("--schema", required=True, help="the experiment's isolated schema")
     worker.add_argument("--tool", required=True, help="loopback tool endpoint")
@@ -298,10 +279,11 @@ def _add_worker(commands: Commands[argparse.ArgumentParser]) -> None:
     worker.set_defaults(handler=_worker)
 
 
-def _add_run(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_run(commands: Commands[parsing.Parser]) -> None:
     run = commands.add_parser("run", help="run the experiments and sign the evidence")
     run.add_argument("--chapter", action="append", default=[], help="only this chapter")
-    run.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
+    run.add_argument("-n", "--numprocesses", default=None, metavar="N",
+                     help="pytest-xdist workers (none: one process, no xdist)")
     run.add_argument("--evidence", default="evidence", help="evidence directory")
     run.add_argument("--hermetic", action="store_true",
                      help="run the committed revision in a fresh clone on the locked "
@@ -312,7 +294,7 @@ def _add_run(commands: Commands[argparse.ArgumentParser]) -> None:
     run.set_defaults(handler=_run)
 
 
-def _add_reproduce(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_reproduce(commands: Commands[parsing.Parser]) -> None:
     again = commands.add_parser(
         "reproduce", help="re-run signed evidence's commit hermetically, compare its facts")
     again.add_argument("evidence", help="the evidence directory to reproduce")
@@ -323,72 +305,69 @@ def _add_reproduce(commands: Commands[argparse.ArgumentParser]) -> None:
     again.set_defaults(handler=_reproduce)
 
 
-def _add_evidence(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_evidence(commands: Commands[parsing.Parser]) -> None:
     ev = commands.add_parser("evidence", help="verify, show or compare signed evidence")
     ev_commands = ev.add_subparsers(dest="evidence_command", required=True)
     verify = ev_commands.add_parser("verify", help="verify the signed evidence offline")
     show = ev_commands.add_parser("show", help="verify, then print the summary of the report")
     for ev_command in (verify, show):
-        ev_command.add_argument("path", nargs="?", default="evidence",
-                                help="evidence directory or envelope file")
-        ev_command.add_argument("--public-key", default=None,
-                                help="PEM of the expected signer (the only key accepted)")
-        ev_command.add_argument("--check-sources", action="store_true",
-                                help="compare every signed digest and the manifest with this tree")
+        parsing.add_options(ev_command, EvidenceOptions)
     compare = ev_commands.add_parser(
         "compare", help="verify two runs and compare their facts; exit 1 naming any that differ")
     compare.add_argument("first", help="the first run's evidence directory")
     compare.add_argument("second", help="the second run's evidence directory")
     compare.add_argument("--public-key", default=None,
-                         help="PEM of the expected signer of both (the only key accepted)")
+                         help="PEM of the expected signer of both (the only key accepted; "
+                              "default: each run's own key)")
     ev.set_defaults(handler=_evidence)
     compare.set_defaults(handler=_compare)
 
 
-def _add_manifest(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_manifest(commands: Commands[parsing.Parser]) -> None:
     man = commands.add_parser("manifest", help="keep experiments/manifest.json in step")
     man_commands = man.add_subparsers(dest="manifest_command", required=True)
+    from lab.evidence import manifest
+
     for sub, text in (("sync", "rewrite it from collection (exact counts), show the diff"),
                       ("check", "exit 1 naming each difference from collection")):
-        sub_parser = man_commands.add_parser(sub, help=text)
-        sub_parser.add_argument("--experiments", default="experiments")
-        sub_parser.add_argument("--manifest", default=None,
-                                help="default: EXPERIMENTS/manifest.json")
+        parsing.add_options(man_commands.add_parser(sub, help=text), manifest.ManifestOptions)
     man.set_defaults(handler=_manifest)
 
 
-def _add_model(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_model(commands: Commands[parsing.Parser]) -> None:
     mdl = commands.add_parser("model", help="model-generation traces")
     mdl_commands = mdl.add_subparsers(dest="model_command", required=True)
     mrun = mdl_commands.add_parser("run", help="generate proposals, admit them, sign the traces")
     mrun.add_argument("--model", default=None,
                       help="GGUF file (default: LAB_MODEL_PATH, else the fetched SmolLM2)")
-    mrun.add_argument("--expect-sha256", default=None)
+    mrun.add_argument("--expect-sha256", default=None, metavar="SHA",
+                      help="refuse a model file whose sha256 differs")
     mrun.add_argument("--cases", default=None, help="case set file (default: the lab's own)")
     mrun.add_argument("--case", action="append", default=[], help="only this case id")
     mrun.add_argument("--evidence", default="evidence/model", help="model evidence directory")
     mrun.add_argument("--threads", type=int, default=None, help="CPU threads (default 2)")
     mrun.set_defaults(handler=_model_run)
     mcheck = mdl_commands.add_parser("check", help="re-check a model experiment report")
-    mcheck.add_argument("report")
+    mcheck.add_argument("report", help="the model-experiment.json to re-check")
     mcheck.set_defaults(handler=_model_check)
 
 
-def _add_publish(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_publish(commands: Commands[parsing.Parser]) -> None:
     pub = commands.add_parser("publish", help="run, verify and build the publication, or refuse")
     pub.add_argument("--out", required=True, help="directory for evidence/ and book/")
     pub.add_argument("--model", default=None, help="GGUF model for the case set")
     pub.add_argument("--expect-sha256", default=None, help="the model's pinned sha256")
     pub.add_argument("--public-key", default=None, help="PEM the evidence must verify under")
     pub.add_argument("--threads", type=int, default=None, help="model CPU threads (default 2)")
-    pub.add_argument("-n", "--numprocesses", default=None, help="pytest-xdist workers")
+    pub.add_argument("-n", "--numprocesses", default=None, metavar="N",
+                     help="pytest-xdist workers (none: one process)")
     pub.set_defaults(handler=_publish)
 
 
-def _add_chaos(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_chaos(commands: Commands[parsing.Parser]) -> None:
     chaos = commands.add_parser("chaos", help="random crashes and faults, then an invariant check")
-    chaos.add_argument("--workflows", type=int, default=500)
-    chaos.add_argument("--workers", type=int, default=4)
+    chaos.add_argument("--workflows", type=int, default=500, help="workflows in the round")
+    chaos.add_argument("--workers", type=int, default=4, help="worker processes at a time")
     chaos.add_argument("--duration", type=float, default=60.0, help="seconds of faults at most")
     chaos.add_argument("--kill-every", type=float, default=200.0, help="mean ms between SIGKILLs")
     chaos.add_argument("--batch", type=int, default=1,
@@ -397,11 +376,12 @@ def _add_chaos(commands: Commands[argparse.ArgumentParser]) -> None:
     chaos.add_argument("--reject-429", type=float, default=0.1, help="share of 429 answers")
     chaos.add_argument("--terminate-backends", type=float, default=2000.0,
                        help="mean ms between pg_terminate_backend of a worker (0: never)")
-    chaos.add_argument("--non-idempotent-share", type=float, default=0.2)
+    chaos.add_argument("--non-idempotent-share", type=float, default=0.2,
+                       help="share of workflows on the non-idempotent tool")
     chaos.add_argument("--non-idempotent-fenced", action="store_true",
                        help="the non-idempotent tool offers the fenced lookup: its unknowns "
                             "whose lookup is absent are requeued with proof, not reviewed")
-    chaos.add_argument("--seed", type=int, default=42)
+    chaos.add_argument("--seed", type=int, default=42, help="seed of the fault schedule")
     chaos.add_argument("--restart-postgres-every", type=float, default=0.0, metavar="MS",
                        help="SIGKILL and restart PostgreSQL about every MS (0: never; "
                             "implies --durable; embedded provider)")
@@ -417,63 +397,72 @@ def _add_chaos(commands: Commands[argparse.ArgumentParser]) -> None:
     chaos.add_argument("--durable", action="store_true",
                        help="run PostgreSQL with fsync=on and synchronous_commit=on")
     _database_fault_arguments(chaos)
-    chaos.add_argument("--output", default="evidence/chaos.json")
+    chaos.add_argument("--output", default="evidence/chaos.json", help="the report (JSON)")
     _lab_postgres_argument(chaos)
     chaos.set_defaults(handler=_chaos)
 
 
-def _add_soak(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_soak(commands: Commands[parsing.Parser]) -> None:
     soak = commands.add_parser("soak", help="a long run mixing every fault, memory sampled")
-    soak.add_argument("--workflows", type=int, default=100_000)
+    soak.add_argument("--workflows", type=int, default=100_000, help="workflows in all")
     soak.add_argument("--round", type=int, default=2_000, metavar="N",
                       help="workflows per chaos round (each checked, then dropped)")
-    soak.add_argument("--workers", type=int, default=4)
-    soak.add_argument("--kill-every", type=float, default=1000.0, metavar="MS")
-    soak.add_argument("--drop-replies", type=float, default=0.05)
-    soak.add_argument("--reject-429", type=float, default=0.05)
-    soak.add_argument("--terminate-backends", type=float, default=3000.0, metavar="MS")
-    soak.add_argument("--non-idempotent-share", type=float, default=0.2)
-    soak.add_argument("--seed", type=int, default=42)
-    soak.add_argument("--restart-postgres-every", type=float, default=30_000.0, metavar="MS")
-    soak.add_argument("--partition-every", type=float, default=15_000.0, metavar="MS")
-    soak.add_argument("--partition-for", type=float, default=800.0, metavar="MS")
+    soak.add_argument("--workers", type=int, default=4, help="worker processes at a time")
+    soak.add_argument("--kill-every", type=float, default=1000.0, metavar="MS",
+                      help="mean ms between SIGKILLs of a worker")
+    soak.add_argument("--drop-replies", type=float, default=0.05, help="share of replies lost")
+    soak.add_argument("--reject-429", type=float, default=0.05, help="share of 429 answers")
+    soak.add_argument("--terminate-backends", type=float, default=3000.0, metavar="MS",
+                      help="mean ms between pg_terminate_backend of a worker (0: never)")
+    soak.add_argument("--non-idempotent-share", type=float, default=0.2,
+                      help="share of workflows on the non-idempotent tool")
+    soak.add_argument("--seed", type=int, default=42, help="seed of the fault schedules")
+    soak.add_argument("--restart-postgres-every", type=float, default=30_000.0, metavar="MS",
+                      help="SIGKILL and restart PostgreSQL about every MS (0: never)")
+    soak.add_argument("--partition-every", type=float, default=15_000.0, metavar="MS",
+                      help="cut one link (blackhole or reset) about every MS (0: never)")
+    soak.add_argument("--partition-for", type=float, default=800.0, metavar="MS",
+                      help="how long a partition lasts")
     _database_fault_arguments(soak)
     soak.add_argument("--fault-phase", type=float, default=60.0, metavar="S",
                       help="seconds of faults per round at most; the drain settles the rest")
     soak.set_defaults(disk_full_every=30_000.0, disk_full_mb=256, clock_step_every=20_000.0,
                       clock_step_max=10)
-    soak.add_argument("--sample-every", type=float, default=2.0, metavar="S")
-    soak.add_argument("--output", default="evidence/soak.json")
-    soak.add_argument("--figure", default="evidence/soak.svg")
+    soak.add_argument("--sample-every", type=float, default=2.0, metavar="S",
+                      help="seconds between memory and connection samples")
+    soak.add_argument("--output", default="evidence/soak.json", help="the report (JSON)")
+    soak.add_argument("--figure", default="evidence/soak.svg", help="the memory figure (SVG)")
     _lab_postgres_argument(soak)
     soak.set_defaults(handler=_soak)
 
 
-def _add_crashpoints(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_crashpoints(commands: Commands[parsing.Parser]) -> None:
     crash = commands.add_parser(
         "crashpoints", help="every named boundary, fault and tool kind, then the invariants"
     )
     crash.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
-    crash.add_argument("--seed", type=int, default=17)
+    crash.add_argument("--seed", type=int, default=17, help="seed of the cells' workloads")
     crash.add_argument("--only", action="append", default=[],
                        help="only cells whose id (boundary/fault/kind) starts with this")
-    crash.add_argument("--output", default="evidence/crashpoints.json")
+    crash.add_argument("--output", default="evidence/crashpoints.json",
+                       help="the matrix (JSON)")
     _lab_postgres_argument(crash)
     crash.set_defaults(handler=_crashpoints)
 
 
-def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_bench(commands: Commands[parsing.Parser]) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print figures (never timed tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_commands.add_parser(
         "throughput", help="workflows/s through worker processes"
     )
-    throughput.add_argument("--workflows", type=int, default=1000)
-    throughput.add_argument("--workers", type=int, default=2)
+    throughput.add_argument("--workflows", type=int, default=1000, help="workflows per round")
+    throughput.add_argument("--workers", type=int, default=2, help="worker processes")
     throughput.add_argument("--batch", type=int, default=1,
                             help="workflows in flight per lab worker (its --batch)")
-    throughput.add_argument("--peer", choices=["dbos"], default=None)
-    throughput.add_argument("--repeat", type=int, default=1)
+    throughput.add_argument("--peer", choices=["dbos"], default=None,
+                            help="also measure this peer in the same rounds")
+    throughput.add_argument("--repeat", type=int, default=1, help="rounds per configuration")
     throughput.add_argument("--sweep", action="store_true",
                             help="each system over its own configurations, best against best")
     throughput.add_argument("--lab-processes", default="2,4", help="sweep: lab worker processes")
@@ -486,16 +475,19 @@ def _add_bench(commands: Commands[argparse.ArgumentParser]) -> None:
     throughput.add_argument("--noise", action="store_true",
                             help="run a fixed busy process beside both systems' rounds")
     claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
-    claim.add_argument("--history", type=int, action="append", default=[])
+    claim.add_argument("--history", type=int, action="append", default=[], metavar="N",
+                       help="finished workflows before measuring (repeatable; "
+                            "none: the bench's own series)")
     bench_commands.add_parser("suite", help="experiment suite wall time, serial and parallel")
     bench_commands.add_parser("startup", help="provisioning and worker spawn-to-ready times")
     for sub_parser in (throughput, claim):
         _lab_postgres_argument(sub_parser)
-    bench.add_argument("--output-dir", default="evidence/bench")
+    bench.add_argument("--output-dir", default="evidence/bench",
+                       help="where the figures' JSON goes")
     bench.set_defaults(handler=_bench)
 
 
-def _add_review(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_review(commands: Commands[parsing.Parser]) -> None:
     review = commands.add_parser("review", help="list and decide work in manual review")
     review.add_argument("--schema", required=True, help="the schema holding the workflows")
     review.add_argument("--tenant", default="tenant-a",
@@ -504,28 +496,30 @@ def _add_review(commands: Commands[argparse.ArgumentParser]) -> None:
     review_commands = review.add_subparsers(dest="review_command", required=True)
     review_commands.add_parser("list", help="workflows waiting for a person")
     show_review = review_commands.add_parser("show", help="one workflow with its proof")
-    show_review.add_argument("workflow")
+    show_review.add_argument("workflow", help="the workflow's id")
     requeue = review_commands.add_parser("requeue", help="send back to the queue")
-    requeue.add_argument("workflow")
+    requeue.add_argument("workflow", help="the workflow's id")
     requeue.add_argument("--force", action="store_true",
                          help="requeue although a start barrier exists (needs --reason)")
-    requeue.add_argument("--reason", default="")
+    requeue.add_argument("--reason", default="", help="why (recorded; required with --force)")
     resolve = review_commands.add_parser("resolve", help="close it by hand")
-    resolve.add_argument("workflow")
-    resolve.add_argument("--as", dest="outcome", choices=["failed", "succeeded"], required=True)
-    resolve.add_argument("--reason", required=True)
+    resolve.add_argument("workflow", help="the workflow's id")
+    resolve.add_argument("--as", dest="outcome", choices=["failed", "succeeded"], required=True,
+                         help="what the person found happened")
+    resolve.add_argument("--reason", required=True, help="why (recorded)")
     review.set_defaults(handler=_review)
 
 
-def _add_book(commands: Commands[argparse.ArgumentParser]) -> None:
+def _add_book(commands: Commands[parsing.Parser]) -> None:
     book = commands.add_parser("book", help="publication artifacts from verified evidence")
     book_commands = book.add_subparsers(dest="book_command", required=True)
     build = book_commands.add_parser(
         "build", help="the book's site and pages from book/ and signed evidence")
-    build.add_argument("--evidence", default="evidence")
+    build.add_argument("--evidence", default="evidence", help="the verified evidence to draw from")
     build.add_argument("--out", default="book/_site",
                        help="output folder (default book/_site; book/ holds the sources)")
-    build.add_argument("--public-key", default=None)
+    build.add_argument("--public-key", default=None,
+                       help="PEM of the expected signer (the only key accepted)")
     build.add_argument("--png", action="store_true",
                        help="also write a PNG beside each SVG figure (the book extra)")
     book.set_defaults(handler=_book)
@@ -533,7 +527,8 @@ def _add_book(commands: Commands[argparse.ArgumentParser]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lab`` command: one small builder per command group."""
-    parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
+    parser = parsing.Parser(prog="lab", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("plancheck", help="admit one proposal from stdin; never execute")
     check.set_defaults(handler=_plancheck)
@@ -545,6 +540,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version, with the lab's import path (which tree ran)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("durable-agent-lab")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    return f"{version} ({Path(__file__).resolve().parent})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lab`` console script.
 
@@ -554,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A pool's retries are logged as warnings; the one-line error below says what failed.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     name = " ".join(
         str(part) for part in (args.command, *_subcommand(args)) if part
     )

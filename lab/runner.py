@@ -22,18 +22,20 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
 
 from lab import errors, files
 from lab.evidence import compiler, environment, gate, hermetic, provenance, summary
+from lab.pg import cluster, providers
 
 EXPERIMENTS = "experiments"
 pytest_usage_error = 4  # pytest.ExitCode.USAGE_ERROR, without importing pytest here
@@ -94,6 +96,7 @@ def run_main(options: RunOptions, console: Console | None = None) -> int:
             f"[yellow]Only {', '.join(chapters)}: a narrowed run is PARTIAL by design and "
             "never passes the gate.[/yellow]"
         )
+    check_database(options.pytest_args, os.environ)
     command = pytest_command(options)
     out.print(f"[dim]$ {' '.join(command)}[/dim]")
     directory = Path(options.evidence)
@@ -104,6 +107,46 @@ def run_main(options: RunOptions, console: Console | None = None) -> int:
     # pytest's own progress streams straight to the terminal.
     completed = subprocess.run(command, check=False)
     return _summarise(directory, completed.returncode, out)
+
+
+def requested_database(arguments: Sequence[str]) -> tuple[str, str | None, bool]:
+    """The PostgreSQL a run's pytest arguments ask for: (mode, DSN, remote allowed).
+
+    Read as the plugin reads them (``--lab-postgres``, ``--lab-dsn``,
+    ``--lab-allow-remote-dsn``, the last one given wins), without starting pytest.
+    """
+    mode, dsn, remote = providers.AUTO, None, False
+    words = iter(arguments)
+    for word in words:
+        name, equals, value = word.partition("=")
+        if name in ("--lab-postgres", "--lab-dsn"):
+            given = value if equals else next(words, "")
+            if name == "--lab-postgres":
+                mode = given
+            else:
+                dsn = given or None
+        elif word == "--lab-allow-remote-dsn":
+            remote = True
+    return mode, dsn, remote
+
+
+def check_database(pytest_args: Sequence[str], environ: Mapping[str, str]) -> None:
+    """Stop ``lab run`` before pytest starts when it could get no PostgreSQL.
+
+    The provider is chosen as the plugin will choose it (``cluster.choose_provider``,
+    which says in one paragraph what was tried when nothing fits), and a given DSN is
+    connected to once; a server the run starts itself is the plugin's to start. Raises
+    ``errors.ProvisioningError`` (exit 3) in one line.
+    """
+    arguments = [*shlex.split(environ.get("PYTEST_ADDOPTS", "")), *pytest_args]
+    mode, dsn, remote = requested_database(arguments)
+    if mode not in providers.MODES:
+        return  # none (no server, by request), or a word pytest itself will refuse
+    chosen = cluster.choose_provider(mode, dsn, lambda: cluster.docker_answers(environ),
+                                     lambda: cluster.find_binaries(environ), environ)
+    given = cluster.given_dsn(dsn, environ)
+    if chosen == providers.DSN and given is not None:
+        cluster.reach(given, allow_remote=remote, environ=environ)
 
 
 def _summarise(directory: Path, returncode: int, out: Console) -> int:

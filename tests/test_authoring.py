@@ -333,8 +333,8 @@ def test_the_review_reasons_are_those_the_code_records():
 def test_a_chapter_run_prints_one_verdict_per_chapter_and_one_not_run_line():
     """A narrowed run's summary lists only the chapter's rows, its verdict line ("chapter
     X: N of M passed; a chapter run is never publishable") and a single "not run" line for
-    the rest of the manifest, never a row per missing experiment; a full run keeps every
-    row and prints no chapter verdict."""
+    the rest of the manifest, never a row per missing experiment; a full run lists every
+    experiment that did not pass (the missing ones too) and prints no chapter verdict."""
     import io
 
     from rich.console import Console

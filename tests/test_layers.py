@@ -1,8 +1,8 @@
-"""The house of ``lab/`` follows the package table the README draws.
+"""The house of ``lab/`` follows the floors table of ``docs/floors.toml``.
 
-The README's "Layout" section holds the table between ``<!-- packages -->`` markers:
-each row a room (a subpackage, or a group of top-level modules) on a floor, naming its
-modules and the pure ones among them. Read from the AST, every import of a ``lab``
+That data file (rendered by ``docs/architecture.md``) holds one entry per room (a
+subpackage, or a group of top-level modules) on a floor, naming its modules and the pure
+ones among them. Read from the AST, every import of a ``lab``
 module (at top level or inside a function) must point to the same floor or a lower one,
 every module must sit in exactly one room, the imports must form no cycle, and a pure
 module imports no driver, starts no process and reads no environment variable. A module
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,21 +26,15 @@ IMPURE_IMPORTS = ("psycopg", "httpx", "llama_cpp", "subprocess", "socket", "test
 
 
 def _rows() -> list[tuple[int, str, set[str], set[str]]]:
-    """(floor, room package, modules, pure modules) per row of the README's table."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"<!-- packages -->(.*?)<!-- /packages -->", text, re.S)
-    assert block, "README.md has no <!-- packages --> table"
+    """(floor, room package, modules, pure modules) per room of ``docs/floors.toml``."""
+    rooms = tomllib.loads((ROOT / "docs" / "floors.toml").read_text(encoding="utf-8"))["room"]
     rows: list[tuple[int, str, set[str], set[str]]] = []
-    for line in block.group(1).splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not cells[0].isdigit():
-            continue
-        room = re.match(r"`(lab(?:\.[a-z_]+)*)`", cells[1])
-        assert room, f"a row names no package: {line}"
-        prefix = "" if room.group(1) == "lab" else room.group(1)[4:] + "."
-        modules = {prefix + m for m in re.findall(r"`([a-z_]+)`", cells[2])}
-        pure = {prefix + m for m in re.findall(r"`([a-z_]+)`", cells[3])}
-        rows.append((int(cells[0]), room.group(1), modules, pure))
+    for room in rooms:
+        package = room["package"]
+        assert re.fullmatch(r"lab(?:\.[a-z_]+)*", package), f"a room names no package: {room}"
+        prefix = "" if package == "lab" else package[4:] + "."
+        rows.append((int(room["floor"]), package, {prefix + m for m in room["modules"]},
+                     {prefix + m for m in room.get("pure", [])}))
     return rows
 
 
@@ -121,8 +116,8 @@ def test_every_module_sits_in_exactly_one_room() -> None:
         for module in members:
             placed.setdefault(module, []).append(room)
     present = set(_modules())
-    assert sorted(present - set(placed)) == [], "modules missing from the README table"
-    assert sorted(set(placed) - present) == [], "the README table names absent modules"
+    assert sorted(present - set(placed)) == [], "modules missing from docs/floors.toml"
+    assert sorted(set(placed) - present) == [], "docs/floors.toml names absent modules"
     assert {m: rs for m, rs in placed.items() if len(rs) > 1} == {}
     for _, room, members, pure in _rows():
         assert pure <= members, f"{room}: pure modules not in the row: {sorted(pure - members)}"
@@ -233,10 +228,10 @@ def test_pure_modules_import_no_driver_and_read_no_environment() -> None:
 
 
 def _environment_table() -> set[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"<!-- environment -->(.*?)<!-- /environment -->", text, re.S)
-    assert block, "README.md has no <!-- environment --> table"
-    return set(re.findall(r"`((?:BOOK|LAB)_[A-Z0-9_]+)`", block.group(1)))
+    """Every variable ``docs/environment.toml`` lists."""
+    entries = tomllib.loads(
+        (ROOT / "docs" / "environment.toml").read_text(encoding="utf-8"))["variable"]
+    return {name for entry in entries for name in entry["names"]}
 
 
 def _variables_in(paths: list[Path]) -> set[str]:
@@ -252,14 +247,14 @@ def _variables_in(paths: list[Path]) -> set[str]:
     return found - words
 
 
-def test_every_environment_variable_is_in_the_readme_table() -> None:
-    """The code reads no ``BOOK_``/``LAB_`` variable the README's table leaves out."""
+def test_every_environment_variable_is_in_the_table() -> None:
+    """The code reads no ``BOOK_``/``LAB_`` variable ``docs/environment.toml`` leaves out."""
     code = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
     listed = _environment_table()
     # A prefix of a listed name (``LAB_EVIDENCE`` in a startswith) is not a variable.
     unlisted = sorted(name for name in _variables_in(code) - listed
                       if not any(known.startswith(name + "_") for known in listed))
-    assert unlisted == [], "add these to the README's environment table"
+    assert unlisted == [], "add these to docs/environment.toml"
 
 
 MAX_FUNCTION_LINES = 80

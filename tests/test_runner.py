@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,7 +61,7 @@ def test_run_streams_pytest_then_summarises_the_signed_report(
     code = runner.run_main(args, console)
     out = sink.getvalue()
     assert code != 0
-    assert "ch01_x" in out and "test_a" in out and '{"seen": 42}' in out
+    assert re.search(r"ch01_x\s+│\s+1 of 1", out), out
     assert "Gate: FAIL" in out
     assert "no real PostgreSQL database was provisioned for the run" in out
     assert "PostgreSQL: none reached" in out
@@ -125,15 +129,105 @@ def test_summary_of_a_passing_report() -> None:
     console, sink = _console()
     summary.print_summary(report, Path("evidence"), console)
     out = sink.getvalue()
-    assert "passed 2/2" in out
-    assert '{"effects": 1, "state": "succeeded"}' in out
-    assert "Gate: PASS" in out
+    assert re.search(r"ch05_crashes\s+│\s+1 of 1\s+│\s+3\.5", out), out
+    assert "test_sigkill" not in out  # a full run lists what did not pass, not every row
+    assert out.rstrip().splitlines()[-1] == "Gate: PASS"
     assert "PostgreSQL: embedded, 15.8" in out
     assert f"Signer: ed25519 key {'ab' * 32} (key_file)" in out
     assert "Commit: c0ffee\n" in out
+
+
+def test_a_full_runs_summary_puts_counts_and_failures_first_and_the_verdict_last() -> None:
+    """Counts per chapter, then every experiment that did not pass with its observation,
+    then provenance, and the gate with its reasons as the last lines."""
+    experiments = [{"chapter": "ch01_a", "name": f"test_{i}", "outcome": "passed",
+                    "duration": 1.0, "tests": []} for i in range(3)]
+    experiments += [{"chapter": "ch02_b", "name": "test_broken", "outcome": "failed",
+                     "duration": 2.0, "tests": ["n9"]},
+                    {"chapter": "ch02_b", "name": "test_gone", "outcome": "missing"}]
+    report = {"status": "FAIL", "gate": {"failures": ["ch02_b/test_broken failed"],
+                                         "narrowed": []},
+              "experiments": experiments,
+              "tests": [{"nodeid": "n9", "observations": [{"effects": 2}]}],
+              "signing": {}, "commit": "c0ffee"}
+    console, sink = _console()
+    summary.print_summary(report, Path("evidence"), console)
+    lines = sink.getvalue().rstrip().splitlines()
+    text = "\n".join(lines)
+    assert re.search(r"ch01_a\s+│\s+3 of 3", text) and re.search(r"ch02_b\s+│\s+0 of 2", text)
+    assert "test_0" not in text
+    broken = next(i for i, line in enumerate(lines) if "test_broken" in line)
+    gone = next(i for i, line in enumerate(lines) if "test_gone" in line)
+    assert '{"effects": 2}' in lines[broken]
+    commit = lines.index("Commit: c0ffee")
+    assert max(broken, gone) < commit < lines.index("Gate: FAIL")
+    assert lines[-2:] == ["Gate: FAIL", "  failed: ch02_b/test_broken failed"]
 
 
 def test_shorten_cuts_long_observations() -> None:
     """Observations are compact JSON, cut with an ellipsis."""
     assert summary.shorten({"b": 1, "a": 2}) == '{"a": 2, "b": 1}'
     assert summary.shorten("x" * 100, 10) == "x" * 9 + "…"
+
+
+def test_the_database_a_run_asks_for_is_read_from_its_pytest_arguments() -> None:
+    """``--lab-postgres``/``--lab-dsn`` in either spelling, the last one winning."""
+    assert runner.requested_database([]) == ("auto", None, False)
+    assert runner.requested_database(
+        ["--lab-postgres", "dsn", "--lab-dsn=host=127.0.0.1", "-q"]) == ("dsn", "host=127.0.0.1",
+                                                                        False)
+    assert runner.requested_database(
+        ["--lab-postgres=dsn", "--lab-postgres=embedded", "--lab-allow-remote-dsn"]
+    ) == ("embedded", None, True)
+
+
+def _refusing_port() -> tuple[socket.socket, int]:
+    """A loopback port bound but not listening: a connection to it is refused."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    return held, held.getsockname()[1]
+
+
+def test_an_unreachable_dsn_stops_the_run_before_pytest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line, exit 3, no test collected and no evidence written (a real process)."""
+    _tree(tmp_path)
+    held, port = _refusing_port()
+    with held:
+        env = {**os.environ, "BOOK_LAB_DSN": f"postgresql://x:s3cret@127.0.0.1:{port}/db"}
+        env.pop("PYTEST_ADDOPTS", None)
+        done = subprocess.run([sys.executable, "-m", "lab.cli", "run"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == errors.EXIT_ENVIRONMENT, done.stderr
+    assert done.stderr.splitlines() == [
+        f"lab run: PostgreSQL at 127.0.0.1:{port} cannot be reached: Connection refused "
+        "(the DSN of BOOK_LAB_DSN or --lab-dsn)"]
+    assert done.stdout == "" and "s3cret" not in done.stderr
+    assert not (tmp_path / "evidence").exists()
+
+
+def test_a_dsn_is_probed_only_when_the_run_would_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another provider asked for: the DSN in the environment is not the run's, no probe."""
+    held, port = _refusing_port()
+    with held:
+        environ = {"BOOK_LAB_DSN": f"postgresql://x@127.0.0.1:{port}/db"}
+        runner.check_database(["--lab-postgres", "none"], environ)
+        runner.check_database(["--lab-postgres=embedded"], environ)
+        with pytest.raises(errors.ProvisioningError, match="cannot be reached"):
+            runner.check_database([], environ)
+        with pytest.raises(errors.ProvisioningError, match="cannot be reached"):
+            runner.check_database([], {"PYTEST_ADDOPTS": f"--lab-dsn 'host=127.0.0.1 port={port}'"})
+
+
+def test_a_run_with_no_way_to_a_server_stops_before_pytest(tmp_path: Path) -> None:
+    """No DSN, no Docker daemon, no server binaries (a directory without them is named):
+    the run stops in one paragraph naming each fix, before any test."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    environ = {"LAB_PG_BINARIES": str(empty), "DOCKER_HOST": f"unix://{tmp_path}/none.sock"}
+    with pytest.raises(errors.ProvisioningError, match="No PostgreSQL server could be provided"):
+        runner.check_database([], environ)
+    with pytest.raises(errors.ProvisioningError, match="needs PostgreSQL server binaries"):
+        runner.check_database(["--lab-postgres", "embedded"], environ)
+    runner.check_database(["--lab-postgres=none"], environ)

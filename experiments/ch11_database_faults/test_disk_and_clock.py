@@ -22,8 +22,8 @@ the lab's only clock, can be stepped while it runs.
 
 After each, the invariant checker and the independent SQL audit read the whole history.
 
-This module keeps its own server fixture (it needs root, for the mount, and Debian's
-libfaketime): nothing here touches the other experiments' servers.
+This module keeps its own server fixture (it needs root, for the mount, and libfaketime,
+the locked wheel's or Debian's): nothing here touches the other experiments' servers.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lab import errors, files
 from lab.evidence import gate
+from lab.options import option
 from lab.pg import providers
 
 if TYPE_CHECKING:  # pytest stays out of the processes that only read a manifest
@@ -269,8 +270,9 @@ class ManifestOptions:
     """What ``lab manifest sync|check`` is asked to do: the subcommand and its flags."""
 
     manifest_command: str
-    experiments: str = "experiments"
-    manifest: str | None = None
+    experiments: str = option("experiments", help="the directory of chapter experiments")
+    manifest: str | None = option(
+        None, help="the manifest file (default EXPERIMENTS/manifest.json)")
 
 
 def _paths(options: ManifestOptions) -> tuple[Path, Path]:

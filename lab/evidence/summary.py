@@ -60,20 +60,44 @@ def _observation(report: Mapping[str, Any], row: Mapping[str, Any]) -> str:
 def print_summary(
     report: Mapping[str, Any], directory: Path, console: Console | None = None
 ) -> None:
-    """Render a report: one row per experiment, the verdict, PostgreSQL, signer, location."""
+    """Render a report, the verdict last: counts per chapter and every experiment that did
+    not pass (a chapter run: each of its experiments), then PostgreSQL, the signer, the
+    commit and where the evidence is, then the gate and its reasons."""
     out = console or console_for_output()
-    table = Table(title="Experiments", show_lines=False)
+    narrowed = bool(report.get("gate", {}).get("narrowed"))
+    rows = [row for row in report.get("experiments", [])
+            if not (narrowed and str(row.get("outcome")) == gate.MISSING)]
+    if narrowed:
+        # A chapter run is small: every row, then one verdict per chapter.
+        _experiment_table(report, rows, "Experiments", out)
+        for line in chapter_verdicts(report):
+            out.print(_text(line, style="bold"))
+    else:
+        out.print(_chapter_table(rows))
+        failed = [row for row in rows if str(row.get("outcome")) != gate.PASSED]
+        if failed:
+            _experiment_table(report, failed, "Did not pass", out)
+    _print_provenance(report, directory, out)
+    status = str(report.get("status"))
+    verdict = report.get("gate", {})
+    out.print(_text(f"Gate: {status}", style=_STYLE.get(status, "bold red")))
+    for reason in verdict.get("narrowed", []):
+        out.print(_text(f"  narrowed: {reason}"))
+    for failure in verdict.get("failures", []):
+        out.print(_text(f"  failed: {failure}", style="red"))
+
+
+def _experiment_table(report: Mapping[str, Any], rows: list[Mapping[str, Any]], title: str,
+                      out: Console) -> None:
+    table = Table(title=title, show_lines=False)
     # Result and time must stay legible; the observation gives way on narrow screens.
     table.add_column("chapter", overflow="fold")
     table.add_column("experiment", overflow="fold")
     table.add_column("result", no_wrap=True)
     table.add_column("seconds", justify="right", no_wrap=True)
     table.add_column("key observation", overflow="fold", max_width=60)
-    narrowed = bool(report.get("gate", {}).get("narrowed"))
-    for row in report.get("experiments", []):
+    for row in rows:
         outcome = str(row.get("outcome"))
-        if narrowed and outcome == gate.MISSING:
-            continue  # a chapter run: the rest of the manifest is one "not run" line below
         expected = row.get("expected_results")
         count = f" {row.get('results')}/{expected}" if expected and expected != 1 else ""
         table.add_row(
@@ -84,18 +108,27 @@ def print_summary(
             _text(_observation(report, row)),
         )
     out.print(table)
-    if narrowed:
-        for line in chapter_verdicts(report):
-            out.print(_text(line, style="bold"))
 
-    status = str(report.get("status"))
-    verdict = report.get("gate", {})
-    out.print(_text(f"Gate: {status}", style=_STYLE.get(status, "bold red")))
-    for reason in verdict.get("narrowed", []):
-        out.print(_text(f"  narrowed: {reason}"))
-    for failure in verdict.get("failures", []):
-        out.print(_text(f"  failed: {failure}", style="red"))
 
+def _chapter_table(rows: list[Mapping[str, Any]]) -> Table:
+    """Per chapter: experiments passed of declared, and the seconds they took."""
+    table = Table(title="Chapters", show_lines=False)
+    table.add_column("chapter", overflow="fold")
+    table.add_column("passed", justify="right", no_wrap=True)
+    table.add_column("seconds", justify="right", no_wrap=True)
+    chapters: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        chapters.setdefault(str(row.get("chapter")), []).append(row)
+    for chapter, members in sorted(chapters.items()):
+        passed = sum(str(row.get("outcome")) == gate.PASSED for row in members)
+        seconds = sum(float(row.get("duration") or 0.0) for row in members)
+        style = "green" if passed == len(members) else "bold red"
+        table.add_row(_text(chapter), _text(f"{passed} of {len(members)}", style=style),
+                      f"{seconds:.1f}")
+    return table
+
+
+def _print_provenance(report: Mapping[str, Any], directory: Path, out: Console) -> None:
     database = report.get("postgresql")
     if database:
         out.print(

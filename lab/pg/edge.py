@@ -21,6 +21,7 @@ from psycopg import conninfo, sql
 from psycopg.rows import dict_row
 
 from lab import errors, loopback, names
+from lab.pg import sqlstates
 
 Connection = psycopg.Connection[dict[str, Any]]
 
@@ -31,9 +32,14 @@ def translated(action: str) -> Iterator[None]:
     try:
         yield
     except psycopg.Error as exc:
-        # The SQLSTATE names the cause without echoing parameters (which may be sensitive).
-        state = exc.sqlstate or type(exc).__name__
-        raise errors.StoreError(f"PostgreSQL could not {action} (SQLSTATE {state})") from exc
+        raise errors.StoreError(f"PostgreSQL could not {action}: {explained(exc)}") from exc
+
+
+def explained(exc: psycopg.Error) -> str:
+    """The SQLSTATE of ``exc`` with its meaning, without echoing parameters (which may be
+    sensitive): only a missing schema, table or database is named."""
+    primary = exc.diag.message_primary if exc.sqlstate else None
+    return sqlstates.explain(exc.sqlstate, primary, type(exc).__name__)
 
 
 @contextlib.contextmanager
@@ -134,7 +140,7 @@ def create_databases(admin_dsn: str, names: Sequence[str]) -> bool:
     except psycopg.Error as exc:
         drop_databases(admin_dsn, created)
         raise errors.StoreError(
-            f"PostgreSQL could not create a scratch database (SQLSTATE {exc.sqlstate})"
+            f"PostgreSQL could not create a scratch database: {explained(exc)}"
         ) from exc
     return True
 
@@ -157,6 +163,6 @@ def wal_syncs(dsn: str) -> int | None:
         return None
     except psycopg.Error as exc:
         raise errors.StoreError(
-            f"PostgreSQL could not read WAL statistics (SQLSTATE {exc.sqlstate})"
+            f"PostgreSQL could not read WAL statistics: {explained(exc)}"
         ) from exc
     return None if row is None else int(row[0])

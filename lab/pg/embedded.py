@@ -44,7 +44,8 @@ from lab.pg.binaries import (
     discard,
     runner_for,
 )
-from lab.pg.postmaster import Embedded, Volume, find_faketime, free_port
+from lab.pg.faketime import find_faketime
+from lab.pg.postmaster import Embedded, Volume, free_port
 from lab.pg.template import cached_template, copy_tree, initdb
 
 log = logging.getLogger("lab.pg.cluster")

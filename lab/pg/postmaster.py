@@ -13,31 +13,25 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from lab import errors
 from lab.pg.binaries import DISK_DIR, Runner
+from lab.pg.faketime import readable_by_all
 
 log = logging.getLogger("lab.pg.cluster")
 
 _START_TIMEOUT = 60.0
 VOLUME_KINDS = ("auto", "tmpfs", "loop")
 BALLAST = "lab-ballast"  # the disk-full fault's file, beside (not in) the data directory
-# Debian's libfaketime (apt-get install libfaketime); LAB_FAKETIME_LIB names another.
-FAKETIME_ENV = "LAB_FAKETIME_LIB"
-FAKETIME_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
-    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
-    "/usr/lib/faketime/libfaketime.so.1",
-)
 
 
 @dataclass(frozen=True)
@@ -54,19 +48,6 @@ class Volume:
             raise errors.UsageError(f"volume kind must be one of {', '.join(VOLUME_KINDS)}")
         if not 48 <= self.size_mb <= 4096:
             raise errors.UsageError("volume size must be between 48 and 4096 MB")
-
-
-def find_faketime(environ: Mapping[str, str] | None = None) -> Path:
-    """libfaketime's preload library, or ``errors.ProvisioningError`` naming the install."""
-    env = os.environ if environ is None else environ
-    candidates = [env[FAKETIME_ENV]] if env.get(FAKETIME_ENV) else list(FAKETIME_PATHS)
-    for candidate in candidates:
-        if os.access(candidate, os.R_OK):
-            return Path(candidate)
-    raise errors.ProvisioningError(
-        "clock-step faults need libfaketime (apt-get install faketime libfaketime, or "
-        f"{FAKETIME_ENV}=path/to/libfaketime.so.1)"
-    )
 
 
 def _root_command(*argv: str) -> None:
@@ -157,6 +138,12 @@ class Embedded:
         self.image = (Path(DISK_DIR) / f"{base.name}-vol.img") if volume is not None else None
         self.data = self.mount / "data" if self.mount is not None else base / "data"
         self.faketime = faketime
+        if faketime is not None and runner.uid is not None and not readable_by_all(faketime):
+            # The server user could not preload it (a venv under /root, say): the loader
+            # would skip it with a warning and the clock would never step. Copy it here.
+            self.faketime = base / faketime.name
+            shutil.copyfile(faketime, self.faketime)
+            self.faketime.chmod(0o644)
         self.clock_file = base / "faketime"
         self.clock_offset_s = 0
         self.postmaster: subprocess.Popen[bytes] | None = None

@@ -15,3 +15,6 @@ MODES = (AUTO, DSN, CONTAINER, EMBEDDED)
 # pytest only: no server at all (describing or collecting the suite, never an evidence run).
 NONE = "none"
 PLUGIN_MODES = (*MODES, NONE)
+# The help of every command's --lab-postgres, said once.
+MODE_HELP = ("where the run's PostgreSQL comes from (auto: a DSN, a container, then an "
+             "embedded server)")
