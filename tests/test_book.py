@@ -233,7 +233,8 @@ def test_every_figure_is_well_formed_svg(built: Path) -> None:
 
 
 def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
-    """Per chapter a table of claim, result, duration and observations; then provenance."""
+    """Per chapter a table of claim, result and key observations by name; every observation
+    as named values under the experiment, the code beside it; then provenance."""
     report = json.loads((tree / "evidence" / compiler.REPORT_FILE).read_text())
     markdown = _markdown(built)
     for chapter in ("ch01_pure", "ch02_params", "ch05_crashes"):
@@ -243,16 +244,21 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     pure = next(line for line in markdown.splitlines()
                 if line.startswith("| [`test_pure`](#x-test_pure)"))
     assert "A pure claim \\| with a pipe." in pure
-    assert "note=&lt;b&gt;not markup&lt;/b&gt;, pure=true" in pure
+    assert "note: &lt;b&gt;not markup&lt;/b&gt;; pure: yes" in pure
     created = next(line for line in markdown.splitlines()
                    if line.startswith("| [`test_created`]"))
     assert "passed (2 results)" in created
-    assert "\\[a\\] state=ready; \\[b\\] state=ready" in created
+    assert "\\[a\\] final state: ready<br>\\[b\\] final state: ready" in created
     sigkill = next(line for line in markdown.splitlines() if line.startswith(f"| [`{SIGKILL}`]"))
     assert "| passed |" in sigkill
     # The table keeps observations short; the full set stands under the experiment.
     details = (built / "ch05_crashes.md").read_text().split(f'<a id="x-{SIGKILL}"></a>')[1]
-    assert "signal=SIGKILL" in details
+    assert "| signal | SIGKILL |" in details
+    assert "<summary>Code: experiments/ch05_crashes/test_crashes.py, line " in details
+    assert f"def {SIGKILL}(" in details
+    page = (built / "ch05_crashes.md").read_text()
+    claim = next(r["claim"] for r in report["experiments"] if r["name"] == SIGKILL)
+    assert page.count(claim.split(".")[0][:60]) == 1  # the claim, once per page
     signing = report["signing"]
     assert f"- Signer: key id `{signing['keyid']}`, an **ephemeral** key" in markdown
     assert report["postgresql"]["server_version"] in markdown
@@ -939,7 +945,7 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
     assert "- Run: https://ci.example/run/1&lt;img src=x onerror=alert(1)&gt;" in markdown
     assert "\\[click\\](javascript:alert(1))" in markdown
     row = next(line for line in markdown.splitlines() if line.startswith("| [`test_a`]"))
-    assert row.count(" | ") == 4  # the pipes of the claim cannot add cells
+    assert row.count(" | ") == 3  # the pipes of the claim cannot add cells
     for page in sorted(out.glob("*.html")):
         html = page.read_text()
         for raw in ("<script", "<img src=x", 'href="javascript:', 'src="http'):

@@ -91,7 +91,8 @@ def test_directives_pull_the_evidence_into_the_page(
     page = (out / "ch01_x.md").read_text()
     assert "The state was succeeded." in page
     assert "| [`test_a`](#x-test_a) | A claim. | passed |" in page
-    assert page.count("![Sequence of test_a](figures/test_a.svg)") == 2
+    assert page.count("![Sequence of test_a](figures/test_a.svg)") == 1  # once per page
+    assert "The sequence of `test_a` is drawn above." in page
     html = (out / "ch01_x.html").read_text()
     assert "<p>The state was succeeded.</p>" in html
     assert '<img src="figures/test_a.svg" alt="Sequence of test_a"' in html
