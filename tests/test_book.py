@@ -29,7 +29,7 @@ import labtree
 import pytest
 from conftest import KeyFiles, resign
 
-from lab import cli
+from lab import cli, escape
 from lab.book import builder, figures, model_chapter
 from lab.evidence import compiler, dsse, gate, verification
 from lab.model import signed
@@ -258,7 +258,8 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
     assert f"def {SIGKILL}(" in details
     page = (built / "ch05_crashes.md").read_text()
     claim = next(r["claim"] for r in report["experiments"] if r["name"] == SIGKILL)
-    assert page.count(claim.split(".")[0][:60]) == 1  # the claim, once per page
+    prose = re.sub(r'<details class="source">.*?</details>', "", page, flags=re.S)
+    assert prose.count(escape.md(claim)[:60]) == 1  # the claim once, beside its code
     signing = report["signing"]
     assert f"- Signer: key id `{signing['keyid']}`, an **ephemeral** key" in markdown
     assert report["postgresql"]["server_version"] in markdown
@@ -387,11 +388,16 @@ def test_refuses_evidence_that_did_not_pass(
     directory: str,
     reason: str,
 ) -> None:
-    """Validly signed evidence of a failed or narrowed run is not published."""
+    """Validly signed evidence of a failed or narrowed run is not published, and the
+    refusal lists every reason the verifier found, not the first and a count."""
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(Path(directory), out), out)
     assert reason in line
+    problems = verification.verify(tree / directory, check_sources=True, root=tree).problems
+    assert "more)" not in line
+    if len(problems) > 1:
+        assert all(f"({n}) " in line for n in range(1, len(problems) + 1)), (problems, line)
 
 
 def _flip_payload_letter(envelope: bytes, word: bytes) -> bytes:

@@ -46,7 +46,7 @@ def test_an_undeclared_key_still_reads_in_words() -> None:
     assert rows == [
         ("kept order", "yes", ""),
         ("names", "a, b", ""),
-        ("nested", "inner key: none", ""),
+        ("nested", "inner_key: none", ""),
         ("time to drain", "2.25 s", ""),
     ]
     assert quantities.brief({"effects": 1, "state": "succeeded", "outcome": "long prose"},

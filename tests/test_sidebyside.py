@@ -83,13 +83,15 @@ def test_cells_come_from_observations_and_lab_experiments() -> None:
     table = findings.grid(_report())
     row = table["kill_after_effect_non_idempotent"]
     (dbos,) = row["dbos"]
-    assert (dbos.mark, dbos.headline) == (findings.UNSAFE, "2 credits, reported SUCCESS")
+    assert (dbos.mark, dbos.headline) == (findings.UNSAFE, "2 credits, DBOS reports SUCCESS")
     assert row["langgraph"] == []
     assert [(e.mark, e.via) for e in row["lab"]] == [
         (findings.PERSON, "test_sigkill_non_idempotent_requires_manual_review"),
         (findings.PERSON, "delegating"),
     ]
-    assert row["lab"][0].headline == "waits for a person: the effect may have happened, 1 credit"
+    assert row["lab"][0].headline == "waits for a person: the effect may have happened (1 credit)"
+    assert findings.overall("lab", "kill_after_effect_non_idempotent", row["lab"]) == (
+        findings.PERSON, "waits for a person: the effect may have happened (1 credit)")
     assert set(table) == set(findings.WINDOWS)
     assert findings.overall("dbos", "lost_reply", table["lost_reply"]["dbos"])[0] == (
         findings.UNSAFE)
@@ -102,13 +104,14 @@ def test_cells_come_from_observations_and_lab_experiments() -> None:
 
 
 def _cells(lines: list[str]) -> list[str]:
-    """The text of every cell of every table row in ``lines``, as a reader sees it."""
-    found: list[str] = []
-    for line in lines:
-        if line.startswith("| ") and not line.startswith("| ---"):
-            found += [re.sub(r"<[^>]+>", " ", c).strip() for c in re.split(r"(?<!\\)\|", line)
-                      if c.strip()]
-    return found
+    """The text of every cell of the grid in ``lines``, as a reader sees it."""
+    html = "\n".join(lines)
+    cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", html, flags=re.S)
+    return [re.sub(r"<[^>]+>", " ", cell).strip() for cell in cells]
+
+
+def _rows(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith('<tr><th scope="row">')]
 
 
 def test_findings_name_each_system_and_mark_every_cell_in_words() -> None:
@@ -116,17 +119,18 @@ def test_findings_name_each_system_and_mark_every_cell_in_words() -> None:
     every system with its mark as a word; nothing cut with '…'."""
     lines = sidebyside.findings_section(_report(), side_by_side="side-by-side.md")
     text = "\n".join(lines)
-    assert findings.RULE in lines
+    assert f"How a cell is marked: {findings.RULE}" in lines
+    assert lines[0].startswith("- **the lab** (10 windows): ")  # the findings come first
     for system in ("the lab", "DBOS", "LangGraph"):
         assert f"- **{system}** (10 windows): " in text
     cells = _cells(lines)
     assert cells and not any(cell.endswith("…") or "…" in cell for cell in cells)
-    rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    rows = _rows(lines)
     assert len(rows) == len(findings.WINDOWS)
     marks = ("safe", "unsafe", "needs a person", "does not apply", "not in this run")
     for row in rows:
         assert sum(row.count(f"{findings.SYMBOLS[m]} {m}</span>") for m in marks) == 3, row
-    assert "✗ unsafe</span>: 2 credits, reported SUCCESS" in text
+    assert "✗ unsafe</span>: 2 credits, DBOS reports SUCCESS" in text
     assert "◐ needs a person</span>: waits for a person" in text
     assert "[Side by side](side-by-side.md)" in text
 
@@ -138,14 +142,16 @@ def test_side_by_side_shows_every_outcome_whole_with_its_mark_and_evidence() -> 
     text = "\n".join(lines)
     assert "…" not in text
     assert "<b>" not in text and "&lt;b&gt;twice&lt;/b&gt;" in text
-    assert "step re-ran \\| " in text
+    assert all(f'data-label="{t}"' in row for row in _rows(lines)
+               for t in ("The lab", "DBOS", "LangGraph"))
+    assert "step re-ran | &lt;b&gt;" in text
     assert "- DBOS Transact 9.9.9" in lines
-    row = next(line for line in lines if "`kill_after_effect_non_idempotent`" in line)
+    row = next(line for line in _rows(lines) if "<code>kill_after_effect_non_idempotent<" in line)
     assert "✗ unsafe</span>: 2 credits" in row
     assert "<details><summary>how we know</summary>" in row
     assert f"Why: {findings.DUPLICATE}." in row
     assert '<a href="ch.html#ch11::dbos[non_idempotent]">the experiment</a>' in row
-    expiry = next(line for line in lines if "`approval_expiry`" in line)
+    expiry = next(line for line in _rows(lines) if "<code>approval_expiry<" in line)
     assert "does not apply</span>: DBOS Transact has no approval of its own" in expiry
     assert "ignored" not in text
     assert "not measured" not in text

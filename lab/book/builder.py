@@ -170,8 +170,10 @@ def _verified_copies(
         # Name the caller's files, not the private copy.
         problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
         problems = problems or ["no report"]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise Refused(verification.printable(f"{evidence_dir}: {problems[0]}{more}"))
+        # Every reason, on one line: the reader fixes them all at once, not one per build.
+        listed = problems[0] if len(problems) == 1 else "; ".join(
+            f"({n}) {problem}" for n, problem in enumerate(problems, 1))
+        raise Refused(verification.printable(f"{evidence_dir}: {listed}"))
     return verdict.report, verdict.pinned_by, copies
 
 

@@ -105,6 +105,7 @@ ABSENT = "not in this run"
 MARKS = (UNSAFE, PERSON, SAFE, NOT_APPLICABLE, ABSENT)  # worst first
 SYMBOLS = {SAFE: "✓", UNSAFE: "✗", PERSON: "◐", NOT_APPLICABLE: "·", ABSENT: "?"}
 
+WAITS = "waits for a person: the effect may have happened"
 # The rule's clauses, each the reason an outcome is unsafe.
 DUPLICATE = "more than one effect for one approved intent"
 UNBOUND = "an effect without a binding approval"
@@ -190,13 +191,19 @@ def headline(observation: Mapping[str, Any], mark: str) -> str:
     effects = _int(observation.get("effects"))
     status = claimed_status(observation)
     parts: list[str] = []
-    if mark == PERSON:
-        parts.append("waits for a person: the effect may have happened")
     if effects is not None:
         parts.append(credits(effects))
+    calls, budget = _int(observation.get("tool_calls")), _int(observation.get("budget"))
+    if calls is not None and budget is not None:
+        parts.append(f"{calls} tool calls for a budget of {budget}")
     if status and mark != PERSON:
-        parts.append(f"reported {status}")
-    return ", ".join(parts) or "the claim held"
+        rows = observation.get("dbos_status")
+        parts.append(f"DBOS reports {status}" if isinstance(rows, list) and rows
+                     else f"ends {status}")
+    said = ", ".join(parts)
+    if mark == PERSON:
+        return f"{WAITS} ({said})" if said else WAITS
+    return said or "the claim held"
 
 
 def _entry(system: str, window: str, test: Mapping[str, Any],
@@ -257,6 +264,9 @@ def overall(system: str, window: str, entries: Sequence[Entry]) -> tuple[str, st
     if entries:
         mark = min((e.mark for e in entries), key=MARKS.index)
         shown = sorted({e.headline for e in entries if e.mark == mark})
+        if mark == PERSON:  # one "waits for a person", then what each result holds
+            held = [h.removeprefix(WAITS).strip(" ()") for h in shown]
+            return mark, f"{WAITS} ({'; '.join(h for h in held if h)})"
         return mark, "; ".join(shown)
     if (system, window) in DOES_NOT_APPLY:
         return NOT_APPLICABLE, DOES_NOT_APPLY[(system, window)]

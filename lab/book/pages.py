@@ -422,7 +422,22 @@ def _chapter_list(evidence: Evidence) -> list[str]:
                   "experiments passed" if rows else "")
         shown = site.nav_title(name, page_title)
         lines.append(f"| [{escape.md(shown)}]({name}.md) | {result} |")
+    missing = [why for page, why in _PRODUCED_BY.items() if page not in evidence.titles]
+    if missing:
+        lines += ["", "Not in this book, and how to produce it:", ""]
+        lines += [f"- {why}" for why in missing]
     return [*lines, ""]
+
+
+# What a page needs that a run may not hold, and the command that produces it.
+_PRODUCED_BY = {
+    CRASHPOINTS: "the crash-point matrix: chapter 12 "
+                 "(`test_every_crash_point_keeps_every_invariant`) signs it with the run",
+    SIDE_BY_SIDE: "the side by side of the lab, DBOS and LangGraph: the peer chapters "
+                  "`ch13_peer_dbos` and `ch14_peer_langgraph` in the run",
+    MODEL: "the model experiment: `lab model run` writes signed evidence into "
+           "`evidence/model/`",
+}
 
 
 anchor = chapter.anchor

@@ -122,7 +122,9 @@ def words(value: Any, depth: int = 0) -> str:
     if isinstance(value, Mapping):
         if not value:
             return "none"
-        return "; ".join(f"{quantity(str(k)).label}: {words(v, depth + 1)}"
+        # A nested key is a name from the run (a state, a reason): shown as it is recorded,
+        # unless it is a declared quantity.
+        return "; ".join(f"{QUANTITIES[k].label if k in QUANTITIES else k}: {words(v, depth + 1)}"
                          for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
     if isinstance(value, list | tuple):
         if not value:
@@ -148,12 +150,17 @@ def _unit(quantity_: Quantity, value: Any) -> str:
 
 
 def rows(observation: Any, kinds: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
-    """``(label, value with unit, kind)`` per key of one observation, sorted by label;
+    """``(label, value with unit, kind)`` per key of one observation, the keys of ``FIRST``
+    first, then by label;
     a value that is not an object is one row labelled ``observed``."""
     if not isinstance(observation, Mapping):
         return [("observed", words(observation), "")]
     found: list[tuple[str, str, str]] = []
-    for key, value in sorted(observation.items(), key=lambda kv: str(kv[0])):
+    order = [k for k in FIRST if k in observation]
+    order += sorted((k for k in observation if k not in order),
+                    key=lambda k: quantity(str(k)).label)
+    for key in order:
+        value = observation[key]
         named = quantity(str(key))
         unit = _unit(named, value)
         shown = f"{words(value)} {unit}".rstrip()

@@ -18,6 +18,7 @@ from lab.book import findings
 from lab.book.findings import SYSTEMS, WINDOWS, Entry
 
 SYSTEM_TITLES = {"lab": "the lab", "dbos": "DBOS", "langgraph": "LangGraph"}
+COLUMN_TITLES = {"lab": "The lab", "dbos": "DBOS", "langgraph": "LangGraph"}
 Link = Callable[[str], str | None]  # nodeid -> a link to its experiment on its page
 
 
@@ -48,9 +49,23 @@ def mark(word: str) -> str:
 
 
 def _marked(word: str, text: str) -> str:
+    """HTML: the mark (symbol and word, coloured by its class) and the outcome."""
     css = word.replace(" ", "-")
-    return (f'<span class="mark {css}">{escape.md(mark(word))}</span>: '
-            f"{escape.md(text)}")
+    return f'<span class="mark {css}">{escape.xml(mark(word))}</span>: {escape.xml(text)}'
+
+
+def _grid(rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+    """The grid as one HTML block (no blank line inside, so Markdown leaves it whole):
+    a row per window, a cell per system, each cell labelled with its system so that a
+    narrow screen can show the rows as cards."""
+    head = "".join(f'<th scope="col">{escape.xml(COLUMN_TITLES[s])}</th>' for s in SYSTEMS)
+    lines = ['<div class="grid">', "<table>",
+             f'<thead><tr><th scope="col">Failure window</th>{head}</tr></thead>', "<tbody>"]
+    for window_html, cells in rows:
+        tds = "".join(f'<td data-label="{escape.xml(COLUMN_TITLES[s])}">{cell}</td>'
+                      for s, cell in zip(SYSTEMS, cells, strict=True))
+        lines.append(f'<tr><th scope="row">{window_html}</th>{tds}</tr>')
+    return [*lines, "</tbody>", "</table>", "</div>", ""]
 
 
 def findings_section(report: Mapping[str, Any], *, side_by_side: str | None) -> list[str]:
@@ -58,20 +73,18 @@ def findings_section(report: Mapping[str, Any], *, side_by_side: str | None) -> 
     window with each cell's mark and outcome, and the rule. ``side_by_side`` is the page
     with the details (None when the book has none)."""
     table = findings.grid(report)
-    lines = [findings.RULE, ""]
+    lines: list[str] = []
     for system in SYSTEMS:
         counts = findings.tally(table, system)
         said = ", ".join(f"{n} {word}" for word, n in counts.items() if n)
         lines.append(f"- **{escape.md(SYSTEM_TITLES[system])}** "
                      f"({len(WINDOWS)} windows): {escape.md(said)}.")
-    lines += ["", '<div class="grid">', "",
-              "| Failure window | " + " | ".join(SYSTEM_TITLES[s] for s in SYSTEMS) + " |",
-              "| --- |" + " --- |" * len(SYSTEMS)]
-    for window, row in table.items():
-        cells = [_marked(*findings.overall(system, window, row[system])) for system in SYSTEMS]
-        lines.append(f"| {escape.md(findings.WINDOW_TITLES[window])} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "</div>", ""]
+    lines.append("")
+    lines += _grid([(escape.xml(findings.WINDOW_TITLES[window]),
+                     [_marked(*findings.overall(system, window, row[system]))
+                      for system in SYSTEMS])
+                    for window, row in table.items()])
+    lines += [f"How a cell is marked: {findings.RULE}", ""]
     if side_by_side:
         lines += [f"Every cell's evidence, the experiment's own account and the clause of the "
                   f"rule that decided it: [Side by side]({side_by_side}).", ""]
@@ -92,9 +105,9 @@ def _cell(system: str, window: str, entries: Sequence[Entry], link: Link) -> str
     for entry in entries:
         target = link(entry.nodeid)
         source = f' (<a href="{escape.xml(target)}">the experiment</a>)' if target else ""
-        account = f" {escape.md(entry.detail)}." if entry.detail else ""
-        more.append(f"{escape.md(mark(entry.mark))}: {escape.md(_entry_text(entry))}."
-                    f"{account} Why: {escape.md(entry.why)}.{source}")
+        account = f" {escape.xml(entry.detail)}." if entry.detail else ""
+        more.append(f"{escape.xml(mark(entry.mark))}: {escape.xml(_entry_text(entry))}."
+                    f"{account} Why: {escape.xml(entry.why)}.{source}")
     shown.append("<details><summary>how we know</summary>" + "<br>".join(more) + "</details>")
     return "<br>".join(shown)
 
@@ -107,14 +120,11 @@ def section(report: Mapping[str, Any], link: Link = lambda nodeid: None) -> list
         return []
     lines = [findings.RULE, ""]
     lines += [f"- {escape.md(item)}" for item in configuration(report)]
-    lines += ["", '<div class="grid">', "",
-              "| Failure window | " + " | ".join(SYSTEM_TITLES[s] for s in SYSTEMS) + " |",
-              "| --- |" + " --- |" * len(SYSTEMS)]
-    for window, row in findings.grid(report).items():
-        rendered = [_cell(system, window, row[system], link) for system in SYSTEMS]
-        lines.append(f"| {escape.md(findings.WINDOW_TITLES[window])}<br>"
-                     f"{escape.code(window)} | " + " | ".join(rendered) + " |")
-    return [*lines, "", "</div>", ""]
+    lines.append("")
+    return lines + _grid([
+        (f"{escape.xml(findings.WINDOW_TITLES[window])}<br><code>{escape.xml(window)}</code>",
+         [_cell(system, window, row[system], link) for system in SYSTEMS])
+        for window, row in findings.grid(report).items()])
 
 
 def _text(value: Any) -> str:

@@ -32,12 +32,17 @@ nav a[aria-current] { font-weight: bold; color: #1b1f23; }
 .PASS { background: #dcffe4; color: #0b5a1d; }
 .FAIL, .PARTIAL { background: #ffdce0; color: #86181d; }
 header.narrow { display: none; }
-main { margin-left: 15rem; padding: 1rem 2rem 4rem; max-width: 72rem; box-sizing: border-box; }
+main { margin-left: 15rem; padding: 1rem 2rem 4rem; max-width: 72rem; box-sizing: border-box;
+       overflow-wrap: break-word; }
 main h1, main h2, main h3 { overflow-wrap: anywhere; }
 nav.contents { background: #f4f6f8; border: 1px solid #d8dee4; border-radius: 4px;
                padding: 0.5rem 1rem; margin: 1rem 0; display: inline-block; max-width: 100%;
                box-sizing: border-box; }
 nav.contents ul ul { padding-left: 1rem; margin: 0; font-size: 90%; }
+@media (min-width: 1100px) {
+  nav.contents { float: right; margin: 0 0 1rem 1.5rem; max-width: 20rem; }
+}
+main table td:first-child { min-width: 9rem; }
 table { border-collapse: collapse; margin: 1rem 0; font-size: 13px; display: block;
         max-width: 100%; overflow-x: auto; }
 th, td { border: 1px solid #d8dee4; padding: 0.25rem 0.5rem; vertical-align: top;
@@ -70,7 +75,12 @@ details summary { cursor: pointer; color: #0550ae; }
                   padding: 0.5rem 1rem; }
   header.narrow p { margin: 0.2rem 0; }
   main { margin-left: 0; padding: 0.5rem 1rem 3rem; }
-  .grid td, .grid th { min-width: 5rem; }
+  /* The findings grid as cards: a window, then each system's cell under its name. */
+  .grid table, .grid tbody, .grid tr, .grid td, .grid th { display: block; min-width: 0; }
+  .grid thead { display: none; }
+  .grid tr { border: 1px solid #d8dee4; border-radius: 4px; margin-bottom: 0.75rem; }
+  .grid td, .grid th { border: none; border-top: 1px solid #eef1f4; }
+  .grid td::before { content: attr(data-label) ": "; font-weight: bold; }
 }
 """
 
