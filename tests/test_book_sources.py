@@ -100,8 +100,8 @@ def test_directives_pull_the_evidence_into_the_page(
     rows = json.loads((evidence / "runtime.json").read_text())["experiments"]
     assert f"**PASS**: {len(rows)} of {len(rows)} experiments passed" in (
         out / "index.md").read_text()
-    assert "[Chapter x](ch01_x.md)" in (out / "index.md").read_text()
-    assert '<a href="ch01_x.html">Chapter x</a>' in (out / "index.html").read_text()
+    assert "[1. Chapter x](ch01_x.md)" in (out / "index.md").read_text()
+    assert '<a href="ch01_x.html">1. Chapter x</a>' in (out / "index.html").read_text()
 
 
 @pytest.mark.parametrize(

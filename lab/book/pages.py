@@ -420,8 +420,8 @@ def _chapter_list(evidence: Evidence) -> list[str]:
         rows = rows_by.get(name)
         result = (f"{sum(1 for r in rows if r['outcome'] == 'passed')} of {len(rows)} "
                   "experiments passed" if rows else "")
-        shown = site.nav_title(name, page_title)
-        lines.append(f"| [{escape.md(shown)}]({name}.md) | {result} |")
+        number = site.nav_title(name, "")  # "9. " for a chapter: the book's own text
+        lines.append(f"| [{number}{escape.md(page_title)}]({name}.md) | {result} |")
     missing = [why for page, why in _PRODUCED_BY.items() if page not in evidence.titles]
     if missing:
         lines += ["", "Not in this book, and how to produce it:", ""]
