@@ -90,7 +90,8 @@ def test_directives_pull_the_evidence_into_the_page(
     builder.build(evidence, out, root=root, sources=_sources(tmp_path, text))
     page = (out / "ch01_x.md").read_text()
     assert "The state was succeeded." in page
-    assert "| [`test_a`](#x-test_a) | A claim. | passed |" in page
+    assert ('<tr><td data-label="Experiment"><a href="#x-test_a"><code>test_a</code></a></td>'
+            '<td data-label="Claim">A claim.</td><td data-label="Result">passed</td>') in page
     assert page.count("![Sequence of test_a](figures/test_a.svg)") == 1  # once per page
     assert "The sequence of `test_a` is drawn above." in page
     html = (out / "ch01_x.html").read_text()

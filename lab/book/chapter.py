@@ -64,10 +64,16 @@ def _ran(row: Mapping[str, Any], report: Report) -> list[Mapping[str, Any]]:
                   key=lambda t: str(t["nodeid"]))
 
 
+RESULT_COLUMNS = ("Experiment", "Claim", "Result", "Key observations")
+
+
 def results(rows: Sequence[Mapping[str, Any]], evidence: Evidence) -> list[str]:
     """A chapter's results table: name (a link to its details), claim, result, and a few
-    key observations by name and unit; everything else is in the details."""
-    lines = ["| Experiment | Claim | Result | Key observations |", "| --- | --- | --- | --- |"]
+    key observations by name and unit; everything else is in the details. One HTML block
+    (no blank line inside), each cell labelled with its column, so that a narrow screen
+    shows each experiment as a card."""
+    head = "".join(f'<th scope="col">{name}</th>' for name in RESULT_COLUMNS)
+    lines = ['<div class="cards">', "<table>", f"<thead><tr>{head}</tr></thead>", "<tbody>"]
     for row in rows:
         briefs: list[str] = []
         for test in _ran(row, evidence.report):
@@ -77,16 +83,18 @@ def results(rows: Sequence[Mapping[str, Any]], evidence: Evidence) -> list[str]:
                 if text:
                     briefs.append(f"[{found}] {text}" if found is not None else text)
         results_n = int(row["results"])
-        outcome = escape.md(row["outcome"])
+        outcome = str(row["outcome"])
         result = outcome if results_n == 1 else f"{outcome} ({results_n} results)"
         cells = [
-            f"[{escape.code(row['name'])}](#{anchor(row)})",
-            escape.md(row["claim"] or ""),
-            result,
-            "<br>".join(escape.md(text) for text in briefs),
+            f'<a href="#{anchor(row)}"><code>{escape.xml(row["name"])}</code></a>',
+            escape.xml(row["claim"] or ""),
+            escape.xml(result),
+            "<br>".join(escape.xml(text) for text in briefs),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
+        tds = "".join(f'<td data-label="{name}">{cell}</td>'
+                      for name, cell in zip(RESULT_COLUMNS, cells, strict=True))
+        lines.append(f"<tr>{tds}</tr>")
+    return [*lines, "</tbody>", "</table>", "</div>", ""]
 
 
 def details(row: Mapping[str, Any], evidence: Evidence) -> list[str]:

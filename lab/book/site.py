@@ -41,6 +41,7 @@ nav.contents { background: #f4f6f8; border: 1px solid #d8dee4; border-radius: 4p
 nav.contents ul ul { padding-left: 1rem; margin: 0; font-size: 90%; }
 @media (min-width: 1100px) {
   nav.contents { float: right; margin: 0 0 1rem 1.5rem; max-width: 20rem; }
+  .grid, .cards, .scroll, table { clear: both; }  /* a table keeps the page's full width */
 }
 main table td:first-child { min-width: 9rem; }
 table { border-collapse: collapse; margin: 1rem 0; font-size: 13px; display: block;
@@ -75,12 +76,14 @@ details summary { cursor: pointer; color: #0550ae; }
                   padding: 0.5rem 1rem; }
   header.narrow p { margin: 0.2rem 0; }
   main { margin-left: 0; padding: 0.5rem 1rem 3rem; }
-  /* The findings grid as cards: a window, then each system's cell under its name. */
-  .grid table, .grid tbody, .grid tr, .grid td, .grid th { display: block; min-width: 0; }
-  .grid thead { display: none; }
-  .grid tr { border: 1px solid #d8dee4; border-radius: 4px; margin-bottom: 0.75rem; }
-  .grid td, .grid th { border: none; border-top: 1px solid #eef1f4; }
-  .grid td::before { content: attr(data-label) ": "; font-weight: bold; }
+  /* The findings grid and results tables as cards: a row, then each cell under its name. */
+  .grid table, .grid tbody, .grid tr, .grid td, .grid th,
+  .cards table, .cards tbody, .cards tr, .cards td { display: block; min-width: 0; }
+  .grid thead, .cards thead { display: none; }
+  .grid tr, .cards tr { border: 1px solid #d8dee4; border-radius: 4px;
+                        margin-bottom: 0.75rem; }
+  .grid td, .grid th, .cards td { border: none; border-top: 1px solid #eef1f4; }
+  .grid td::before, .cards td::before { content: attr(data-label) ": "; font-weight: bold; }
 }
 """
 
