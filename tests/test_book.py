@@ -247,11 +247,11 @@ def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
                     if line.startswith(f'<tr><td data-label="Experiment"><a href="#x-{name}">'))
 
     pure = row("test_pure")
-    assert '<td data-label="Claim">A pure claim | with a pipe.</td>' in pure
+    assert '<td data-label="Claim">A pure claim &#124; with a pipe.</td>' in pure
     assert "note: &lt;b&gt;not markup&lt;/b&gt;; pure: yes" in pure
     created = row("test_created")
     assert "passed (2 results)" in created
-    assert "[a] final state: ready<br>[b] final state: ready" in created
+    assert "&#91;a&#93; final state: ready<br>&#91;b&#93; final state: ready" in created
     assert '<td data-label="Result">passed</td>' in row(SIGKILL)
     # The table keeps observations short; the full set stands under the experiment.
     details = (built / "ch05_crashes.md").read_text().split(f'<a id="x-{SIGKILL}"></a>')[1]
@@ -957,7 +957,7 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
     assert "[click](javascript:alert(1)) &lt;img src=x onerror=alert(1)&gt;" in figure
     row = next(line for line in markdown.splitlines() if '<a href="#x-test_a">' in line)
     assert row.count("<td") == 4  # the claim's markup cannot add cells
-    assert "| &lt;img src=x onerror=alert(1)&gt; |" in row
+    assert "&#124; &lt;img src=x onerror=alert(1)&gt; &#124;" in row
     for page in sorted(out.glob("*.html")):
         html = page.read_text()
         for raw in ("<script", "<img src=x", 'href="javascript:', 'src="http'):

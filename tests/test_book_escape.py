@@ -120,6 +120,14 @@ def test_md_and_code_are_inert_for_hostile_text(text: str) -> None:
 
 
 @pytest.mark.parametrize("text", HOSTILE)
+def test_html_text_is_inert_in_html_and_in_markdown(text: str) -> None:
+    """Inside a raw HTML block: no markup for HTML, no link, image or code for Markdown."""
+    out = escape.html_text(text)
+    assert not any(c in out for c in '<>"[]!`|\n')
+    _inert(f'<div class="grid">\n<table><tr><td>{out}</td></tr></table>\n</div>\n')
+
+
+@pytest.mark.parametrize("text", HOSTILE)
 def test_xml_is_inert_in_svg_and_html(text: str) -> None:
     out = escape.xml(text)
     assert "<" not in out and ">" not in out and '"' not in out

@@ -144,7 +144,7 @@ def test_side_by_side_shows_every_outcome_whole_with_its_mark_and_evidence() -> 
     assert "<b>" not in text and "&lt;b&gt;twice&lt;/b&gt;" in text
     assert all(f'data-label="{t}"' in row for row in _rows(lines)
                for t in ("The lab", "DBOS", "LangGraph"))
-    assert "step re-ran | &lt;b&gt;" in text
+    assert "step re-ran &#124; &lt;b&gt;" in text
     assert "- DBOS Transact 9.9.9" in lines
     row = next(line for line in _rows(lines) if "<code>kill_after_effect_non_idempotent<" in line)
     assert "✗ unsafe</span>: 2 credits" in row

@@ -86,10 +86,10 @@ def results(rows: Sequence[Mapping[str, Any]], evidence: Evidence) -> list[str]:
         outcome = str(row["outcome"])
         result = outcome if results_n == 1 else f"{outcome} ({results_n} results)"
         cells = [
-            f'<a href="#{anchor(row)}"><code>{escape.xml(row["name"])}</code></a>',
-            escape.xml(row["claim"] or ""),
-            escape.xml(result),
-            "<br>".join(escape.xml(text) for text in briefs),
+            f'<a href="#{anchor(row)}"><code>{escape.html_text(row["name"])}</code></a>',
+            escape.html_text(row["claim"] or ""),
+            escape.html_text(result),
+            "<br>".join(escape.html_text(text) for text in briefs),
         ]
         tds = "".join(f'<td data-label="{name}">{cell}</td>'
                       for name, cell in zip(RESULT_COLUMNS, cells, strict=True))
@@ -139,15 +139,15 @@ def source(row: Mapping[str, Any], ran: Sequence[Mapping[str, Any]],
     text = evidence.sources.get(path)
     name = str(row["name"])
     if text is None:
-        return [f'<p class="source">Code: {escape.xml(path)} (function {escape.xml(name)}).'
-                "</p>", ""]
+        return [f'<p class="source">Code: {escape.html_text(path)} (function '
+                f"{escape.html_text(name)}).</p>", ""]
     found = _function(text, name)
     if found is None:
-        return [f'<p class="source">Code: {escape.xml(path)}.</p>', ""]
+        return [f'<p class="source">Code: {escape.html_text(path)}.</p>', ""]
     line, body = found
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", body)), default=0))
     return [
-        f'<details class="source"><summary>Code: {escape.xml(path)}, line {line}'
+        f'<details class="source"><summary>Code: {escape.html_text(path)}, line {line}'
         "</summary>",
         "",
         f"{fence}python",

@@ -51,7 +51,8 @@ def mark(word: str) -> str:
 def _marked(word: str, text: str) -> str:
     """HTML: the mark (symbol and word, coloured by its class) and the outcome."""
     css = word.replace(" ", "-")
-    return f'<span class="mark {css}">{escape.xml(mark(word))}</span>: {escape.xml(text)}'
+    return (f'<span class="mark {css}">{escape.html_text(mark(word))}</span>: '
+            f"{escape.html_text(text)}")
 
 
 def _grid(rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
@@ -80,7 +81,7 @@ def findings_section(report: Mapping[str, Any], *, side_by_side: str | None) -> 
         lines.append(f"- **{escape.md(SYSTEM_TITLES[system])}** "
                      f"({len(WINDOWS)} windows): {escape.md(said)}.")
     lines.append("")
-    lines += _grid([(escape.xml(findings.WINDOW_TITLES[window]),
+    lines += _grid([(escape.html_text(findings.WINDOW_TITLES[window]),
                      [_marked(*findings.overall(system, window, row[system]))
                       for system in SYSTEMS])
                     for window, row in table.items()])
@@ -105,9 +106,10 @@ def _cell(system: str, window: str, entries: Sequence[Entry], link: Link) -> str
     for entry in entries:
         target = link(entry.nodeid)
         source = f' (<a href="{escape.xml(target)}">the experiment</a>)' if target else ""
-        account = f" {escape.xml(entry.detail)}." if entry.detail else ""
-        more.append(f"{escape.xml(mark(entry.mark))}: {escape.xml(_entry_text(entry))}."
-                    f"{account} Why: {escape.xml(entry.why)}.{source}")
+        account = f" {escape.html_text(entry.detail)}." if entry.detail else ""
+        more.append(f"{escape.html_text(mark(entry.mark))}: "
+                    f"{escape.html_text(_entry_text(entry))}."
+                    f"{account} Why: {escape.html_text(entry.why)}.{source}")
     shown.append("<details><summary>how we know</summary>" + "<br>".join(more) + "</details>")
     return "<br>".join(shown)
 
@@ -122,7 +124,8 @@ def section(report: Mapping[str, Any], link: Link = lambda nodeid: None) -> list
     lines += [f"- {escape.md(item)}" for item in configuration(report)]
     lines.append("")
     return lines + _grid([
-        (f"{escape.xml(findings.WINDOW_TITLES[window])}<br><code>{escape.xml(window)}</code>",
+        (f"{escape.html_text(findings.WINDOW_TITLES[window])}<br>"
+         f"<code>{escape.html_text(window)}</code>",
          [_cell(system, window, row[system], link) for system in SYSTEMS])
         for window, row in findings.grid(report).items()])
 
