@@ -13,6 +13,9 @@ functions and through nothing else; ``tests/test_book_escape.py`` holds them to 
   survives as markup.
 - ``code``: a code span when the text needs no escaping at all, else ``md``.
 - ``xml``: text or an attribute value in HTML or SVG.
+- ``html_text``: text inside a raw HTML block of a Markdown page (the findings grid, a
+  results table): ``xml``, and every character that starts Markdown markup as an
+  entity too, so the ``.md`` file reads as inert text in any Markdown renderer.
 - ``mermaid``: a label inside a Mermaid diagram (its own statement and entity syntax).
 """
 
@@ -70,6 +73,17 @@ def code(text: object) -> str:
 def xml(text: object) -> str:
     """Text or an attribute value for HTML or SVG: every markup character an entity."""
     return html.escape(visible(str(text)), quote=True)
+
+
+# Markdown's markup characters, written as entities inside raw HTML (they show the same).
+_HTML_MD = frozenset("\\`*[]!|~")
+
+
+def html_text(text: object) -> str:
+    """Evidence text for a raw HTML block inside Markdown: ``xml``, and Markdown's markup
+    characters as numeric entities, so no renderer of the Markdown reads a link or image."""
+    return "".join(f"&#{ord(c)};" if c in _HTML_MD else html.escape(c, quote=True)
+                   for c in visible(str(text)))
 
 
 # Mermaid ends a statement at ';' and at a line end, reads '#...;' as an entity code

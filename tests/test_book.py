@@ -29,7 +29,7 @@ import labtree
 import pytest
 from conftest import KeyFiles, resign
 
-from lab import cli
+from lab import cli, escape
 from lab.book import builder, figures, model_chapter
 from lab.evidence import compiler, dsse, gate, verification
 from lab.model import signed
@@ -233,26 +233,35 @@ def test_every_figure_is_well_formed_svg(built: Path) -> None:
 
 
 def test_markdown_tables_and_provenance(built: Path, tree: Path) -> None:
-    """Per chapter a table of claim, result, duration and observations; then provenance."""
+    """Per chapter a table of claim, result and key observations by name; every observation
+    as named values under the experiment, the code beside it; then provenance."""
     report = json.loads((tree / "evidence" / compiler.REPORT_FILE).read_text())
     markdown = _markdown(built)
     for chapter in ("ch01_pure", "ch02_params", "ch05_crashes"):
         page = (built / f"{chapter}.md").read_text()
         assert page.startswith(f"# {chapter}\n")
-        assert f"[{chapter}]({chapter}.md)" in (built / "index.md").read_text()
-    pure = next(line for line in markdown.splitlines()
-                if line.startswith("| [`test_pure`](#x-test_pure)"))
-    assert "A pure claim \\| with a pipe." in pure
-    assert "note=&lt;b&gt;not markup&lt;/b&gt;, pure=true" in pure
-    created = next(line for line in markdown.splitlines()
-                   if line.startswith("| [`test_created`]"))
+        number = int(chapter[2:4])  # the chapter list numbers a chapter by its name
+        assert f"[{number}. {chapter}]({chapter}.md)" in (built / "index.md").read_text()
+    def row(name: str) -> str:
+        return next(line for line in markdown.splitlines()
+                    if line.startswith(f'<tr><td data-label="Experiment"><a href="#x-{name}">'))
+
+    pure = row("test_pure")
+    assert '<td data-label="Claim">A pure claim &#124; with a pipe.</td>' in pure
+    assert "note: &lt;b&gt;not markup&lt;/b&gt;; pure: yes" in pure
+    created = row("test_created")
     assert "passed (2 results)" in created
-    assert "\\[a\\] state=ready; \\[b\\] state=ready" in created
-    sigkill = next(line for line in markdown.splitlines() if line.startswith(f"| [`{SIGKILL}`]"))
-    assert "| passed |" in sigkill
+    assert "&#91;a&#93; final state: ready<br>&#91;b&#93; final state: ready" in created
+    assert '<td data-label="Result">passed</td>' in row(SIGKILL)
     # The table keeps observations short; the full set stands under the experiment.
     details = (built / "ch05_crashes.md").read_text().split(f'<a id="x-{SIGKILL}"></a>')[1]
-    assert "signal=SIGKILL" in details
+    assert "| signal | SIGKILL |" in details
+    assert "<summary>Code: experiments/ch05_crashes/test_crashes.py, line " in details
+    assert f"def {SIGKILL}(" in details
+    page = (built / "ch05_crashes.md").read_text()
+    claim = next(r["claim"] for r in report["experiments"] if r["name"] == SIGKILL)
+    prose = re.sub(r'<details class="source">.*?</details>', "", page, flags=re.S)
+    assert prose.count(escape.md(claim)[:60]) == 1  # the claim once, beside its code
     signing = report["signing"]
     assert f"- Signer: key id `{signing['keyid']}`, an **ephemeral** key" in markdown
     assert report["postgresql"]["server_version"] in markdown
@@ -381,11 +390,16 @@ def test_refuses_evidence_that_did_not_pass(
     directory: str,
     reason: str,
 ) -> None:
-    """Validly signed evidence of a failed or narrowed run is not published."""
+    """Validly signed evidence of a failed or narrowed run is not published, and the
+    refusal lists every reason the verifier found, not the first and a count."""
     monkeypatch.chdir(tree)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(Path(directory), out), out)
     assert reason in line
+    problems = verification.verify(tree / directory, check_sources=True, root=tree).problems
+    assert "more)" not in line
+    if len(problems) > 1:
+        assert all(f"({n}) " in line for n in range(1, len(problems) + 1)), (problems, line)
 
 
 def _flip_payload_letter(envelope: bytes, word: bytes) -> bytes:
@@ -937,9 +951,13 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
         assert raw not in markdown, raw
     assert "- Commit: \\`&lt;script&gt;alert(1)&lt;/script&gt; (clean working tree)." in markdown
     assert "- Run: https://ci.example/run/1&lt;img src=x onerror=alert(1)&gt;" in markdown
-    assert "\\[click\\](javascript:alert(1))" in markdown
-    row = next(line for line in markdown.splitlines() if line.startswith("| [`test_a`]"))
-    assert row.count(" | ") == 4  # the pipes of the claim cannot add cells
+    # The test's claim is shown where its figure is drawn (the page shows the experiment's
+    # claim once): there, too, it is text.
+    figure = next((out / "figures").glob("*.svg")).read_text()
+    assert "[click](javascript:alert(1)) &lt;img src=x onerror=alert(1)&gt;" in figure
+    row = next(line for line in markdown.splitlines() if '<a href="#x-test_a">' in line)
+    assert row.count("<td") == 4  # the claim's markup cannot add cells
+    assert "&#124; &lt;img src=x onerror=alert(1)&gt; &#124;" in row
     for page in sorted(out.glob("*.html")):
         html = page.read_text()
         for raw in ("<script", "<img src=x", 'href="javascript:', 'src="http'):

@@ -7,9 +7,11 @@ crash-point matrix (the ``after_claim`` boundary against every fault a shared se
 allows, on real worker and tool processes), signed with the run as chapter 12 does.
 
 A page fails when it is blank, an image does not load, a link inside the site is
-broken, the console shows an error, or a request leaves the machine. The screenshots
-land next to the build (``<book>/_screenshots/``). Chromium is required, not optional:
-without it this test fails (Debian: ``apt-get install chromium``; CI installs it).
+broken, the console shows an error, a request leaves the machine, or (at 1280 or 390 px)
+it is wider than the window, a table cell ends in "…" or figure text is under 10 px.
+The screenshots land next to the build (``<book>/_screenshots/``). Chromium is
+required, not optional: without it this test fails (Debian: ``apt-get install
+chromium``; CI installs it).
 """
 
 from __future__ import annotations
@@ -69,13 +71,16 @@ def site(tmp_path_factory: pytest.TempPathFactory, lab_dsn: str) -> Path:
 
 
 def test_the_site_works_offline_in_chromium(site: Path) -> None:
-    """Landing page, a chapter, the matrix: text, loaded images, working links, no errors."""
+    """Landing page, a chapter, the matrix, at 1280 and 390 px: text, loaded images, working
+    links, no errors, no page wider than its window, no cell cut with '…', no figure text
+    under 10 px."""
     screenshots = site.parent / "_screenshots"
-    results = browser.check(site, PAGES, screenshots)
-    assert [r.page for r in results] == list(PAGES)
+    results = browser.check(site, PAGES, screenshots, widths=browser.WIDTHS)
+    assert [(r.page, r.width) for r in results] == [
+        (page, width) for page in PAGES for width in browser.WIDTHS]
     problems = [problem for result in results for problem in result.problems]
     assert problems == []
-    by_page = {r.page: r for r in results}
+    by_page = {r.page: r for r in results if r.width == browser.WIDTH}
     assert by_page["ch05_crashes.html"].images >= 1  # the SIGKILL figure, loaded
     assert by_page["crashpoints.html"].images >= 1  # one figure per distinct outcome
     assert all(r.links > len(PAGES) for r in results)  # navigation on every page

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from lab import escape
-from lab.book import crashpoints, model_chapter, pages, sidebyside
+from lab.book import crashpoints, model_chapter, pages, sidebyside, site
 from lab.faults import crashmatrix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,8 @@ def test_no_renderer_escapes_on_its_own() -> None:
 
 def test_the_escaper_module_is_the_one_every_renderer_imports() -> None:
     """Each module that renders evidence into Markdown, HTML or SVG imports the escaper."""
-    for module in ("builder", "pages", "crashpoints", "sidebyside", "model_chapter", "figures"):
+    for module in ("builder", "pages", "crashpoints", "sidebyside", "model_chapter", "figures",
+                   "site", "chapter", "quantities"):
         source = (REPO / "lab" / "book" / f"{module}.py").read_text(encoding="utf-8")
         assert re.search(r"^from lab import .*\bescape\b", source, re.M) or (
             module == "builder"), module
@@ -76,7 +77,7 @@ def test_the_escaper_module_is_the_one_every_renderer_imports() -> None:
 
 def _inert(markdown: str) -> None:
     """``markdown`` and its HTML hold nothing a hostile string could have made active."""
-    html = pages.html_page("p", markdown, {"p": "page"}, "PASS").decode()
+    html = site.html_page("p", markdown, {"p": "page"}, "PASS").decode()
     body = html.split("<main>", 1)[1]
     for raw in ("<script", "<img src=http", 'href="javascript:', 'src="http',
                 'href="https://evil'):
@@ -113,9 +114,17 @@ def test_md_and_code_are_inert_for_hostile_text(text: str) -> None:
         "",
     ])
     _inert(markdown)
-    table = pages._markdown_it().render(markdown)
+    table = site.markdown_it().render(markdown)
     row = table.split("<tbody>")[1]
     assert row.count("<td>") == 2  # a pipe cannot add a cell
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_html_text_is_inert_in_html_and_in_markdown(text: str) -> None:
+    """Inside a raw HTML block: no markup for HTML, no link, image or code for Markdown."""
+    out = escape.html_text(text)
+    assert not any(c in out for c in '<>"[]!`|\n')
+    _inert(f'<div class="grid">\n<table><tr><td>{out}</td></tr></table>\n</div>\n')
 
 
 @pytest.mark.parametrize("text", HOSTILE)
@@ -188,10 +197,11 @@ def test_observation_values_are_inert_in_a_page(text: str) -> None:
                    "observations": [{"value": text, "peer_window": "lost_reply",
                                      "system": "dbos", "outcome": text, "effects": text}]}],
     }
+    code = f"def test_a():\n    {text!r}\n    # {text}\n"
     evidence = pages.Evidence(report=report, copies={}, pinned_by=None,  # type: ignore[arg-type]
-                              figure_paths={})
+                              figure_paths={}, sources={"x.py": code})
     source = ("# Page\n\nSeen: {{ value ch01_x/test_a value }}.\n\n{{ results ch01_x }}\n\n"
-              "{{ details ch01_x }}\n\n{{ sidebyside }}\n\n{{ limits }}\n")
+              "{{ details ch01_x }}\n\n{{ sidebyside }}\n\n{{ findings }}\n\n{{ limits }}\n")
     markdown = pages.expand("p", source, evidence)
     _inert(markdown)
     assert "\n".join(sidebyside.section(report)) in markdown

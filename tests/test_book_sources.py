@@ -90,8 +90,10 @@ def test_directives_pull_the_evidence_into_the_page(
     builder.build(evidence, out, root=root, sources=_sources(tmp_path, text))
     page = (out / "ch01_x.md").read_text()
     assert "The state was succeeded." in page
-    assert "| [`test_a`](#x-test_a) | A claim. | passed |" in page
-    assert page.count("![Sequence of test_a](figures/test_a.svg)") == 2
+    assert ('<tr><td data-label="Experiment"><a href="#x-test_a"><code>test_a</code></a></td>'
+            '<td data-label="Claim">A claim.</td><td data-label="Result">passed</td>') in page
+    assert page.count("![Sequence of test_a](figures/test_a.svg)") == 1  # once per page
+    assert "The sequence of `test_a` is drawn above." in page
     html = (out / "ch01_x.html").read_text()
     assert "<p>The state was succeeded.</p>" in html
     assert '<img src="figures/test_a.svg" alt="Sequence of test_a"' in html
@@ -99,8 +101,8 @@ def test_directives_pull_the_evidence_into_the_page(
     rows = json.loads((evidence / "runtime.json").read_text())["experiments"]
     assert f"**PASS**: {len(rows)} of {len(rows)} experiments passed" in (
         out / "index.md").read_text()
-    assert "[Chapter x](ch01_x.md)" in (out / "index.md").read_text()
-    assert '<a href="ch01_x.html">Chapter x</a>' in (out / "index.html").read_text()
+    assert "[1. Chapter x](ch01_x.md)" in (out / "index.md").read_text()
+    assert '<a href="ch01_x.html">1. Chapter x</a>' in (out / "index.html").read_text()
 
 
 @pytest.mark.parametrize(

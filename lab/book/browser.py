@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,10 @@ FLAGS = (
     "--remote-debugging-pipe",
 )
 WIDTH, HEIGHT = 1280, 900
+NARROW = 390  # px: a phone held upright
+WIDTHS = (WIDTH, NARROW)
+MIN_FIGURE_TEXT = 10.0  # px: the smallest figure text a reader is shown
+_FONT_SIZE = re.compile(rb'font-size="([0-9.]+)"')
 MAX_SHOT_HEIGHT = 6000  # px: a long page is shot down to here
 MIN_TEXT = 80  # characters of visible text below which a page counts as blank
 TIMEOUT = 60.0
@@ -58,8 +62,14 @@ _PROBE = """(() => {
   const images = [...document.images].map(i => ({src: i.currentSrc || i.src,
       ok: i.complete && i.naturalWidth > 0}));
   const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
+  const root = document.documentElement;
+  const cut = [...document.querySelectorAll('td, th')].map(c => c.innerText.trim())
+      .filter(t => t.endsWith('\u2026'));
+  const figures = [...document.images].map(i => ({src: i.currentSrc || i.src,
+      natural: i.naturalWidth, shown: i.getBoundingClientRect().width}));
   return JSON.stringify({text: document.body ? document.body.innerText.trim().length : 0,
-                         title: document.title, images, links});
+                         title: document.title, images, links, cut, figures,
+                         scroll_width: root.scrollWidth, width: window.innerWidth});
 })()"""
 
 
@@ -78,6 +88,7 @@ class PageResult:
     page: str
     screenshot: Path
     problems: list[str] = field(default_factory=list)
+    width: int = WIDTH
     text_length: int = 0
     images: int = 0
     links: int = 0
@@ -182,9 +193,11 @@ class _Pipe:
 
 
 def check(site: Path, pages: Sequence[str], screenshots: Path,
-          chromium: str | None = None) -> list[PageResult]:
-    """Open each of ``pages`` (file names inside ``site``) in one headless Chromium and
-    return what it showed; screenshots go to ``screenshots/<page>.png``."""
+          chromium: str | None = None, widths: Sequence[int] = (WIDTH,)) -> list[PageResult]:
+    """Open each of ``pages`` (file names inside ``site``) in one headless Chromium at each
+    of ``widths`` (px) and return what it showed, page by page, width by width;
+    screenshots go to ``screenshots/<page>.png`` (``<page>-<width>.png`` at a width other
+    than ``WIDTH``)."""
     binary = chromium or find_chromium()
     site = site.resolve()
     screenshots.mkdir(parents=True, exist_ok=True)
@@ -193,24 +206,27 @@ def check(site: Path, pages: Sequence[str], screenshots: Path,
         pipe = _Pipe(binary, Path(profile))
         try:
             for page in pages:
-                results.append(_visit(pipe, site, page, screenshots))
+                for width in widths:
+                    results.append(_visit(pipe, site, page, screenshots, width))
         finally:
             pipe.close()
     return results
 
 
-def _visit(pipe: _Pipe, site: Path, page: str, screenshots: Path) -> PageResult:
+def _visit(pipe: _Pipe, site: Path, page: str, screenshots: Path,
+           width: int = WIDTH) -> PageResult:
     target = pipe.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = pipe.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
         "sessionId"]
     for domain in ("Page", "Runtime", "Log", "Network"):
         pipe.send(f"{domain}.enable", session=session)
     pipe.send("Emulation.setDeviceMetricsOverride", {
-        "width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+        "width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": width < WIDTH},
         session=session)
     start = len(pipe.events)
     path = site / page
-    result = PageResult(page=page, screenshot=screenshots / f"{Path(page).stem}.png")
+    stem = Path(page).stem if width == WIDTH else f"{Path(page).stem}-{width}"
+    result = PageResult(page=page, screenshot=screenshots / f"{stem}.png", width=width)
     if not path.is_file():
         result.problems.append(f"{page}: no such page in the site")
         pipe.send("Target.closeTarget", {"targetId": target})
@@ -225,7 +241,7 @@ def _visit(pipe: _Pipe, site: Path, page: str, screenshots: Path) -> PageResult:
     height = min(int(size.get("height", HEIGHT)), MAX_SHOT_HEIGHT)
     shot = pipe.send("Page.captureScreenshot", {
         "format": "png", "captureBeyondViewport": True,
-        "clip": {"x": 0, "y": 0, "width": WIDTH, "height": max(height, HEIGHT), "scale": 1}},
+        "clip": {"x": 0, "y": 0, "width": width, "height": max(height, HEIGHT), "scale": 1}},
         session=session)
     data = base64.b64decode(shot["data"])
     result.screenshot.write_bytes(data)
@@ -234,7 +250,38 @@ def _visit(pipe: _Pipe, site: Path, page: str, screenshots: Path) -> PageResult:
     result.text_length, result.images, result.links = (
         int(seen["text"]), len(seen["images"]), len(seen["links"]))
     result.problems += _problems(page, seen, events, data, site)
+    result.problems += layout_problems(f"{page} at {width} px", seen, site)
     return result
+
+
+def layout_problems(where: str, seen: Mapping[str, Any], site: Path) -> list[str]:
+    """What breaks the page for a reader at this width: the page wider than the window,
+    a table cell cut off with "…", figure text drawn under ``MIN_FIGURE_TEXT`` px."""
+    found: list[str] = []
+    if int(seen["scroll_width"]) > int(seen["width"]):
+        found.append(f"{where}: the page is {seen['scroll_width']} px wide in a "
+                     f"{seen['width']} px window (horizontal overflow)")
+    for text in seen["cut"]:
+        found.append(f"{where}: a table cell ends in '…': {str(text)[-60:]}")
+    for image in seen["figures"]:
+        natural, shown = float(image["natural"] or 0), float(image["shown"] or 0)
+        smallest = _smallest_font(str(image["src"]), site)
+        if natural > 0 and smallest is not None and smallest * shown / natural < MIN_FIGURE_TEXT:
+            found.append(f"{where}: figure text drawn at {smallest * shown / natural:.1f} px "
+                         f"(under {MIN_FIGURE_TEXT:g}): {image['src']}")
+    return found
+
+
+def _smallest_font(src: str, site: Path) -> float | None:
+    """The smallest ``font-size`` an SVG of the site declares, None for anything else."""
+    parts = urlsplit(src)
+    target = Path(unquote(parts.path))
+    if parts.scheme != "file" or target.suffix != ".svg" or not target.is_relative_to(site) \
+            or not target.is_file():
+        return None
+    sizes = [float(m) for m in _FONT_SIZE.findall(
+        files.read_bytes(target, PAGE_LIMIT, f"figure {target.name}"))]
+    return min(sizes) if sizes else None
 
 
 def _problems(page: str, seen: dict[str, Any], events: list[dict[str, Any]], shot: bytes,

@@ -125,7 +125,8 @@ def build(
         copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
     files_out = dict(copies)
     files_out.update(_render(report, copies, pinned_by=pinned_by,
-                             model_pinned_by=model_pinned_by, sources=texts, png=png))
+                             model_pinned_by=model_pinned_by, sources=texts, png=png,
+                             code=experiment_sources(report, root or Path.cwd())))
     if png:
         files_out.update(figures.pngs(files_out))
     _write(out, files_out)
@@ -169,8 +170,10 @@ def _verified_copies(
         # Name the caller's files, not the private copy.
         problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
         problems = problems or ["no report"]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise Refused(verification.printable(f"{evidence_dir}: {problems[0]}{more}"))
+        # Every reason, on one line: the reader fixes them all at once, not one per build.
+        listed = problems[0] if len(problems) == 1 else "; ".join(
+            f"({n}) {problem}" for n, problem in enumerate(problems, 1))
+        raise Refused(verification.printable(f"{evidence_dir}: {listed}"))
     return verdict.report, verdict.pinned_by, copies
 
 
@@ -242,6 +245,7 @@ def _render(
     sources: Mapping[str, str],
     png: bool,
     model_pinned_by: str | None = None,
+    code: Mapping[str, str] | None = None,
 ) -> dict[str, bytes]:
     """Every page (Markdown and HTML), the style sheet and every figure, as
     ``{relative path: bytes}``."""
@@ -265,9 +269,31 @@ def _render(
         png=png,
         matrix=copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"),
         model_pinned_by=model_pinned_by,
+        sources=code or {},
     )
     rendered.update(pages.build(sources, evidence))
     return rendered
+
+
+def experiment_sources(report: Report, root: Path) -> dict[str, str]:
+    """``{path: text}`` of each experiment's test file whose bytes under ``root`` are the
+    ones the signed report's digest names: the book shows no code but the hashed source."""
+    found: dict[str, str] = {}
+    signed = report.get("sources") or {}
+    for test in report["tests"]:
+        path = str(test["nodeid"]).split("::", 1)[0]
+        digest = signed.get(path)
+        if path in found or not isinstance(digest, str):
+            continue
+        base = root.resolve()
+        target = (base / path).resolve()
+        if (os.path.isabs(path) or ".." in Path(path).parts or "\0" in path
+                or not target.is_relative_to(base) or not target.is_file()):
+            continue
+        data = files.read_bytes(target, files.SOURCE_LIMIT, f"source {path}")
+        if hashlib.sha256(data).hexdigest() == digest:
+            found[path] = data.decode("utf-8", "replace")
+    return found
 
 
 def _safe(text: str) -> str:

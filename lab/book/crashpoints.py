@@ -76,13 +76,15 @@ def render_markdown(matrix: Mapping[str, Any], *, signed_note: str) -> list[str]
         "",
     ]
     header = ["Boundary"] + [f"{escape.md(f)} · {escape.md(k)}" for f in faults for k in kinds]
-    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    # The matrix is wider than a page: it scrolls inside its own box.
+    lines += ['<div class="scroll" tabindex="0" role="region" aria-label="Crash-point matrix">',
+              "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for b in matrix["boundaries"]:
         name = str(b.get("name"))
         row = [f"{escape.code(name)}<br>{escape.md(str(b.get('meaning', '')))}"]
         row += [_compact(cells.get((name, f, k))) for f in faults for k in kinds]
         lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
+    lines += ["", "</div>", ""]
     for omitted in matrix.get("omitted_faults", []):
         lines.append(f"- Fault {escape.code(str(omitted.get('name')))} not in this matrix: "
                      f"{escape.md(str(omitted.get('why')))}")
@@ -132,6 +134,24 @@ def _step_number(t: float | None) -> str:
     return "end" if t is None else f"step {int(t)}"
 
 
+def history(cell: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The cell's events as the figures read them, in commit order: from its ``history``
+    (each event's real workflow id and detail, so a batch names each workflow and a manual
+    review its reason) when the matrix records one; an older matrix has only the kinds,
+    drawn on one unnamed workflow with the cell's recorded reason on a manual review."""
+    recorded = [e for e in cell.get("history") or [] if isinstance(e, Mapping)]
+    if recorded:
+        return [{"t": float(index), "workflow": str(e.get("workflow", "")),
+                 "kind": str(e.get("kind", "")), "fence": None,
+                 "detail": str(e.get("detail", ""))}
+                for index, e in enumerate(recorded, 1)]
+    why = str(cell.get("why") or "")
+    kinds = [str(k) for k in cell.get("events", []) if isinstance(k, str)]
+    return [{"t": float(index), "workflow": "the workflow", "kind": kind, "fence": None,
+             "detail": f"reason={why}" if kind == "manual_review" and why else ""}
+            for index, kind in enumerate(kinds, 1)]
+
+
 def outcome_figures(matrix: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], bytes]]:
     """For each distinct outcome, its first cell in table order drawn as a sequence figure.
 
@@ -145,11 +165,7 @@ def outcome_figures(matrix: Mapping[str, Any]) -> list[tuple[str, Mapping[str, A
         text = crashmatrix.outcome(cell)
         if text in seen:
             continue
-        kinds = [str(k) for k in cell.get("events", []) if isinstance(k, str)]
-        events = [
-            {"t": float(index), "workflow": "wf-1", "kind": kind, "fence": None, "detail": ""}
-            for index, kind in enumerate(kinds, 1)
-        ]
+        events = history(cell)
         title = f"{cell.get('fault')} at {cell.get('boundary')} ({cell.get('kind')} tool)"
         svg = figures.svg(figures.sequence(events, []), title, text, clock=_step_number,
                           legend=_STEP_LEGEND).encode()

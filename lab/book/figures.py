@@ -265,8 +265,8 @@ def _event_steps(
         add(TOOL, actor, answer, REPLY)
         add(actor, POSTGRESQL, f"{prefix}reconciled {workflow}: {verdict}{arrow}", RECONCILE)
     elif kind == "manual_review":
-        reason = detail.get("reason", "")
-        add(actor, POSTGRESQL, f"{prefix}{workflow} stays {state}: manual review ({reason})",
+        reason = f" ({detail['reason']})" if detail.get("reason") else ""
+        add(actor, POSTGRESQL, f"{prefix}{workflow} stays {state}: manual review{reason}",
             ALERT)
     else:
         by = f" by {detail['by']}" if "by" in detail else ""

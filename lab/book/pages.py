@@ -35,14 +35,19 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from markdown_it import MarkdownIt
-
 from lab import errors, escape, files
-from lab.book import crashpoints, figures, model_chapter, reproduction, sidebyside
+from lab.book import (
+    chapter,
+    crashpoints,
+    model_chapter,
+    quantities,
+    reproduction,
+    sidebyside,
+    site,
+)
 from lab.evidence import hermetic, reproduction_evidence, verification
 from lab.evidence.report import Report
 
@@ -50,44 +55,33 @@ INDEX = "index"
 CRASHPOINTS = "crashpoints"
 SIDE_BY_SIDE = "side-by-side"
 MODEL = "model"
-STYLE_FILE = "style.css"
+STYLE_FILE = site.STYLE_FILE
 SOURCE_LIMIT = 256 * files.KIB
 FIGURES_DIR = "figures"
-SHORT = 72  # characters of a key observation in a results table
+GLOSSARY = "glossary"
 _PAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _DIRECTIVE = re.compile(r"\{\{\s*([a-z]+)((?:\s+[^\s{}]+)*)\s*\}\}")
 _EXPERIMENT_ARG = re.compile(r"([A-Za-z0-9_]+)/([A-Za-z0-9_]+)(?:\[([^\]\s]+)\])?")
 _INLINE = frozenset({"verdict", "value"})
 _BLOCK = frozenset({
     "provenance", "chapters", "results", "details", "figure", "crashpoints", "sidebyside",
-    "model", "limits", "reproduction",
+    "model", "limits", "reproduction", "findings", "glossary",
 })
 
 DEFAULTS = {
-    INDEX: "# The durable agent workflow lab\n\n{{ verdict }}\n\n## Provenance\n\n"
+    INDEX: "# The durable agent workflow lab\n\n## What we found\n\n{{ findings }}\n\n"
+           "## Verdict\n\n{{ verdict }}\n\n## Provenance\n\n"
            "{{ provenance }}\n\n## Chapters\n\n{{ chapters }}\n\n## Reproduction\n\n"
            "{{ reproduction }}\n\n## Limits\n\n{{ limits }}\n",
     CRASHPOINTS: "# Crash points\n\n{{ crashpoints }}\n",
     SIDE_BY_SIDE: "# Side by side\n\n{{ sidebyside }}\n",
     MODEL: "# Model experiment\n\n{{ model }}\n",
+    GLOSSARY: "# Glossary of observed quantities\n\n{{ glossary }}\n",
 }
 _CHAPTER_DEFAULT = "# {chapter}\n\n{{{{ results {chapter} }}}}\n\n{{{{ details {chapter} }}}}\n"
 
 
-@dataclass
-class Evidence:
-    """What directives may draw from: the verified report and the verified copies."""
-
-    report: Report
-    copies: Mapping[str, bytes]
-    pinned_by: str | None
-    figure_paths: Mapping[str, str]  # nodeid -> figures/<stem>.svg
-    png: bool = False
-    matrix: bytes | None = None
-    # The pin that vouched for the model evidence's own signer: never the runtime's pin.
-    model_pinned_by: str | None = None
-    rendered: dict[str, bytes] = field(default_factory=dict)  # figures directives drew
-    titles: dict[str, str] = field(default_factory=dict)  # page name -> title
+Evidence = chapter.Evidence
 
 
 class DirectiveError(errors.Refused):
@@ -120,7 +114,7 @@ def load_sources(directory: Path | None) -> dict[str, str]:
 
 def page_order(names: Sequence[str]) -> list[str]:
     """Landing page first, then the chapters, then the matrix, side by side, model, others."""
-    fixed = [CRASHPOINTS, SIDE_BY_SIDE, MODEL]
+    fixed = [CRASHPOINTS, SIDE_BY_SIDE, MODEL, GLOSSARY]
 
     def key(name: str) -> tuple[int, str]:
         if name == INDEX:
@@ -140,14 +134,15 @@ def plan(sources: Mapping[str, str], evidence: Evidence) -> dict[str, str]:
     holds them."""
     pages = dict(sources)
     pages.setdefault(INDEX, DEFAULTS[INDEX])
-    for chapter in chapters(evidence.report):
-        pages.setdefault(chapter, _CHAPTER_DEFAULT.format(chapter=chapter))
+    for each in chapters(evidence.report):
+        pages.setdefault(each, _CHAPTER_DEFAULT.format(chapter=each))
     if evidence.matrix is not None:
         pages.setdefault(CRASHPOINTS, DEFAULTS[CRASHPOINTS])
     if sidebyside.peer_observations(evidence.report):
         pages.setdefault(SIDE_BY_SIDE, DEFAULTS[SIDE_BY_SIDE])
     if f"evidence/{model_chapter.MODEL_DIR}/model-experiment.json" in evidence.copies:
         pages.setdefault(MODEL, DEFAULTS[MODEL])
+    pages.setdefault(GLOSSARY, DEFAULTS[GLOSSARY])
     return {name: pages[name] for name in page_order(list(pages))}
 
 
@@ -282,7 +277,7 @@ def _block(
     kind: str, args: list[str], evidence: Evidence, where: str, match: re.Match[str]
 ) -> str:
     takes_none = {"provenance", "chapters", "crashpoints", "sidebyside", "model", "limits",
-                  "reproduction"}
+                  "reproduction", "findings", "glossary"}
     if kind in takes_none and args:
         raise _fail(where, match, "takes no argument")
     report = evidence.report
@@ -293,12 +288,12 @@ def _block(
         lines = _chapter_list(evidence)
     elif kind == "results":
         _, rows = _chapter_rows(args, evidence, where, match)
-        lines = _results(rows, evidence)
+        lines = chapter.results(rows, evidence)
     elif kind == "details":
         _, rows = _chapter_rows(args, evidence, where, match)
         lines = []
         for row in rows:
-            lines += _details(row, evidence)
+            lines += chapter.details(row, evidence)
     elif kind == "figure":
         if len(args) != 1:
             raise _fail(where, match, "needs one CHAPTER/EXPERIMENT[param]")
@@ -309,7 +304,7 @@ def _block(
                                       f"to draw for {args[0]}")
         lines = []
         for test in drawn:
-            lines += _figure(test, evidence)
+            lines += chapter.figure(test, evidence)
     elif kind == "crashpoints":
         if evidence.matrix is None:
             raise _fail(where, match, "the verified evidence holds no crash-point matrix")
@@ -318,7 +313,12 @@ def _block(
     elif kind == "sidebyside":
         if not sidebyside.peer_observations(report):
             raise _fail(where, match, "the verified evidence holds no peer observations")
-        lines = sidebyside.section(report)
+        lines = sidebyside.section(report, lambda nodeid: _link(nodeid, evidence))
+    elif kind == "findings":
+        other = SIDE_BY_SIDE if SIDE_BY_SIDE in evidence.titles else None
+        lines = sidebyside.findings_section(report, side_by_side=other and f"{other}.md")
+    elif kind == "glossary":
+        lines = quantities.glossary()
     elif kind == "model":
         lines, drawn_files = model_chapter.section(
             evidence.copies, "evidence/", pinned=evidence.model_pinned_by is not None
@@ -379,11 +379,22 @@ def provenance(evidence: Evidence) -> list[str]:
         f"- Verified: the signature {verified}; every source file matches its signed digest.",
         f"- Versions: {escape.md(versions)}.",
         f"- Command: {escape.code(' '.join(report['command']))}.",
-        "- Evidence files (copies under `evidence/`):",
+        "- Evidence files: copies under `evidence/`, their digests below.",
+        "",
+        "<details><summary>sha256 of every evidence file</summary>",
+        "",
     ]
     for name, data in sorted(evidence.copies.items()):
-        lines.append(f"  - {escape.code(name)} sha256 `{hashlib.sha256(data).hexdigest()}`")
-    return [*lines, ""]
+        lines.append(f"- {escape.code(name)} sha256 `{hashlib.sha256(data).hexdigest()}`")
+    return [*lines, "", "</details>", ""]
+
+
+def _link(nodeid: str, evidence: Evidence) -> str | None:
+    """A link to the experiment of ``nodeid`` on its chapter page, when the book has one."""
+    for row in evidence.report["experiments"]:
+        if nodeid in row["tests"] and row["chapter"] in evidence.titles:
+            return f"{row['chapter']}.html#{anchor(row)}"
+    return None
 
 
 def _run_kind_note(report: Report) -> str:
@@ -409,122 +420,29 @@ def _chapter_list(evidence: Evidence) -> list[str]:
         rows = rows_by.get(name)
         result = (f"{sum(1 for r in rows if r['outcome'] == 'passed')} of {len(rows)} "
                   "experiments passed" if rows else "")
-        lines.append(f"| [{escape.md(page_title)}]({name}.md) | {result} |")
+        number = site.nav_title(name, "")  # "9. " for a chapter: the book's own text
+        lines.append(f"| [{number}{escape.md(page_title)}]({name}.md) | {result} |")
+    missing = [why for page, why in _PRODUCED_BY.items() if page not in evidence.titles]
+    if missing:
+        lines += ["", "Not in this book, and how to produce it:", ""]
+        lines += [f"- {why}" for why in missing]
     return [*lines, ""]
 
 
-def anchor(row: Mapping[str, Any]) -> str:
-    """The HTML id of an experiment's details on its chapter page."""
-    return "x-" + re.sub(r"[^a-z0-9_-]+", "-", str(row["name"]).lower())[:120]
+# What a page needs that a run may not hold, and the command that produces it.
+_PRODUCED_BY = {
+    CRASHPOINTS: "the crash-point matrix: chapter 12 "
+                 "(`test_every_crash_point_keeps_every_invariant`) signs it with the run",
+    SIDE_BY_SIDE: "the side by side of the lab, DBOS and LangGraph: the peer chapters "
+                  "`ch13_peer_dbos` and `ch14_peer_langgraph` in the run",
+    MODEL: "the model experiment: `lab model run` writes signed evidence into "
+           "`evidence/model/`",
+}
 
 
-def _results(rows: Sequence[Mapping[str, Any]], evidence: Evidence) -> list[str]:
-    lines = ["| Experiment | Claim | Result | Duration | Key observations |",
-             "| --- | --- | --- | --- | --- |"]
-    for row in rows:
-        observed = [text for _, text in _observations(row, evidence)]
-        joined = "; ".join(observed)
-        short = joined if len(joined) <= SHORT else joined[: SHORT - 1] + "…"
-        results = int(row["results"])
-        outcome = escape.md(row["outcome"])
-        result = outcome if results == 1 else f"{outcome} ({results} results)"
-        cells = [
-            f"[{escape.code(row['name'])}](#{anchor(row)})",
-            escape.md(row["claim"] or ""),
-            result,
-            f"{float(row['duration']):.2f} s",
-            escape.md(short),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
-
-
-def _observations(
-    row: Mapping[str, Any], evidence: Evidence
-) -> list[tuple[str | None, str]]:
-    members = set(row["tests"])
-    ran = sorted((t for t in evidence.report["tests"] if t["nodeid"] in members),
-                 key=lambda t: str(t["nodeid"]))
-    found: list[tuple[str | None, str]] = []
-    for test in ran:
-        param = _param(str(test["nodeid"]))
-        for observation in test["observations"]:
-            text = _observation(observation)
-            found.append((param, f"[{param}] {text}" if param is not None else text))
-    return found
-
-
-def _details(row: Mapping[str, Any], evidence: Evidence) -> list[str]:
-    lines = [
-        f'<a id="{anchor(row)}"></a>',
-        "",
-        f"### {escape.code(row['name'])}",
-        "",
-        escape.md(row["claim"] or ""),
-        "",
-        f"Result: {escape.md(row['outcome'])}, {int(row['results'])} result(s), "
-        f"{float(row['duration']):.2f} s.",
-        "",
-    ]
-    observed = _observations(row, evidence)
-    if observed:
-        lines += ["Observations:", ""]
-        lines += [f"- {escape.md(text)}" for _, text in observed]
-        lines.append("")
-    members = set(row["tests"])
-    for test in sorted(evidence.report["tests"], key=lambda t: str(t["nodeid"])):
-        if test["nodeid"] in members and test["nodeid"] in evidence.figure_paths:
-            lines += _figure(test, evidence)
-    return lines
-
-
-def _figure(test: Mapping[str, Any], evidence: Evidence) -> list[str]:
-    path = evidence.figure_paths[str(test["nodeid"])]
-    figure = figures.sequence(test["events"], test["timeline"])
-    name = test_title(test)
-    lines = [
-        f"#### Sequence: {escape.code(name)}",
-        "",
-        escape.md(test["claim"] or ""),
-        "",
-        f"![Sequence of {escape.md(name)}]({path})",
-        "",
-    ]
-    if evidence.png:
-        lines += [f"[The same figure as PNG]({path[:-4]}.png)", ""]
-    traces = ", ".join(escape.code(t) for t in test["trace_ids"])
-    if traces:
-        lines += [f"Trace ids: {traces}", ""]
-    lines += [
-        "<details><summary>Mermaid source</summary>",
-        "",
-        "```mermaid",
-        figures.mermaid(figure).rstrip("\n"),
-        "```",
-        "",
-        "</details>",
-        "",
-    ]
-    return lines
-
-
-def test_title(test: Mapping[str, Any]) -> str:
-    """``experiment`` or ``experiment[param]``: how the book names one result."""
-    param = _param(str(test["nodeid"]))
-    return f"{test['experiment']}[{param}]" if param is not None else str(test["experiment"])
-
-
-def _param(nodeid: str) -> str | None:
-    name = nodeid.rsplit("::", 1)[-1]
-    if "[" in name and name.endswith("]"):
-        return name.split("[", 1)[1][:-1]
-    return None
-
-
-def _observation(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_value(v)}" for k, v in sorted(value.items()))
-    return _value(value)
+anchor = chapter.anchor
+test_title = chapter.test_title
+_param = chapter.param
 
 
 def _value(value: Any) -> str:
@@ -533,106 +451,7 @@ def _value(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-# --------------------------------------------------------------------------- HTML
-
-STYLE = """\
-body { margin: 0; font: 15px/1.5 "DejaVu Sans", Helvetica, Arial, sans-serif; color: #1b1f23; }
-nav { position: fixed; top: 0; bottom: 0; left: 0; width: 15rem; overflow-y: auto;
-      padding: 1rem; background: #f4f6f8; border-right: 1px solid #d8dee4; box-sizing: border-box; }
-nav ol { padding-left: 1.2rem; margin: 0.5rem 0; }
-nav a[aria-current] { font-weight: bold; color: #1b1f23; }
-nav .verdict { font-weight: bold; padding: 0.2rem 0.5rem; border-radius: 4px;
-               display: inline-block; }
-nav .PASS { background: #dcffe4; color: #0b5a1d; }
-nav .FAIL, nav .PARTIAL { background: #ffdce0; color: #86181d; }
-main { margin-left: 15rem; padding: 1rem 2rem 4rem; max-width: 72rem; }
-table { border-collapse: collapse; margin: 1rem 0; font-size: 13px; display: block;
-        max-width: 100%; overflow-x: auto; }
-th, td { border: 1px solid #d8dee4; padding: 0.25rem 0.5rem; vertical-align: top;
-         text-align: left; }
-th { background: #f4f6f8; }
-code { font-family: "DejaVu Sans Mono", monospace; font-size: 90%; background: #f4f6f8;
-       padding: 0 0.2rem; }
-pre { background: #f4f6f8; padding: 0.5rem; overflow-x: auto; }
-img { max-width: 100%; border: 1px solid #d8dee4; }
-details summary { cursor: pointer; }
-.pager { margin-top: 3rem; display: flex; justify-content: space-between; }
-"""
-
-TEMPLATE = """\
-<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
-<link rel="stylesheet" href="{style}">
-</head>
-<body>
-<nav>
-<p><a href="index.html">The durable agent workflow lab</a></p>
-<p class="verdict {status}">Gate: {status}</p>
-<ol>
-{links}
-</ol>
-</nav>
-<main>
-{body}
-<p class="pager">{pager}</p>
-</main>
-</body>
-</html>
-"""
-
-
-def _markdown_it() -> MarkdownIt:
-    # CommonMark with tables; raw HTML on, since the only HTML in a page is the book's own
-    # (evidence reaches it only through escape.md, which leaves no '<'). markdown-it's link
-    # validation still drops javascript:, vbscript:, file: and data: URLs.
-    return MarkdownIt("commonmark", {"html": True}).enable("table")
-
-
-def _page_href(href: str) -> str:
-    """A link to another page's Markdown becomes a link to its HTML."""
-    target, hash_mark, fragment = href.partition("#")
-    if target.endswith(".md") and "/" not in target and ":" not in target:
-        return f"{target[:-3]}.html{hash_mark}{fragment}"
-    return href
-
-
-def html_page(name: str, markdown: str, titles: Mapping[str, str], status: str) -> bytes:
-    """One page of the site: the Markdown rendered, inside the template with navigation."""
-    engine = _markdown_it()
-    tokens = engine.parse(markdown)
-    for token in tokens:
-        for child in token.children or []:
-            if child.type == "link_open":
-                child.attrSet("href", _page_href(str(child.attrGet("href") or "")))
-    body = engine.renderer.render(tokens, engine.options, {})
-    names = list(titles)
-    links = "\n".join(
-        f'<li><a href="{escape.xml(n)}.html"'
-        + (' aria-current="page"' if n == name else "")
-        + f">{escape.xml(titles[n])}</a></li>"
-        for n in names
-    )
-    at = names.index(name)
-    pager = []
-    if at > 0:
-        pager.append(f'<a href="{escape.xml(names[at - 1])}.html">← '
-                     f"{escape.xml(titles[names[at - 1]])}</a>")
-    if at + 1 < len(names):
-        pager.append(f'<a href="{escape.xml(names[at + 1])}.html">'
-                     f"{escape.xml(titles[names[at + 1]])} →</a>")
-    document = TEMPLATE.format(
-        title=escape.xml(f"{titles[name]} · durable agent workflow lab"),
-        style=STYLE_FILE,
-        status=escape.xml(status),
-        links=links,
-        body=body.rstrip("\n"),
-        pager=" ".join(pager),
-    )
-    return document.encode("utf-8")
+# --------------------------------------------------------------------------- site
 
 
 def build(sources: Mapping[str, str], evidence: Evidence) -> dict[str, bytes]:
@@ -640,14 +459,15 @@ def build(sources: Mapping[str, str], evidence: Evidence) -> dict[str, bytes]:
     directives drew (``{relative path: bytes}``)."""
     pages = plan(sources, evidence)
     evidence.titles.update({name: title(name, text) for name, text in pages.items()})
-    out: dict[str, bytes] = {STYLE_FILE: STYLE.encode("utf-8")}
+    out: dict[str, bytes] = {STYLE_FILE: site.STYLE.encode("utf-8")}
     expanded: dict[str, str] = {}
     for name, text in pages.items():
+        evidence.drawn.clear()  # a figure is drawn once per page
         expanded[name] = expand(name, text, evidence)
     for name, markdown in expanded.items():
         out[f"{name}.md"] = markdown.encode("utf-8")
-        out[f"{name}.html"] = html_page(name, markdown, evidence.titles,
-                                        evidence.report["status"])
+        out[f"{name}.html"] = site.html_page(name, markdown, evidence.titles,
+                                             evidence.report["status"])
     out.update(evidence.rendered)
     return out
 

@@ -1,130 +1,30 @@
-"""The book's side-by-side table: per failure window, what the lab, DBOS and LangGraph did.
+"""The book's findings: the landing page's summary and the side-by-side verdict grid.
 
-Every cell comes from the verified report, nothing is written by hand: the peer
-columns from the observations the peer chapters (``ch13_peer_dbos``,
-``ch14_peer_langgraph``) record with ``peer_window``, ``system``, ``effects`` and a
-measured ``outcome``; the lab column from the lab's own experiments for that window
-(``OWN_EXPERIMENTS``: their result and observed facts) plus any observation a peer
-chapter records with ``system: "lab"`` (a LangGraph node delegating to the lab). A
-window nothing measured says so. Pure: report in, Markdown lines out, every piece of
-evidence through ``lab.escape``.
+Every cell comes from the verified report through ``lab.book.findings`` (the rule, the
+windows, the entries); nothing measured is written by hand. A cell shows its mark in
+words (safe, unsafe, needs a person, does not apply) as well as a symbol, and its
+outcome in full, never cut; the experiment's own account and the clause of the rule
+that decided the mark are one click away. Pure: report in, Markdown lines out, every
+piece of evidence through ``lab.escape``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lab import escape
+from lab.book import findings
+from lab.book.findings import SYSTEMS, WINDOWS, Entry
 
-SYSTEMS = ("lab", "dbos", "langgraph")
-SYSTEM_TITLES = {"lab": "lab", "dbos": "DBOS", "langgraph": "LangGraph"}
-WINDOWS: tuple[str, ...] = (
-    "kill_after_effect_idempotent",
-    "kill_after_effect_non_idempotent",
-    "retry_budget_across_crash",
-    "lost_reply",
-    "new_version_left_behind",
-    "cancel_during_call",
-    "postgres_restart_during_recovery",
-    "approval_binding",
-    "approval_expiry",
-    "concurrent_resume",
-)
-# The lab's own experiments for each window: (chapter, experiment).
-OWN_EXPERIMENTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "kill_after_effect_idempotent": (
-        ("ch05_crashes", "test_sigkill_after_tool_reconciles_existing_effect"),
-    ),
-    "kill_after_effect_non_idempotent": (
-        ("ch05_crashes", "test_sigkill_non_idempotent_requires_manual_review"),
-    ),
-    "retry_budget_across_crash": (
-        ("ch07_retries_and_versions", "test_trusted_429_exhausts_persistent_budget"),
-        ("ch04_unknown_outcomes", "test_unknown_404_uses_original_key_and_stops_at_budget"),
-    ),
-    "lost_reply": (
-        ("ch04_unknown_outcomes", "test_commit_reply_lost_becomes_unknown_then_reconciled"),
-        ("ch04_unknown_outcomes", "test_non_idempotent_unknown_never_automatically_replays"),
-    ),
-    "new_version_left_behind": (
-        ("ch07_retries_and_versions", "test_persisted_version_two_rejected_by_old_worker"),
-    ),
-    "cancel_during_call": (
-        ("ch06_cancellation", "test_cancel_after_effect_preserves_succeeded_fact"),
-        ("ch06_cancellation", "test_cancellation_during_lookup_cannot_requeue"),
-    ),
-    "postgres_restart_during_recovery": (
-        ("ch11_database_faults", "test_postgres_killed_mid_window_recovers_without_violation"),
-    ),
-    "approval_binding": (
-        ("ch02_approval", "test_approval_binds_tenant_role_and_fingerprint"),
-    ),
-    "approval_expiry": (
-        ("ch02_approval", "test_approval_expires_while_queued"),
-        ("ch02_approval", "test_approval_expires_after_claim"),
-    ),
-    "concurrent_resume": (
-        ("ch05_crashes", "test_two_worker_processes_claim_exactly_one"),
-        ("ch03_leases", "test_two_claimers_cannot_own_one_workflow"),
-    ),
-}
-# Facts of a lab experiment's observations worth a cell, in this order.
-LAB_FACTS = ("effects", "state", "review_reason", "attempts", "claims", "manual_review")
-NOT_MEASURED = "not measured in this run"
+SYSTEM_TITLES = {"lab": "the lab", "dbos": "DBOS", "langgraph": "LangGraph"}
+COLUMN_TITLES = {"lab": "The lab", "dbos": "DBOS", "langgraph": "LangGraph"}
+Link = Callable[[str], str | None]  # nodeid -> a link to its experiment on its page
 
 
 def peer_observations(report: Mapping[str, Any]) -> list[tuple[Mapping[str, Any], dict[str, Any]]]:
     """``(test, observation)`` for every observation that names a known window and system."""
-    found: list[tuple[Mapping[str, Any], dict[str, Any]]] = []
-    for test in report.get("tests", []):
-        for observation in test.get("observations") or []:
-            if (isinstance(observation, dict)
-                    and observation.get("peer_window") in WINDOWS
-                    and observation.get("system") in SYSTEMS):
-                found.append((test, observation))
-    return sorted(found, key=lambda pair: str(pair[0].get("nodeid")))
-
-
-def _lab_cells(report: Mapping[str, Any], window: str) -> list[str]:
-    rows = {(str(r.get("chapter")), str(r.get("name"))): r for r in report.get("experiments", [])}
-    tests = report.get("tests", [])
-    cells: list[str] = []
-    for key in OWN_EXPERIMENTS[window]:
-        row = rows.get(key)
-        if row is None:
-            continue
-        facts: list[str] = []
-        ran = [t for t in tests if t.get("nodeid") in set(row.get("tests") or [])]
-        for test in sorted(ran, key=lambda t: str(t.get("nodeid"))):
-            for observation in test.get("observations") or []:
-                if isinstance(observation, dict):
-                    shown = [f"{k}={_text(observation[k])}" for k in LAB_FACTS if k in observation]
-                    if shown:
-                        facts.append(", ".join(shown))
-        detail = f" ({'; '.join(facts)})" if facts else ""
-        cells.append(f"{key[1]}: {row.get('outcome')}{detail}")
-    return cells
-
-
-def _peer_cell(test: Mapping[str, Any], observation: Mapping[str, Any]) -> str:
-    via = observation.get("via")
-    prefix = f"{via}: " if via else ""
-    return (f"{prefix}{_text(observation.get('outcome'))} "
-            f"[effects={_text(observation.get('effects'))}; {test.get('outcome')}]")
-
-
-def cells(report: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
-    """``{window: {system: [cell text, ...]}}``: unescaped text, every piece from ``report``."""
-    table: dict[str, dict[str, list[str]]] = {
-        window: {system: [] for system in SYSTEMS} for window in WINDOWS
-    }
-    for window in WINDOWS:
-        table[window]["lab"].extend(_lab_cells(report, window))
-    for test, observation in peer_observations(report):
-        cell = _peer_cell(test, observation)
-        table[str(observation["peer_window"])][str(observation["system"])].append(cell)
-    return table
+    return findings.peer_observations(report)
 
 
 def configuration(report: Mapping[str, Any]) -> list[str]:
@@ -134,52 +34,100 @@ def configuration(report: Mapping[str, Any]) -> list[str]:
         if "dbos_version" in observation:
             seen.add(f"DBOS Transact {_text(observation['dbos_version'])}")
         if "dbos_config" in observation:
-            seen.add(f"DBOS step settings {_text(observation['dbos_config'])}")
-        if "langgraph_config" in observation:
-            seen.add(f"LangGraph settings {_text(observation['langgraph_config'])}")
+            seen.add(f"DBOS step settings: {_text(observation['dbos_config'])}")
         versions = observation.get("langgraph_versions")
         if isinstance(versions, dict):
             seen.add(", ".join(f"{k} {_text(v)}" for k, v in sorted(versions.items())))
+        if "langgraph_config" in observation:
+            seen.add(f"LangGraph settings: {_text(observation['langgraph_config'])}")
     return sorted(seen)
 
 
-COMPACT = 44  # characters a side-by-side cell shows before "open for the rest"
+def mark(word: str) -> str:
+    """A mark as the page shows it: symbol and word, the word always there (not colour)."""
+    return f"{findings.SYMBOLS[word]} {word}"
 
 
-def section(report: Mapping[str, Any]) -> list[str]:
-    """The Markdown section, every piece of evidence through ``escape``; compact cells, each
-    with its full text one click away. None without peer observations (a run that did
-    not include the peer chapters)."""
+def _marked(word: str, text: str) -> str:
+    """HTML: the mark (symbol and word, coloured by its class) and the outcome."""
+    css = word.replace(" ", "-")
+    return (f'<span class="mark {css}">{escape.html_text(mark(word))}</span>: '
+            f"{escape.html_text(text)}")
+
+
+def _grid(rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+    """The grid as one HTML block (no blank line inside, so Markdown leaves it whole):
+    a row per window, a cell per system, each cell labelled with its system so that a
+    narrow screen can show the rows as cards."""
+    head = "".join(f'<th scope="col">{escape.xml(COLUMN_TITLES[s])}</th>' for s in SYSTEMS)
+    lines = ['<div class="grid">', "<table>",
+             f'<thead><tr><th scope="col">Failure window</th>{head}</tr></thead>', "<tbody>"]
+    for window_html, cells in rows:
+        tds = "".join(f'<td data-label="{escape.xml(COLUMN_TITLES[s])}">{cell}</td>'
+                      for s, cell in zip(SYSTEMS, cells, strict=True))
+        lines.append(f'<tr><th scope="row">{window_html}</th>{tds}</tr>')
+    return [*lines, "</tbody>", "</table>", "</div>", ""]
+
+
+def findings_section(report: Mapping[str, Any], *, side_by_side: str | None) -> list[str]:
+    """The landing page's findings: per system a count of marks, then the grid of every
+    window with each cell's mark and outcome, and the rule. ``side_by_side`` is the page
+    with the details (None when the book has none)."""
+    table = findings.grid(report)
+    lines: list[str] = []
+    for system in SYSTEMS:
+        counts = findings.tally(table, system)
+        said = ", ".join(f"{n} {word}" for word, n in counts.items() if n)
+        lines.append(f"- **{escape.md(SYSTEM_TITLES[system])}** "
+                     f"({len(WINDOWS)} windows): {escape.md(said)}.")
+    lines.append("")
+    lines += _grid([(escape.html_text(findings.WINDOW_TITLES[window]),
+                     [_marked(*findings.overall(system, window, row[system]))
+                      for system in SYSTEMS])
+                    for window, row in table.items()])
+    lines += [f"How a cell is marked: {findings.RULE}", ""]
+    if side_by_side:
+        lines += [f"Every cell's evidence, the experiment's own account and the clause of the "
+                  f"rule that decided it: [Side by side]({side_by_side}).", ""]
+    return lines
+
+
+def _entry_text(entry: Entry) -> str:
+    via = f"{entry.via}: " if entry.via else ""
+    return f"{via}{entry.headline}"
+
+
+def _cell(system: str, window: str, entries: Sequence[Entry], link: Link) -> str:
+    word, text = findings.overall(system, window, entries)
+    if not entries:
+        return _marked(word, text)
+    shown = [_marked(word, text)]
+    more: list[str] = []
+    for entry in entries:
+        target = link(entry.nodeid)
+        source = f' (<a href="{escape.xml(target)}">the experiment</a>)' if target else ""
+        account = f" {escape.html_text(entry.detail)}." if entry.detail else ""
+        more.append(f"{escape.html_text(mark(entry.mark))}: "
+                    f"{escape.html_text(_entry_text(entry))}."
+                    f"{account} Why: {escape.html_text(entry.why)}.{source}")
+    shown.append("<details><summary>how we know</summary>" + "<br>".join(more) + "</details>")
+    return "<br>".join(shown)
+
+
+def section(report: Mapping[str, Any], link: Link = lambda nodeid: None) -> list[str]:
+    """The side-by-side page's grid: every window for every system, each cell's mark and
+    full outcome, the evidence one click away. None without peer observations (a run
+    that did not include the peer chapters)."""
     if not peer_observations(report):
         return []
-    lines = [
-        "Each peer cell is the outcome its chapter measured and asserted (effects counted in "
-        "the credit tool's ledger); each lab cell names the lab's experiments for that "
-        "window, their result and observed facts. Open a cell for its full text.",
-        "",
-    ]
+    lines = [findings.RULE, ""]
     lines += [f"- {escape.md(item)}" for item in configuration(report)]
-    lines += [
-        "",
-        "| Window | " + " | ".join(SYSTEM_TITLES[s] for s in SYSTEMS) + " |",
-        "| --- |" + " --- |" * len(SYSTEMS),
-    ]
-    for window, row in cells(report).items():
-        rendered = [_join(row[system]) for system in SYSTEMS]
-        lines.append(f"| {escape.code(window)} | " + " | ".join(rendered) + " |")
-    return [*lines, ""]
-
-
-def compact(text: str) -> str:
-    """A cell's text cut to ``COMPACT`` characters, the whole of it one click away."""
-    if len(text) <= COMPACT:
-        return escape.md(text)
-    return (f"<details><summary>{escape.md(text[: COMPACT - 1] + '…')}</summary>"
-            f"{escape.md(text)}</details>")
-
-
-def _join(texts: Sequence[str]) -> str:
-    return "<br>".join(compact(text) for text in texts) if texts else escape.md(NOT_MEASURED)
+    lines.append("")
+    return lines + _grid([
+        (f"{escape.html_text(findings.WINDOW_TITLES[window])}<br>"
+         f"<code>{escape.html_text(window)}</code>",
+         [_cell(system, window, row[system], link) for system in SYSTEMS])
+        for window, row in findings.grid(report).items()])
 
 
 def _text(value: Any) -> str:
@@ -190,7 +138,7 @@ def _text(value: Any) -> str:
     if isinstance(value, int | float):
         return str(value)
     if isinstance(value, dict):
-        return ", ".join(f"{k}={_text(v)}" for k, v in sorted(value.items()))
+        return ", ".join(f"{k} {_text(v)}" for k, v in sorted(value.items()))
     if isinstance(value, list):
-        return "[" + ", ".join(_text(v) for v in value) + "]"
+        return ", ".join(_text(v) for v in value)
     return str(value)

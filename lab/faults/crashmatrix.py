@@ -108,6 +108,11 @@ MATRIX_SCHEMA: dict[str, Any] = {
                 "waiting_for_person": {"type": "integer", "minimum": 0},
                 "violations": {"type": "array", "items": {"type": "object"}},
                 "events": {"type": "array"},
+                "history": {"type": "array", "items": {
+                    "type": "object",
+                    "properties": {"workflow": {"type": "string"}, "kind": {"type": "string"},
+                                   "detail": {"type": "string"}},
+                }},
             },
         }},
     },

@@ -536,6 +536,10 @@ def _judge(
         "lookups": requests.get("lookup", 0),
         **recovery,
         "events": [e.kind for e in sorted(history.events, key=lambda e: e.seq)],
+        # The same events with their workflow and detail: a batch's figure names each
+        # workflow, and a manual review its reason.
+        "history": [{"workflow": e.workflow_id, "kind": e.kind, "detail": e.detail}
+                    for e in sorted(history.events, key=lambda e: e.seq)],
         "violations": [v.to_json() for v in found],
     }
 
