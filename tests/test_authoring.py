@@ -178,7 +178,7 @@ def test_a_chapter_written_from_the_guide_registers_and_passes_the_gate(tmp_path
     assert report["status"] == "PASS"
     ran = {r["name"]: r["outcome"] for r in report["experiments"]
            if r["chapter"] == "ch90_example"}
-    assert len(ran) == 18 and set(ran.values()) == {"passed"}, ran
+    assert len(ran) == 19 and set(ran.values()) == {"passed"}, ran
     observed = {o["nodeid"].rsplit("::", 1)[1] for o in report["observations"]}
     assert set(ran) <= observed, "an example experiment recorded no observation"
     # The artifact is in the evidence, bound by the digest the experiment observed.

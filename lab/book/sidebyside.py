@@ -1,13 +1,14 @@
-"""The book's side-by-side table: per failure window, what the lab, DBOS and LangGraph did.
+"""The book's side-by-side table: per failure window, what the lab, DBOS, LangGraph and
+Temporal did.
 
 Every cell comes from the verified report, nothing is written by hand: the peer
 columns from the observations the peer chapters (``ch13_peer_dbos``,
-``ch14_peer_langgraph``) record with ``peer_window``, ``system``, ``effects`` and a
-measured ``outcome``; the lab column from the lab's own experiments for that window
-(``OWN_EXPERIMENTS``: their result and observed facts) plus any observation a peer
-chapter records with ``system: "lab"`` (a LangGraph node delegating to the lab). A
-window nothing measured says so. Pure: report in, Markdown lines out, every piece of
-evidence through ``lab.escape``.
+``ch14_peer_langgraph``, ``ch16_peer_temporal``) record with ``peer_window``,
+``system``, ``effects`` and a measured ``outcome``; the lab column from the lab's own
+experiments for that window (``OWN_EXPERIMENTS``: their result and observed facts) plus
+any observation a peer chapter records with ``system: "lab"`` (a LangGraph node
+delegating to the lab). A window nothing measured says so. Pure: report in, Markdown
+lines out, every piece of evidence through ``lab.escape``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 from lab import escape
 
-SYSTEMS = ("lab", "dbos", "langgraph")
-SYSTEM_TITLES = {"lab": "lab", "dbos": "DBOS", "langgraph": "LangGraph"}
+SYSTEMS = ("lab", "dbos", "langgraph", "temporal")
+SYSTEM_TITLES = {"lab": "lab", "dbos": "DBOS", "langgraph": "LangGraph", "temporal": "Temporal"}
 WINDOWS: tuple[str, ...] = (
     "kill_after_effect_idempotent",
     "kill_after_effect_non_idempotent",
@@ -27,6 +28,7 @@ WINDOWS: tuple[str, ...] = (
     "new_version_left_behind",
     "cancel_during_call",
     "postgres_restart_during_recovery",
+    "server_restart_during_call",
     "approval_binding",
     "approval_expiry",
     "concurrent_resume",
@@ -55,6 +57,10 @@ OWN_EXPERIMENTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("ch06_cancellation", "test_cancellation_during_lookup_cannot_requeue"),
     ),
     "postgres_restart_during_recovery": (
+        ("ch11_database_faults", "test_postgres_killed_mid_window_recovers_without_violation"),
+    ),
+    # Temporal's durable store is its server: the lab's is its PostgreSQL server.
+    "server_restart_during_call": (
         ("ch11_database_faults", "test_postgres_killed_mid_window_recovers_without_violation"),
     ),
     "approval_binding": (
@@ -137,6 +143,12 @@ def configuration(report: Mapping[str, Any]) -> list[str]:
             seen.add(f"DBOS step settings {_text(observation['dbos_config'])}")
         if "langgraph_config" in observation:
             seen.add(f"LangGraph settings {_text(observation['langgraph_config'])}")
+        if "temporal_config" in observation:
+            seen.add(f"Temporal settings {_text(observation['temporal_config'])}")
+        temporal = observation.get("temporal_versions")
+        if isinstance(temporal, dict):
+            seen.add(f"temporalio {_text(temporal.get('temporalio'))}, Temporal Server "
+                     f"{_text(temporal.get('server'))} (dev server, SQLite)")
         versions = observation.get("langgraph_versions")
         if isinstance(versions, dict):
             seen.add(", ".join(f"{k} {_text(v)}" for k, v in sorted(versions.items())))
