@@ -1,5 +1,5 @@
 """The experiments' shared fixtures: a PostgreSQL of a chapter's own that it may kill, fill
-or step the clock of.
+or step the clock of, and a Temporal dev server of a test's own that it may kill.
 
 The lab's pytest plugin (``lab.pytest_plugin``) provides ``lab``, ``observe``,
 ``reached_database`` and ``evidence_artifact`` everywhere; this file adds what

@@ -85,6 +85,11 @@ def argv(role: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lab.peers.temporal_peer", role, *extra]
 
 
+def worker_env(endpoint: str, token: str) -> dict[str, str]:
+    """The environment of a worker process: the tool's endpoint and token (never argv)."""
+    return {**os.environ, TOOL_ENV: endpoint, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+
+
 def _run(call: Awaitable[T], within: float = RPC_TIMEOUT_S) -> T:
     async def bounded() -> T:
         return await asyncio.wait_for(call, timeout=within)
@@ -105,8 +110,7 @@ class Peer:
     def spawn(self, name: str, service: tool.ToolService, *extra: str,
               variant: str = "v1", concurrency: int = 1) -> processes.WorkerProcess:
         """Start a worker process running ``variant`` of the workflow; ``name`` labels it."""
-        env = {**os.environ, TOOL_ENV: service.endpoint, TOKEN_ENV: service.token,
-               "PYTHONUNBUFFERED": "1"}
+        env = worker_env(service.endpoint, service.token)
         child = processes.WorkerProcess(
             argv("worker", "--address", self.address, "--task-queue", self.task_queue,
                  "--name", name, "--variant", variant,
