@@ -1,11 +1,11 @@
 """The experiments' shared fixtures: a PostgreSQL of a chapter's own that it may kill, fill
-or step the clock of.
+or step the clock of, and a Temporal dev server of a test's own that it may kill.
 
 The lab's pytest plugin (``lab.pytest_plugin``) provides ``lab``, ``observe``,
 ``reached_database`` and ``evidence_artifact`` everywhere; this file adds what
-chapters 11 to 14 share. It is git-tracked and hashed into the evidence like every
+chapters 11 to 16 share. It is git-tracked and hashed into the evidence like every
 conftest pytest loads (the gate fails a run that loaded an untracked one). See
-docs/authoring.md, "A database of your own to kill".
+docs/authoring.md, "A database of your own to kill" and "Temporal".
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from lab import pytest_plugin
 
 if TYPE_CHECKING:
     from lab import harness
+    from lab.peers import temporal_server
     from lab.pg import cluster
 
 
@@ -89,3 +90,23 @@ def rig_on_faulty(
             yield rig
     finally:
         server.set_clock(0)
+
+
+@pytest.fixture
+def killable_temporal(request: pytest.FixtureRequest) -> Iterator[temporal_server.DevServer]:
+    """A Temporal dev server of this experiment's own (loopback, free ports, its SQLite
+    file in a directory of its own), which it may SIGKILL and restart on the same
+    database file with ``crash_restart()``; ``address`` reaches it. Recorded in the
+    evidence like the run's server; stopped and removed afterwards. The run's shared
+    server (``temporal_server``) is never killed."""
+    from lab import errors
+    from lab.peers import temporal_server
+
+    try:
+        server = temporal_server.start()
+    except errors.LabError as exc:
+        pytest.fail(f"a Temporal dev server of this experiment's own did not start: {exc}",
+                    pytrace=False)
+    with server:
+        pytest_plugin.record_temporal(request.node, server)
+        yield server

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -40,6 +41,7 @@ from lab.runtime import egress
 
 if TYPE_CHECKING:
     from lab import harness as lab_harness
+    from lab.peers import temporal_server as lab_temporal
     from lab.runtime import store
 
 log = logging.getLogger("lab.plugin")
@@ -48,6 +50,8 @@ _RUNNING_KEY = pytest.StashKey[Any]()
 _DSN_KEY = pytest.StashKey[str | None]()
 _DATABASE_KEY = pytest.StashKey[dict[str, Any] | None]()
 _PROBLEM_KEY = pytest.StashKey[str | None]()
+# Where the run's Temporal dev server lives once an experiment asks for it (lazily).
+_TEMPORAL_KEY = pytest.StashKey[str | None]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -146,6 +150,13 @@ def pytest_configure(config: pytest.Config) -> None:
         password = edge.password_of(dsn)
         # Raw and as a URL carries it (DBOS's system database URL): scrubbed from reports.
         redact.remember(password, quote(password, safe="") if password else None)
+    if workerinput is not None:
+        config.stash[_TEMPORAL_KEY] = workerinput.get("lab_temporal")
+    else:
+        # Only a name: the server starts when the first Temporal experiment asks for it.
+        config.stash[_TEMPORAL_KEY] = str(
+            Path(tempfile.gettempdir()) / f"lab-temporal-{names.new_id('run').lower()}"
+        )
     recorder.register(config, database)
 
 
@@ -169,6 +180,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     running = config.stash.get(_RUNNING_KEY, None)
     if running is not None:
         running.stop()
+    temporal = config.stash.get(_TEMPORAL_KEY, None)
+    if temporal is not None and not hasattr(config, "workerinput"):
+        from lab.peers import temporal_server
+
+        temporal_server.stop_shared(Path(temporal))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -178,6 +194,7 @@ def pytest_configure_node(node: Any) -> None:
     node.workerinput["lab_dsn"] = config.stash.get(_DSN_KEY, None)
     node.workerinput["lab_database"] = json.dumps(config.stash.get(_DATABASE_KEY, None))
     node.workerinput["lab_problem"] = config.stash.get(_PROBLEM_KEY, None)
+    node.workerinput["lab_temporal"] = config.stash.get(_TEMPORAL_KEY, None)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -426,6 +443,40 @@ def harness_on(
         _close_and_record(request, rig)
         db.close()
         lab_harness.retrying(lambda: edge.drop_schema(dsn, schema), within=drop_within)
+
+
+@pytest.fixture(scope="session")
+def _lab_temporal_shared(pytestconfig: pytest.Config) -> lab_temporal.DevServer:
+    """The run's one Temporal dev server, started by the first process that needs it."""
+    from lab.peers import temporal_server
+
+    where = pytestconfig.stash.get(_TEMPORAL_KEY, None)
+    if not where:
+        pytest.fail("no Temporal dev server for this run (introspection starts none)",
+                    pytrace=False)
+    try:
+        return temporal_server.shared(Path(where))
+    except errors.LabError as exc:
+        pytest.fail(f"the run's Temporal dev server did not start: {exc}", pytrace=False)
+
+
+@pytest.fixture
+def temporal_server(
+    request: pytest.FixtureRequest, _lab_temporal_shared: lab_temporal.DevServer
+) -> lab_temporal.DevServer:
+    """The run's Temporal dev server (loopback, free ports, SQLite in the run's directory),
+    started lazily by the first experiment that asks for it and stopped at the run's end;
+    its version and binary's sha256 go into the evidence. Never kill it: the top-level
+    conftest.py's ``killable_temporal`` is a server an experiment may kill."""
+    record_temporal(request.node, _lab_temporal_shared)
+    return _lab_temporal_shared
+
+
+def record_temporal(node: pytest.Item, server: lab_temporal.DevServer) -> None:
+    """Record which Temporal server ``node`` used (version, binary sha256) for the evidence."""
+    from lab.evidence import compiler
+
+    node.user_properties.append((compiler.TEMPORAL_SERVER, server.describe()))
 
 
 @pytest.fixture(name="reached_database")

@@ -120,16 +120,18 @@ def test_findings_name_each_system_and_mark_every_cell_in_words() -> None:
     lines = sidebyside.findings_section(_report(), side_by_side="side-by-side.md")
     text = "\n".join(lines)
     assert f"How a cell is marked: {findings.RULE}" in lines
-    assert lines[0].startswith("- **the lab** (10 windows): ")  # the findings come first
-    for system in ("the lab", "DBOS", "LangGraph"):
-        assert f"- **{system}** (10 windows): " in text
+    count = len(findings.WINDOWS)
+    assert lines[0].startswith(f"- **the lab** ({count} windows): ")  # the findings come first
+    for system in ("the lab", "DBOS", "LangGraph", "Temporal"):
+        assert f"- **{system}** ({count} windows): " in text
     cells = _cells(lines)
     assert cells and not any(cell.endswith("…") or "…" in cell for cell in cells)
     rows = _rows(lines)
     assert len(rows) == len(findings.WINDOWS)
     marks = ("safe", "unsafe", "needs a person", "does not apply", "not in this run")
     for row in rows:
-        assert sum(row.count(f"{findings.SYMBOLS[m]} {m}</span>") for m in marks) == 3, row
+        assert sum(row.count(f"{findings.SYMBOLS[m]} {m}</span>") for m in marks) == len(
+            findings.SYSTEMS), row
     assert "✗ unsafe</span>: 2 credits, DBOS reports SUCCESS" in text
     assert "◐ needs a person</span>: waits for a person" in text
     assert "[Side by side](side-by-side.md)" in text

@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("lab", "dbos", "langgraph")
-SYSTEM_TITLES = {"lab": "the lab", "dbos": "DBOS", "langgraph": "LangGraph"}
+SYSTEMS = ("lab", "dbos", "langgraph", "temporal")
+SYSTEM_TITLES = {"lab": "the lab", "dbos": "DBOS", "langgraph": "LangGraph",
+                 "temporal": "Temporal"}
 # Each failure window, in words a reader knows without the chapters.
 WINDOW_TITLES: dict[str, str] = {
     "kill_after_effect_idempotent": "Process killed after the effect, idempotent tool",
@@ -31,6 +32,7 @@ WINDOW_TITLES: dict[str, str] = {
     "new_version_left_behind": "A new version deployed while a workflow waits",
     "cancel_during_call": "Cancelled during the tool call",
     "postgres_restart_during_recovery": "PostgreSQL restarted between effect and checkpoint",
+    "server_restart_during_call": "The durable server restarted during the call",
     "approval_binding": "Approval bound to the plan, tenant and role",
     "approval_expiry": "Approval used after it expired",
     "concurrent_resume": "Two processes resume one workflow",
@@ -60,6 +62,10 @@ OWN_EXPERIMENTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("ch06_cancellation", "test_cancellation_during_lookup_cannot_requeue"),
     ),
     "postgres_restart_during_recovery": (
+        ("ch11_database_faults", "test_postgres_killed_mid_window_recovers_without_violation"),
+    ),
+    # Temporal's durable store is its server; the lab's is its PostgreSQL server.
+    "server_restart_during_call": (
         ("ch11_database_faults", "test_postgres_killed_mid_window_recovers_without_violation"),
     ),
     "approval_binding": (
@@ -92,6 +98,21 @@ DOES_NOT_APPLY: dict[tuple[str, str], str] = {
     ("langgraph", "new_version_left_behind"): (
         "LangGraph checkpoints carry no application version: whichever graph code loads "
         "a thread runs it, so no workflow can be left to an older version"),
+    ("dbos", "server_restart_during_call"): (
+        "DBOS Transact's durable store is its PostgreSQL system database: its restart is "
+        "the PostgreSQL window"),
+    ("langgraph", "server_restart_during_call"): (
+        "LangGraph's durable store is its PostgreSQL checkpointer: its restart is the "
+        "PostgreSQL window"),
+    ("temporal", "postgres_restart_during_recovery"): (
+        "The Temporal dev server keeps its state in SQLite, not PostgreSQL: its restart "
+        "is the durable-server window"),
+    ("temporal", "approval_expiry"): (
+        "Temporal has no approval of its own: a wait for a person is a signal the "
+        "workflow code handles, so an expiry would be application code"),
+    ("temporal", "concurrent_resume"): (
+        "Temporal has no resume by a caller: the server hands each task to one worker, "
+        "and a second worker only gets it after a timeout"),
     ("langgraph", "cancel_during_call"): (
         "LangGraph (the library with its PostgreSQL checkpointer) has no cancel "
         "operation on a thread: stopping one means stopping its process"),

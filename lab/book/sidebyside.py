@@ -17,8 +17,9 @@ from lab import escape
 from lab.book import findings
 from lab.book.findings import SYSTEMS, WINDOWS, Entry
 
-SYSTEM_TITLES = {"lab": "the lab", "dbos": "DBOS", "langgraph": "LangGraph"}
-COLUMN_TITLES = {"lab": "The lab", "dbos": "DBOS", "langgraph": "LangGraph"}
+SYSTEM_TITLES = findings.SYSTEM_TITLES
+COLUMN_TITLES = {"lab": "The lab", "dbos": "DBOS", "langgraph": "LangGraph",
+                 "temporal": "Temporal"}
 Link = Callable[[str], str | None]  # nodeid -> a link to its experiment on its page
 
 
@@ -40,6 +41,12 @@ def configuration(report: Mapping[str, Any]) -> list[str]:
             seen.add(", ".join(f"{k} {_text(v)}" for k, v in sorted(versions.items())))
         if "langgraph_config" in observation:
             seen.add(f"LangGraph settings: {_text(observation['langgraph_config'])}")
+        if "temporal_config" in observation:
+            seen.add(f"Temporal settings: {_text(observation['temporal_config'])}")
+        temporal = observation.get("temporal_versions")
+        if isinstance(temporal, dict):
+            seen.add(f"temporalio {_text(temporal.get('temporalio'))}, Temporal Server "
+                     f"{_text(temporal.get('server'))} (dev server, SQLite)")
     return sorted(seen)
 
 

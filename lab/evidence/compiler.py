@@ -46,6 +46,8 @@ REACHED_DATABASE = "lab_database"
 # Per test: how many times a database server was SIGKILLed and restarted during it.
 DATABASE_RESTARTS = "lab_database_restarts"
 NEEDS_DATABASE = "lab_needs_database"
+# Per test: the Temporal dev server it used, as ``temporal_server.DevServer.describe`` says.
+TEMPORAL_SERVER = "lab_temporal_server"
 ENVELOPE_FILE = "runtime.intoto.json"
 PUBLIC_KEY_FILE = "runtime.pub.pem"
 # Everything one run writes: removed before a run so none of it can outlive a failed one.
@@ -456,6 +458,7 @@ def compile_report(
         "exitstatus": facts.exitstatus,
         "versions": versions(),
         "postgresql": _scrub(facts.database),
+        "temporal": _temporal(facts),
         "signing": dict(signing),
         "experiments_dir": facts.experiments_prefix,
         "expected": [
@@ -472,7 +475,8 @@ def compile_report(
             for t in tests for i, o in enumerate(t["observations"])
         ],
         "sources": sources,
-        "limits": limits(facts.database, tests, restarts=_restarts(facts)),
+        "limits": limits(facts.database, tests, restarts=_restarts(facts),
+                         temporal=_temporal(facts)),
         "environment": installed_environment(root),
     }
     verdict = gate.decide(report)
@@ -512,11 +516,22 @@ def _restarts(facts: RunFacts) -> dict[str, int]:
     return found
 
 
+def _temporal(facts: RunFacts) -> list[dict[str, Any]]:
+    """Every Temporal dev server the run's experiments used, once each, as they recorded it."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in facts.records:
+        for key, value in _props(record):
+            if key == TEMPORAL_SERVER and isinstance(value, dict):
+                found.setdefault(json.dumps(value, sort_keys=True), dict(value))
+    return [found[key] for key in sorted(found)]
+
+
 def limits(
     database: Mapping[str, Any] | None,
     tests: list[dict[str, Any]],
     *,
     restarts: Mapping[str, int],
+    temporal: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
     """The limits the evidence states: the fixed ones, and those derived from what the run
     did (the run's server and its durability, whether any experiment killed a server).
@@ -549,6 +564,13 @@ def limits(
     else:
         stated.append("No experiment of this run killed a database server: the server's "
                       "own crash recovery is not tested by this evidence.")
+    for server in temporal:
+        stated.append(
+            f"Temporal ran as its dev server (Temporal Server {server.get('server_version')}, "
+            f"{server.get('distribution')}), which keeps its state in one SQLite file, not "
+            "PostgreSQL: the Temporal chapter compares what happens in each window, not "
+            "storage engines or production deployments."
+        )
     return stated
 
 

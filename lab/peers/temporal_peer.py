@@ -1,0 +1,342 @@
+"""Temporal as the lab's peer: worker OS processes (``python -m lab.peers.temporal_peer``) and
+the client calls an experiment makes, against the run's Temporal dev server.
+
+A worker process polls one task queue with one version of the ``lab_peer_credit``
+workflow (``lab.peers.temporal_workflows``) and its activities; the credit activity calls
+the lab's credit tool over HTTP under the lab's effect key. It prints ``BOOK_READY`` once
+it polls, and ``BOOK_STAGE after_tool <attempt>`` once the tool answered (or failed),
+where ``<attempt>`` is Temporal's own attempt number of the activity; with ``--pause
+after_tool`` it waits there for a newline on the attempt ``--pause-attempt``: after the
+effect, before the activity's completion reaches the server. SIGKILL in that pause is the
+crash window. Workers run until they are killed.
+
+The experiment's side (``Peer``) starts workflows, signals, cancels and reads Temporal's
+own view of them (status, history) through the SDK's client. Configuration that holds a
+secret (the tool's token) travels in the environment: ``LAB_TEMPORAL_TOOL``,
+``LAB_TOOL_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import importlib
+import importlib.metadata
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from lab import errors, protocol
+from lab.runtime import processes, tool
+
+TOOL_ENV = "LAB_TEMPORAL_TOOL"
+TOKEN_ENV = protocol.TOKEN_ENV  # the same variable `lab worker` reads
+T = TypeVar("T")
+# Every client call has a deadline: the server is local, an answer takes milliseconds.
+RPC_TIMEOUT_S = 30.0
+
+
+def module() -> Any:
+    """The ``temporalio`` package, or ``MissingExtra`` when it is not installed."""
+    try:
+        return importlib.import_module("temporalio")
+    except ImportError as exc:
+        raise errors.MissingExtra(
+            "temporalio is not installed: scripts/ensure-venv installs the lab's main set"
+        ) from exc
+
+
+def version() -> str:
+    """The installed Temporal Python SDK version."""
+    return str(importlib.metadata.version("temporalio"))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The credit activity's configuration, carried in the workflow's input (and history)."""
+
+    start_to_close_s: float = 5.0
+    max_attempts: int = 0  # 0: Temporal's default, unlimited
+    retry_initial_s: float = 0.2
+    await_approval: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """As the workflow reads it."""
+        return {"start_to_close_s": self.start_to_close_s, "max_attempts": self.max_attempts,
+                "retry_initial_s": self.retry_initial_s, "await_approval": self.await_approval}
+
+    def describe(self) -> dict[str, str]:
+        """The settings as the evidence states them (strings, so no key holds a float)."""
+        return {
+            "start_to_close_timeout": f"{self.start_to_close_s:g}s",
+            "retry_policy": (f"maximum_attempts={self.max_attempts}" if self.max_attempts
+                             else "maximum_attempts=unlimited (default)")
+                            + f", initial_interval={self.retry_initial_s:g}s, backoff=1.0",
+            "heartbeat_timeout": "none",
+            "approval_signal": "awaited" if self.await_approval else "not asked",
+        }
+
+
+def argv(role: str, *extra: str) -> list[str]:
+    """The command line of a Temporal child process of ``role``."""
+    return [sys.executable, "-m", "lab.peers.temporal_peer", role, *extra]
+
+
+def worker_env(endpoint: str, token: str) -> dict[str, str]:
+    """The environment of a worker process: the tool's endpoint and token (never argv)."""
+    return {**os.environ, TOOL_ENV: endpoint, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+
+
+def _run(call: Awaitable[T], within: float = RPC_TIMEOUT_S) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(call, timeout=within)
+
+    return asyncio.run(bounded())
+
+
+@dataclass
+class Peer:
+    """Temporal worker processes of one experiment on a task queue of its own, and the
+    client calls it makes; ``close`` kills every worker it started."""
+
+    address: str
+    task_queue: str
+    on_event: Callable[[str, str], None] | None = None
+    children: list[processes.WorkerProcess] = field(default_factory=list)
+
+    def spawn(self, name: str, service: tool.ToolService, *extra: str,
+              variant: str = "v1", concurrency: int = 1) -> processes.WorkerProcess:
+        """Start a worker process running ``variant`` of the workflow; ``name`` labels it."""
+        env = worker_env(service.endpoint, service.token)
+        child = processes.WorkerProcess(
+            argv("worker", "--address", self.address, "--task-queue", self.task_queue,
+                 "--name", name, "--variant", variant,
+                 "--max-concurrent-activities", str(concurrency), *extra),
+            env, name, self.on_event, fork=False,
+        )
+        self.children.append(child)
+        if self.on_event is not None:
+            self.on_event(name, "started")
+        return child
+
+    async def _client(self) -> Any:
+        client_module = importlib.import_module("temporalio.client")
+        return await client_module.Client.connect(self.address)
+
+    def start(self, workflow_id: str, work: dict[str, Any], settings: Settings) -> None:
+        """Start ``lab_peer_credit`` as ``workflow_id`` on this peer's task queue."""
+        from lab.peers import temporal_workflows as flows
+
+        async def go() -> None:
+            client = await self._client()
+            await client.start_workflow(
+                flows.WORKFLOW, {"work": work, "settings": settings.to_json()},
+                id=workflow_id, task_queue=self.task_queue,
+            )
+
+        _run(go())
+        if self.on_event is not None:
+            self.on_event("experiment", "Temporal start_workflow")
+
+    def result(self, workflow_id: str, within: float) -> str:
+        """Wait (at most ``within`` seconds) for the workflow to close; its status name.
+
+        A workflow still open at the deadline fails naming it.
+        """
+        async def go() -> str:
+            client = await self._client()
+            handle = client.get_workflow_handle(workflow_id)
+            try:
+                await asyncio.wait_for(handle.result(), timeout=within)
+            except TimeoutError as exc:
+                raise TimeoutError(
+                    f"Temporal workflow {workflow_id} did not close within {within:g}s"
+                ) from exc
+            except Exception:  # noqa: S110 - the workflow's own failure: its status says it
+                pass
+            described = await handle.describe()
+            return str(described.status.name)
+
+        return _run(go(), within + RPC_TIMEOUT_S)
+
+    def status(self, workflow_id: str) -> str:
+        """The workflow's status name as Temporal reports it (RUNNING, COMPLETED, ...)."""
+        async def go() -> str:
+            client = await self._client()
+            described = await client.get_workflow_handle(workflow_id).describe()
+            return str(described.status.name)
+
+        return _run(go())
+
+    def cancel(self, workflow_id: str) -> None:
+        """Request cancellation of the workflow, as a Temporal operator would."""
+        async def go() -> None:
+            client = await self._client()
+            await client.get_workflow_handle(workflow_id).cancel()
+
+        _run(go())
+        if self.on_event is not None:
+            self.on_event("experiment", "Temporal cancel")
+
+    def signal(self, workflow_id: str, name: str, payload: dict[str, Any]) -> None:
+        """Send the signal ``name`` with ``payload`` to the workflow."""
+        async def go() -> None:
+            client = await self._client()
+            await client.get_workflow_handle(workflow_id).signal(name, payload)
+
+        _run(go())
+        if self.on_event is not None:
+            self.on_event("experiment", f"Temporal signal {name}")
+
+    def history(self, workflow_id: str) -> list[dict[str, Any]]:
+        """The workflow's event history, one entry per event: its type and, for activity
+        events, the activity type, attempt and failure message."""
+        async def go() -> list[dict[str, Any]]:
+            client = await self._client()
+            found: list[dict[str, Any]] = []
+            async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+                found.append(_event(event))
+            return found
+
+        return _run(go())
+
+    def close(self) -> None:
+        """Kill every worker process still alive."""
+        for child in self.children:
+            child.cleanup()
+
+
+def _event(event: Any) -> dict[str, Any]:
+    """One history event as plain data (``lab.peers.temporal_history`` reads it)."""
+    from temporalio.api.enums.v1 import EventType
+
+    name = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
+    entry: dict[str, Any] = {"type": name}
+    if event.HasField("activity_task_scheduled_event_attributes"):
+        entry["activity"] = event.activity_task_scheduled_event_attributes.activity_type.name
+    if event.HasField("workflow_execution_signaled_event_attributes"):
+        signaled = event.workflow_execution_signaled_event_attributes
+        entry["signal"] = signaled.signal_name
+        entry["payload"] = [p.data.decode("utf-8", "replace")[:500]
+                            for p in signaled.input.payloads]
+    if event.HasField("activity_task_started_event_attributes"):
+        entry["attempt"] = int(event.activity_task_started_event_attributes.attempt)
+    for field_name in ("activity_task_failed_event_attributes",
+                       "activity_task_timed_out_event_attributes",
+                       "workflow_task_failed_event_attributes",
+                       "workflow_execution_failed_event_attributes"):
+        if event.HasField(field_name):
+            attributes = getattr(event, field_name)
+            entry["failure"] = str(attributes.failure.message)[:300]
+            if field_name == "workflow_task_failed_event_attributes":
+                from temporalio.api.enums.v1 import WorkflowTaskFailedCause
+
+                entry["cause"] = WorkflowTaskFailedCause.Name(attributes.cause).removeprefix(
+                    "WORKFLOW_TASK_FAILED_CAUSE_")
+    return entry
+
+
+# -- the worker process -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lab.peers.temporal_peer",
+                                     description=__doc__)
+    parser.add_argument("role", choices=["worker"])
+    parser.add_argument("--address", required=True, help="the Temporal frontend, host:port")
+    parser.add_argument("--task-queue", required=True, help="the task queue to poll")
+    parser.add_argument("--name", default="worker", help="the worker's identity")
+    parser.add_argument("--variant", choices=["v1", "v2", "v2-patched"], default="v1",
+                        help="which version of the workflow's code this worker runs")
+    parser.add_argument("--pause", choices=[protocol.AFTER_TOOL], default=None,
+                        help="wait for a newline after the tool answered")
+    parser.add_argument("--pause-attempt", type=int, default=1,
+                        help="pause on this attempt of the credit activity")
+    parser.add_argument("--max-concurrent-activities", type=int, default=1,
+                        help="the worker's max_concurrent_activities")
+    parser.add_argument("--max-concurrent-workflow-tasks", type=int, default=1,
+                        help="the worker's max_concurrent_workflow_tasks")
+    return parser
+
+
+def main(args_in: Sequence[str] | None = None) -> int:
+    """Body of a Temporal worker process: poll until killed."""
+    args = _parser().parse_args(args_in)
+    module()
+    endpoint = os.environ.get(TOOL_ENV, "")
+    token = os.environ.get(TOKEN_ENV, "")
+    try:
+        asyncio.run(_serve(args, endpoint, token))
+    finally:
+        sys.stdout.flush()
+        # The SDK's native runtime can abort an interpreter that finalizes under it:
+        # a worker that stops (it is normally killed) leaves without finalizing.
+        os._exit(0)
+
+
+async def _serve(args: argparse.Namespace, endpoint: str, token: str) -> None:
+    from temporalio import activity
+    from temporalio.client import Client
+    from temporalio.worker import Worker
+
+    from lab.peers import temporal_workflows as flows
+
+    clients: list[tool.ToolClient] = []
+
+    @activity.defn(name=flows.CREDIT_ACTIVITY)
+    def credit(body: dict[str, Any]) -> dict[str, str]:
+        if not clients:
+            clients.append(tool.ToolClient(endpoint, token))
+        attempt = activity.info().attempt
+        work = Work(body["effect_key"], body["fingerprint"], body["plan"])
+        failure: errors.ToolError | None = None
+        try:
+            receipt = clients[0].call(work)
+        except errors.ToolError as exc:
+            failure = exc
+        print(f"{protocol.STAGE} {protocol.AFTER_TOOL} {attempt}", flush=True)
+        if args.pause is not None and attempt == args.pause_attempt:
+            sys.stdin.readline()
+        if failure is not None:
+            raise failure
+        return receipt.to_json()
+
+    @activity.defn(name=flows.NOTIFY_ACTIVITY)
+    def notify(what: str) -> str:
+        print(f"{protocol.STAGE} notify {activity.info().attempt}", flush=True)
+        return what
+
+    client = await Client.connect(args.address, identity=args.name)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.max_concurrent_activities) as pool:
+        worker = Worker(
+            client,
+            task_queue=args.task_queue,
+            workflows=[flows.VARIANTS[args.variant]],
+            activities=[credit, notify],
+            activity_executor=pool,
+            max_concurrent_activities=args.max_concurrent_activities,
+            max_concurrent_workflow_tasks=args.max_concurrent_workflow_tasks,
+        )
+        print(protocol.READY, flush=True)
+        await worker.run()
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the activity hands the credit tool: the lab's effect key, fingerprint and plan."""
+
+    effect_key: str
+    fingerprint: str
+    plan: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The activity's input as Temporal serialises it."""
+        return {"effect_key": self.effect_key, "fingerprint": self.fingerprint,
+                "plan": self.plan}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
