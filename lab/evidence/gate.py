@@ -146,9 +146,7 @@ def decide(report: Mapping[str, Any]) -> Gate:
     else:
         status = PASS
     floor = {"required": len(SEED_EXPERIMENTS), "passed": seed_passed}
-    local = hermetic.failures(report.get("run"))
-    if not local:
-        local = hermetic.source_failures(report)
+    local = hermetic.failures(report.get("run")) or hermetic.source_failures(report)
     return Gate(status, failures, narrowed, sorted(missing), floor,
                 publishable=status == PASS and not local, local=local)
 
