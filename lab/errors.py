@@ -22,7 +22,7 @@ with ``from exc`` so nothing above them ever handles a driver exception::
     ├── ManualReview        only a person may decide what happens next
     ├── StoreError          PostgreSQL could not be reached or refused the write (exit 3)
     ├── ProvisioningError   no PostgreSQL could be provided for a run      (exit 3)
-    ├── EnvironmentFailure  a hermetic run's clone or venv could not be made (exit 3)
+    ├── EnvironmentFailure  a hermetic run's export or venv could not be made (exit 3)
     └── ToolError           the tool could not be used                     (exit 3)
         ├── RateLimited     a trusted 429: nothing happened, retry later
         ├── OutcomeUnknown  the request may have taken effect: reconcile
@@ -126,7 +126,7 @@ class ProvisioningError(LabError):
 
 
 class EnvironmentFailure(LabError):
-    """A hermetic run's clone or locked environment could not be made."""
+    """A hermetic run's exported tree or locked environment could not be made."""
 
 
 class ToolError(LabError):

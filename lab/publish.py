@@ -1,8 +1,8 @@
 """``lab publish``: regenerate the publication in one command, or refuse and say why.
 
-Runs the experiments hermetically (``lab run --hermetic``: the committed HEAD in a
-fresh clone on the locked environment), the model case set when a model is given
-(``lab model run``), verifies both under the pinned key, and builds the book
+Runs the experiments hermetically (``lab run --hermetic``: the committed HEAD's files
+exported from git's objects, on the lock's verified wheels), the model case set when a
+model is given (``lab model run``), verifies both under the pinned key, and builds the book
 from them (``lab book build``), all into ``--out``::
 
     DIR/evidence/          the runtime evidence, signed
@@ -166,7 +166,7 @@ def publish(
     from lab import runner
     from lab.model import command as model_command
 
-    # Always hermetic: the committed HEAD in a fresh clone on the locked environment, so
+    # Always hermetic: the committed HEAD exported from git's objects, on the locked wheels, so
     # nothing left in this working tree or this interpreter reaches the published run.
     code = run_experiments(
         runner.RunOptions(numprocesses=plan.numprocesses, evidence=str(plan.evidence),

@@ -1,9 +1,10 @@
 """``lab reproduce EVIDENCE_DIR``: re-run a signed result's commit and compare it fact by fact.
 
 1. Verify the evidence (signature, trust, statement, gate: only a PASS verifies); refuse
-   it unverified, dirty or without a commit, naming why.
-2. Check that its commit is here and that the lock digest it records (if any) is the
-   commit's ``uv.lock``; refuse with exit 3 naming the cause otherwise.
+   it unverified, unpinned, dirty or without a commit, naming why.
+2. Check that its commit is here, on a branch, and that the lock digest it records (if
+   any) is the commit's ``uv.lock``; refuse naming the cause otherwise (exit 3 for what
+   this machine lacks).
 3. Re-run the commit ``--runs K`` times through ``rerun_hermetic`` (``lab run --hermetic
    --commit SHA --evidence DIR``), the one place that knows how a faithful re-run is made.
 4. Verify each re-run's evidence and compare it with the original
@@ -45,6 +46,7 @@ from lab.evidence import (
     summary,
     verification,
 )
+from lab.evidence import tree as source_tree
 
 DEFAULT_OUT = "reproduction"
 LOCK_FILE = "uv.lock"
@@ -59,7 +61,7 @@ def rerun_hermetic(commit: str, evidence: Path, workers: str | None = None) -> N
     """Run ``commit`` hermetically into ``evidence`` with ``lab run --hermetic`` (issue 27),
     on ``workers`` pytest-xdist workers as the original run did (None: none).
 
-    The hermetic run clones the commit into a fresh directory and installs its locked
+    The hermetic run exports the commit from git's objects and installs its locked
     environment; this function only asks for it. A ``lab`` without ``--hermetic`` writes
     no evidence and says so: that is an environment that cannot reproduce (exit 3).
     """
@@ -108,32 +110,50 @@ def recorded_lock(report: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=False,
-                          timeout=60)
+def _git(root: Path, *args: str) -> bytes | None:
+    """The fixed git of ``lab.evidence.tree`` (never the caller's); None when it refuses."""
+    try:
+        return source_tree.git(root, args, "git")
+    except errors.UsageError:
+        return None
+
+
+def on_a_branch(root: Path, commit: str) -> list[str]:
+    """The branches (local and remote-tracking) of the repository at ``root`` whose history
+    holds ``commit``: a commit on none is no commit anyone published, and is not re-run."""
+    listed = _git(root, "for-each-ref", "--contains", commit, "--format=%(refname)",
+                  "refs/heads", "refs/remotes")
+    return sorted(line for line in (listed or b"").decode("utf-8", "replace").splitlines()
+                  if line)
 
 
 def check_environment(report: Mapping[str, Any], root: Path) -> str | None:
-    """Refuse (``ProvisioningError``) when the commit or its recorded lock is not available.
+    """Refuse (``ProvisioningError``) when the commit or its recorded lock is not available,
+    and (``Refused``) when the commit is on no branch of the repository.
 
     Returns the lock digest that will be used, or None when the evidence records none.
     """
     commit = str(report.get("commit"))
-    if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+    if commit.startswith("-") or _git(root, "cat-file", "-e", f"{commit}^{{commit}}") is None:
         raise errors.ProvisioningError(
             f"commit {commit[:12]} of the evidence is not in the repository at {root}: "
             "fetch it first"
+        )
+    if not on_a_branch(root, commit):
+        raise errors.Refused(
+            f"commit {commit[:12]} of the evidence is on no branch of the repository at "
+            f"{root}: only a commit reachable from a branch is re-run"
         )
     wanted = recorded_lock(report)
     if wanted is None:
         return None
     shown = _git(root, "show", f"{commit}:{LOCK_FILE}")
-    if shown.returncode != 0:
+    if shown is None:
         raise errors.ProvisioningError(
             f"the evidence's lock sha256 {wanted[:12]} cannot be satisfied here: commit "
             f"{commit[:12]} has no {LOCK_FILE}"
         )
-    have = reproduction_evidence.sha256(shown.stdout)
+    have = reproduction_evidence.sha256(shown)
     if have != wanted:
         raise errors.ProvisioningError(
             f"the evidence's lock sha256 {wanted[:12]} cannot be satisfied here: commit "
@@ -151,6 +171,10 @@ def _verified_original(
     if not verdict.ok or verdict.report is None:
         first = verdict.problems[0] if verdict.problems else "no report"
         raise errors.Refused(verification.printable(f"{path}: not verified: {first}"))
+    if verdict.pinned_by is None:
+        raise errors.Refused(
+            f"{path}: UNPINNED: only evidence a pinned key vouches for is re-run (pin its "
+            f"signer with --public-key or a key committed under {verification.TRUSTED_DIR}/)")
     report: dict[str, Any] = dict(verdict.report)
     if report.get("dirty") is not False or not report.get("commit"):
         raise errors.Refused(
@@ -282,6 +306,9 @@ def table(comparison: reproduction.Comparison) -> Table:
         differing = []
         for fact in e.differing:
             held = f" (held {fact.held} of {runs}: unreliable)" if runs > 1 else ""
+            if fact.misdeclared:
+                held += (f" (the original calls it a {fact.original_kind}; the commit "
+                         f"declares a {fact.kind})")
             values = " | ".join(_short(v) for v in fact.values)
             differing.append(
                 f"{_where(fact.nodeid)}{fact.key}: {_short(fact.original)} -> {values}{held}")

@@ -5,11 +5,12 @@ module only builds the command, streams pytest's output and then renders the
 signed report, with the same function ``lab evidence show`` uses.
 
 ``lab run --hermetic [--commit REV]`` runs the committed revision, not the working
-tree: it clones REV into a fresh directory, runs it on the locked environment
+tree: it exports REV's files from git's objects into a fresh directory, runs it on the
+locked environment
 (``install_environment``: a digest-keyed venv under ``.tools/hermetic/`` holding
 exactly uv.lock's dependencies, hashes enforced, reused while the lock and the
 interpreter are the same, plus a fresh per-run venv whose one path file puts the
-clone and those dependencies on ``sys.path``), with the environment
+tree and those dependencies on ``sys.path``), with the environment
 ``lab.evidence.hermetic`` allows and nothing else, and writes the evidence into the
 caller's ``--evidence`` directory.
 """
@@ -34,7 +35,8 @@ from pathlib import Path
 from rich.console import Console
 
 from lab import errors, files
-from lab.evidence import compiler, environment, gate, hermetic, provenance, summary
+from lab.evidence import compiler, gate, hermetic, provenance, summary, wheels
+from lab.evidence import tree as source_tree
 from lab.pg import cluster, providers
 
 EXPERIMENTS = "experiments"
@@ -68,7 +70,7 @@ def pytest_command(options: RunOptions, python: str | None = None) -> list[str]:
     command = [python or sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider",
                "-p", "no:hypothesispytest"]
     if python is not None:
-        # The hermetic venv installs the dependencies only: the plugin comes from the clone.
+        # The hermetic venv installs the dependencies only: the plugin comes from the exported tree.
         command += ["-p", "lab.pytest_plugin"]
     command += ["--lab-evidence", str(options.evidence)]
     if options.numprocesses:
@@ -167,18 +169,8 @@ def _summarise(directory: Path, returncode: int, out: Console) -> int:
 
 
 def _git(args: Sequence[str], cwd: Path, what: str) -> str:
-    """Run git with no hooks; its stdout, or ``UsageError`` naming ``what``."""
-    try:
-        done = subprocess.run(
-            ["git", "-c", "core.hooksPath=/dev/null", *args], cwd=cwd, capture_output=True,
-            text=True, timeout=_GIT_TIMEOUT, check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise errors.EnvironmentFailure(f"{what}: git failed: {exc}") from exc
-    if done.returncode != 0:
-        detail = (done.stderr.strip().splitlines() or ["git failed"])[-1]
-        raise errors.UsageError(f"{what}: {detail}")
-    return done.stdout.strip()
+    """The fixed git of ``lab.evidence.tree`` (never the caller's); its stdout, stripped."""
+    return source_tree.git(cwd, args, what).decode("utf-8", "replace").strip()
 
 
 def resolve_commit(origin: Path, rev: str) -> str:
@@ -189,11 +181,11 @@ def resolve_commit(origin: Path, rev: str) -> str:
                 origin, f"--commit {rev}: no such commit in {origin}")
 
 
-def clone(origin: Path, sha: str, target: Path) -> None:
-    """A fresh clone of ``origin`` at ``sha`` in ``target``: committed files only."""
-    _git(["clone", "--quiet", "--no-checkout", "--no-hardlinks", str(origin), str(target)],
-         origin, f"cannot clone {origin}")
-    _git(["checkout", "--quiet", "--detach", sha], target, f"cannot check out {sha}")
+def export(origin: Path, sha: str, target: Path) -> str:
+    """The files of commit ``sha`` of ``origin`` in the new directory ``target``, from
+    git's objects, each checked against its id (``lab.evidence.tree.export``); the
+    commit's tree id."""
+    return source_tree.export(origin, sha, target)
 
 
 def lock_of(tree: Path) -> tuple[str, str]:
@@ -204,15 +196,8 @@ def lock_of(tree: Path) -> tuple[str, str]:
     return str(found["path"]), str(found["sha256"])
 
 
-def _install_locked(venv: Path, tree: Path, origin: Path, uv_cache: Path) -> None:
-    """Install exactly the tree's uv.lock (hashes enforced, the lab itself left out) as
-    the venv ``venv``, with the pinned uv of the origin's ``scripts/ensure-uv``.
-
-    The one place that knows how the locked environment is installed. Files are copied
-    from a uv cache of the hermetic runs' own (``uv_cache``), never hard-linked: uv links
-    a venv's files to its cache by default, so a dependency edited in place in the
-    author's own ``.venv`` edits the shared cache, and every venv linked to it.
-    """
+def _uv(origin: Path) -> str:
+    """The pinned uv of the origin's ``scripts/ensure-uv`` (installed by pip with hashes)."""
     try:
         done = subprocess.run([str(origin / "scripts" / "ensure-uv")], capture_output=True,
                               text=True, timeout=_INSTALL_TIMEOUT, check=False,
@@ -222,31 +207,83 @@ def _install_locked(venv: Path, tree: Path, origin: Path, uv_cache: Path) -> Non
     if done.returncode != 0 or not done.stdout.strip():
         raise errors.EnvironmentFailure(f"installing uv: scripts/ensure-uv exited "
                                         f"{done.returncode}")
-    uv = done.stdout.strip().splitlines()[-1]
-    # From a copy: nothing uv does may leave a file in the fresh clone.
+    return done.stdout.strip().splitlines()[-1]
+
+
+def locked_requirements(uv: str, tree: Path, scratch: Path) -> Path:
+    """The tree's ``uv.lock`` as a hashed requirements file (what ``uv sync --locked
+    --no-install-project`` would install: the default set, the lab itself left out)."""
+    requirements = scratch / "requirements.txt"
+    # From a copy: nothing uv does may leave a file in the exported tree.
     with tempfile.TemporaryDirectory(prefix="lab-hermetic-build-") as build:
         copy = Path(build) / "project"
         shutil.copytree(tree, copy, ignore=shutil.ignore_patterns(".git"))
-        _run([uv, "sync", "--project", str(copy), "--locked", "--no-install-project",
-              "--no-python-downloads", "--python", _base_python(), "--quiet"],
-             "installing the locked environment",
-             {"UV_PROJECT_ENVIRONMENT": str(venv), "UV_CACHE_DIR": str(uv_cache),
-              "UV_LINK_MODE": "copy"})
+        _run([uv, "export", "--project", str(copy), "--locked", "--no-emit-project",
+              "--format", "requirements-txt", "--no-header", "--no-annotate", "--quiet",
+              "--output-file", str(requirements)],
+             "exporting the lock's requirements", {"UV_CACHE_DIR": str(Path(build) / "uv")})
+    return requirements
+
+
+def fetch_wheels(uv: str, requirements: Path, wheelhouse: Path, scratch: Path) -> list[Path]:
+    """A wheel for every locked requirement of this interpreter, each verified against the
+    lock's sha256 (``wheels.verified``), in a fresh directory of ``scratch``.
+
+    Taken from ``wheelhouse`` (wheels kept from earlier runs) when it has them, else
+    downloaded; pip refuses any file whose digest the requirements do not list, and the
+    lab checks every one again itself. Verified downloads are kept in ``wheelhouse``.
+    """
+    pip = [str(Path(uv).parent / "python"), "-m", "pip", "download", "--no-deps",
+           "--only-binary=:all:", "--require-hashes", "--disable-pip-version-check",
+           "--quiet", "-r", str(requirements)]
+    target = scratch / "wheels"
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    settings = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INPUT": "1"}
+    try:
+        _run([*pip, "--no-index", "--find-links", str(wheelhouse), "-d", str(target)],
+             "wheels from the wheelhouse", settings, quiet=True)
+    except errors.EnvironmentFailure:
+        shutil.rmtree(target, ignore_errors=True)
+        _run([*pip, "-d", str(target)], "downloading the locked wheels", settings)
+    locked = wheels.locked_hashes(requirements.read_text(encoding="utf-8"))
+    found = wheels.verified(target.glob("*.whl"), locked)
+    for wheel in found:
+        kept = wheelhouse / wheel.name
+        if not kept.is_file() or wheels.sha256_of(kept) != wheels.sha256_of(wheel):
+            shutil.copyfile(wheel, kept)
+    return found
+
+
+def _install_locked(venv: Path, uv: str, requirements: Path, found: Sequence[Path]) -> None:
+    """Install the verified wheels ``found`` (and nothing else: no index, a uv cache made
+    for this install) into the new venv ``venv``; uv checks each wheel's hash again."""
+    _run([_base_python(), "-m", "venv", "--without-pip", str(venv)],
+         "creating the dependencies' venv")
+    with tempfile.TemporaryDirectory(prefix="lab-hermetic-uv-") as uv_cache:
+        _run([uv, "pip", "install", "--python", str(venv / "bin" / "python"), "--no-deps",
+              "--no-index", "--offline", "--require-hashes", "--no-build", "--quiet",
+              "--find-links", str(found[0].parent) if found else str(venv),
+              "-r", str(requirements)],
+             "installing the locked wheels",
+             {"UV_CACHE_DIR": uv_cache, "UV_LINK_MODE": "copy"})
 
 
 def _install_environ(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment for the installers, without what would run code of its
     own in an interpreter they start (``PYTHONPATH``'s ``sitecustomize``, a start-up file,
-    a preloaded library): the install of a hermetic run is no place for them either."""
+    a preloaded library), nor the caller's settings for pip and uv (an index, a config
+    file, a cache): the install of a hermetic run is no place for them either."""
     kept = {name: value for name, value in os.environ.items()
-            if not name.startswith(("PYTHON", "LD_"))}
+            if not name.startswith(("PYTHON", "LD_", "PIP_", "UV_"))}
     return {**kept, **extra}
 
 
-def _run(command: Sequence[str], what: str, env: dict[str, str] | None = None) -> None:
+def _run(command: Sequence[str], what: str, env: dict[str, str] | None = None,
+         *, quiet: bool = False) -> None:
     try:
         done = subprocess.run(command, timeout=_INSTALL_TIMEOUT, check=False,
-                              env=_install_environ(env or {}))
+                              env=_install_environ(env or {}),
+                              capture_output=quiet)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise errors.EnvironmentFailure(f"{what}: {exc}") from exc
     if done.returncode != 0:
@@ -259,55 +296,56 @@ def environment_key(lock_sha256: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def install_environment(tree: Path, cache: Path, origin: Path) -> tuple[Path, str]:
+def install_environment(
+    tree: Path, cache: Path, origin: Path, scratch: Path, out: Console | None = None
+) -> tuple[Path, str]:
     """The site-packages of the locked dependencies of ``tree``, and the lock's digest.
 
-    Reused from ``cache`` when a venv there carries this key (lock digest + python)
-    *and* still matches the lock file by file (every distribution's version and the
-    hashes its RECORD lists); built afresh otherwise, from a uv cache of the hermetic
-    runs' own, which is emptied first when a venv built from it failed that check. A
-    fresh build that does not match the lock is an ``EnvironmentFailure`` naming the
-    first difference. Its files are checked again at run time: every module that runs
-    must match its distribution's RECORD (``provenance.vouch``).
+    The lock's wheels are fetched and verified against its sha256 every time
+    (``fetch_wheels``). A venv in ``cache`` with this key (lock digest + python) is
+    reused only when every file in it is one those wheels install, with the wheel's
+    digest (``wheels.venv_problems``: the wheels' own RECORDs decide, never the venv's);
+    otherwise it is removed and built afresh from the verified wheels, and the new venv
+    must pass the same check or the run fails naming the first difference.
     """
-    lock_name, lock_sha256 = lock_of(tree)
+    _lock_name, lock_sha256 = lock_of(tree)
     key = environment_key(lock_sha256)
     venv = cache / key[:24]
-    uv_cache = cache / "uv-cache"
-    stamp = venv / _STAMP
+    uv = _uv(origin)
+    requirements = locked_requirements(uv, tree, scratch)
+    found = fetch_wheels(uv, requirements, cache / "wheels", scratch)
     try:
-        reusable = json.loads(stamp.read_text(encoding="utf-8")).get("key") == key
+        reusable = json.loads((venv / _STAMP).read_text(encoding="utf-8")).get("key") == key
     except (OSError, ValueError, AttributeError):
         reusable = False
-    if reusable and _differences(tree / lock_name, venv):
-        # Edited since it was built: neither it nor the cache it came from is trusted.
-        reusable = False
-        shutil.rmtree(uv_cache, ignore_errors=True)
+    if reusable:
+        problems = wheels.venv_problems(venv, _site_packages(venv), found, _STAMP)
+        if problems and out is not None:
+            out.print(f"[yellow]hermetic: rebuilding the dependencies' venv: {problems[0]}"
+                      "[/yellow]")
+        reusable = not problems
     if not reusable:
         shutil.rmtree(venv, ignore_errors=True)
         cache.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=f"{key[:24]}.", dir=cache)) / "venv"
         try:
-            _install_locked(building, tree, origin, uv_cache)
-            found = _differences(tree / lock_name, building)
-            if found:
-                shutil.rmtree(uv_cache, ignore_errors=True)
+            _install_locked(building, uv, requirements, found)
+            problems = wheels.venv_problems(building, _site_packages(building), found)
+            if problems:
                 raise errors.EnvironmentFailure(
-                    f"the locked environment as installed differs from {lock_name}: "
-                    f"{found[0]}")
+                    f"the venv installed from the lock's wheels differs from them: "
+                    f"{problems[0]}")
             (building / _STAMP).write_text(json.dumps({"key": key, "lock": lock_sha256}),
                                            encoding="utf-8")
             with contextlib.suppress(OSError):  # another run built it meanwhile
                 building.rename(venv)
         finally:
             shutil.rmtree(building.parent, ignore_errors=True)
-    site = _site_packages(venv)
-    return site, lock_sha256
-
-
-def _differences(lock: Path, venv: Path) -> tuple[str, ...]:
-    """How the venv's installed files differ from ``lock`` (empty: they match)."""
-    return environment.check(lock, [str(_site_packages(venv))]).differences
+        problems = wheels.venv_problems(venv, _site_packages(venv), found, _STAMP)
+        if problems:
+            raise errors.EnvironmentFailure(f"the dependencies' venv differs from the lock's "
+                                            f"wheels: {problems[0]}")
+    return _site_packages(venv), lock_sha256
 
 
 def _base_python() -> str:
@@ -322,7 +360,7 @@ def _site_packages(venv: Path) -> Path:
 
 
 def run_venv(scratch: Path, tree: Path, dependencies: Path) -> Path:
-    """A fresh venv for one run whose one path file (no code) puts the clone and the
+    """A fresh venv for one run whose one path file (no code) puts the exported tree and the
     dependency venv on ``sys.path``; its python."""
     venv = scratch / "venv"
     _run([_base_python(), "-m", "venv", "--without-pip", str(venv)], "creating the run's venv")
@@ -333,8 +371,8 @@ def run_venv(scratch: Path, tree: Path, dependencies: Path) -> Path:
 
 
 def run_hermetic(options: RunOptions, out: Console) -> int:
-    """``lab run --hermetic``: the committed revision in a fresh clone, on the locked
-    environment, isolated; the evidence lands in the caller's ``--evidence``."""
+    """``lab run --hermetic``: the committed revision's files exported from git's objects,
+    on the locked environment, isolated; the evidence lands in the caller's ``--evidence``."""
     origin = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd(),
                        "--hermetic runs a commit of a git repository"))
     sha = resolve_commit(origin, options.commit or "HEAD")
@@ -345,20 +383,21 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
     with tempfile.TemporaryDirectory(prefix="lab-hermetic-") as scratch_name:
         scratch = Path(scratch_name)
         tree = scratch / "src"
-        out.print(f"[dim]hermetic: cloning {sha[:12]} of {origin}[/dim]")
-        clone(origin, sha, tree)
+        out.print(f"[dim]hermetic: exporting {sha[:12]} of {origin} from git's objects[/dim]")
+        tree_id = export(origin, sha, tree)
         chapters: Sequence[str] = options.chapter
         missing = [c for c in chapters if not (tree / EXPERIMENTS / c).is_dir()]
         if missing:
             raise errors.UsageError(f"no such experiments directory at {sha[:12]}: "
                                     f"{', '.join(missing)}")
-        dependencies, lock_sha256 = install_environment(tree, origin / HERMETIC_CACHE, origin)
+        dependencies, lock_sha256 = install_environment(tree, origin / HERMETIC_CACHE, origin,
+                                                        scratch, out)
         python = run_venv(scratch, tree, dependencies)
         for name in ("pycache", "home", "tmp"):
             (scratch / name).mkdir()
         env = hermetic.environment(
             os.environ, pycache=str(scratch / "pycache"), home=str(scratch / "home"),
-            tmp=str(scratch / "tmp"), lock_sha256=lock_sha256,
+            tmp=str(scratch / "tmp"), lock_sha256=lock_sha256, commit=sha, tree=tree_id,
         )
         # Fill the fresh bytecode prefix from the sources this run runs, before any test:
         # otherwise every worker, tool and peer process starts by compiling its imports,
@@ -371,7 +410,7 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
             raise errors.EnvironmentFailure(f"compiling the run's bytecode: {exc}") from exc
         run_options = dataclasses.replace(options, evidence=str(directory))
         command = pytest_command(run_options, python=str(python))
-        out.print(f"[dim]$ {' '.join(command)}  (in the clone, {len(env)} allowlisted "
+        out.print(f"[dim]$ {' '.join(command)}  (in the exported tree, {len(env)} allowlisted "
                   "variables)[/dim]")
         completed = subprocess.run(command, cwd=tree, env=env, check=False)
     return _summarise(directory, completed.returncode, out)

@@ -9,6 +9,7 @@ is the code that runs), and a clean git checkout whose conftest is tracked.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -62,11 +63,12 @@ def write_manifest(root: Path, entries: list[dict[str, Any]]) -> None:
 
 
 def link_lab(root: Path) -> None:
-    """``<root>/lab`` is the package under test, so lab is imported from hashed sources."""
+    """``<root>/lab`` is a copy of the package under test, so lab is imported from the
+    tree's own files (a symlink would be one entry of the tree, not the files it hashes)."""
     target = Path(lab.__file__).resolve().parent
     link = root / "lab"
     if not link.exists():
-        link.symlink_to(target, target_is_directory=True)
+        shutil.copytree(target, link, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def git(root: Path, *args: str) -> str:

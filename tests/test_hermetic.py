@@ -72,7 +72,8 @@ def _facts(**overrides: Any) -> compiler.RunFacts:
         "collected": [NODE],
         "experiments_prefix": "experiments/",
         "expected": [compiler.Expected("ch01_x", "test_a")],
-        "database": {"provider": "dsn", "server_version": "15.8", "details": {}},
+        "database": {"provider": "embedded", "server_version": "15.8",
+                     "details": {"method": "initdb"}},
         "command": ["pytest", "experiments"],
         "exitstatus": 0,
         "git": None,
@@ -86,7 +87,9 @@ def _hermetic_run(root: Path) -> dict[str, Any]:
     lock = provenance.lock_digest(root, None)
     assert lock is not None
     env = hermetic.environment({"PATH": "/usr/bin"}, pycache="/p", home="/h", tmp="/t",
-                               lock_sha256=str(lock["sha256"]))
+                               lock_sha256=str(lock["sha256"]),
+                               commit=_git(root, "rev-parse", "HEAD").strip(),
+                               tree=_git(root, "rev-parse", "HEAD^{tree}").strip())
     return hermetic.observe(env, no_user_site=True, safe_path=True, pycache_prefix="/p",
                             ignored=provenance.stray_files(root), lock=provenance.lock_digest(
                                 root, env[hermetic.LOCK_ENV]))
@@ -121,7 +124,8 @@ def test_a_hermetic_record_is_publishable_and_a_local_one_is_not(tmp_path: Path)
         (lambda run: run["environment"].append("PYTHONPATH"), "outside the allowlist"),
         (lambda run: run.update(no_user_site=False), "user site"),
         (lambda run: run.update(fresh_bytecode=False), "bytecode"),
-        (lambda run: run.update(ignored=["lab/__pycache__/"]), "not a fresh clone"),
+        (lambda run: run.update(ignored=["lab/__pycache__/"]), "not exactly the commit's tree"),
+        (lambda run: run.update(source=None), "not exported from a commit's git objects"),
         (lambda run: run["lock"].update(installed="0" * 64), "not installed from"),
         (lambda run: run.update(kind="local"), "a local run"),
     ],
@@ -143,7 +147,8 @@ def test_the_hermetic_environment_is_the_allowlist_and_nothing_else() -> None:
     caller = {"PATH": "/bin", "PYTEST_ADDOPTS": "--reruns 2", "PYTHONPATH": "/evil",
               "PYTHONSTARTUP": "/evil.py", "PYTHONHOME": "/x", "LD_PRELOAD": "/evil.so",
               "PYTEST_PLUGINS": "evil", "LAB_EVIDENCE_KEY": "k", "HOME": "/root"}
-    env = hermetic.environment(caller, pycache="/p", home="/h", tmp="/t", lock_sha256="a" * 64)
+    env = hermetic.environment(caller, pycache="/p", home="/h", tmp="/t", lock_sha256="a" * 64,
+                               commit="c" * 40, tree="d" * 40)
     assert set(env) <= set(hermetic.allowed_names())
     for name in ("PYTEST_ADDOPTS", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "LD_PRELOAD",
                  "PYTEST_PLUGINS"):
@@ -167,20 +172,29 @@ def test_hermetic_commit_is_checked_before_anything_runs(
     assert runner.resolve_commit(root, "HEAD") == _git(root, "rev-parse", "HEAD").strip()
 
 
-def test_a_clone_holds_committed_files_only(tmp_path: Path) -> None:
-    """The hermetic clone has no ignored, untracked or modified file of the origin."""
+def test_an_export_holds_committed_files_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hermetic export has no ignored, untracked or modified file of the origin, and
+    a process handed the export sees no stray file exactly when its files make the
+    commit's tree."""
     root = _tree(tmp_path)
     (root / "lab" / "__pycache__").mkdir()
     (root / "lab" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"stale")
     (root / "untracked.py").write_text("x = 1\n")
     (root / "lab" / "__init__.py").write_text("EDITED = True\n")
     sha = runner.resolve_commit(root, "HEAD")
-    runner.clone(root, sha, tmp_path / "clone")
-    assert not (tmp_path / "clone" / "lab" / "__pycache__").exists()
-    assert not (tmp_path / "clone" / "untracked.py").exists()
-    assert (tmp_path / "clone" / "lab" / "__init__.py").read_text() == ""
-    assert provenance.stray_files(tmp_path / "clone") == []
+    tree_id = runner.export(root, sha, tmp_path / "export")
+    assert not (tmp_path / "export" / "lab" / "__pycache__").exists()
+    assert not (tmp_path / "export" / "untracked.py").exists()
+    assert (tmp_path / "export" / "lab" / "__init__.py").read_text() == ""
     assert provenance.stray_files(root)  # the origin has them
+    monkeypatch.setenv(hermetic.COMMIT_ENV, sha)
+    monkeypatch.setenv(hermetic.TREE_ENV, tree_id)
+    assert provenance.stray_files(tmp_path / "export") == []
+    (tmp_path / "export" / "lab" / "planted.py").write_text("x = 1\n")
+    (stray,) = provenance.stray_files(tmp_path / "export") or [""]
+    assert stray.startswith("its files make tree ") and stray.endswith(f"not {tree_id[:12]}")
 
 
 # --------------------------------------------------------------------------- case 1: stale pyc
@@ -577,7 +591,8 @@ def test_nothing_left_on_the_machine_reaches_a_hermetic_interpreter(tmp_path: Pa
     caller = {**os.environ, "PYTHONPATH": str(custom), "PYTEST_ADDOPTS": "--reruns 2"}
     prefix = tmp_path / "pycache"
     env = hermetic.environment(caller, pycache=str(prefix), home=str(tmp_path),
-                               tmp=str(tmp_path), lock_sha256="0" * 64)
+                               tmp=str(tmp_path), lock_sha256="0" * 64, commit="c" * 40,
+                               tree="d" * 40)
     (tmp_path / "probe").mkdir()
     (tmp_path / "probe" / "probe_mod.py").write_text("VALUE = 1\n")
     script = ("import json, os, sys; sys.path.append(sys.argv[1]); import probe_mod; "

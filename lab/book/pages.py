@@ -402,7 +402,9 @@ def _run_kind_note(report: Report) -> str:
     if verification.run_kind(report) == hermetic.HERMETIC:
         run: Any = report.get("run") or {}
         lock: Any = run.get("lock") or {}
-        return (f"**hermetic** (a fresh clone of the commit, the locked environment "
+        tree = report.get("tree")
+        return (f"**hermetic** (the commit's files exported from git's objects, tree "
+                f"{escape.code(str(tree))}, the lock's verified wheels "
                 f"{escape.code(str(lock.get('path')))} sha256 "
                 f"{escape.code(str(lock.get('sha256')))}, an allowlisted environment, "
                 "isolated interpreters)")

@@ -52,9 +52,14 @@ def lines(data: bytes | None) -> list[str]:
                 "| --- | --- | --- | --- | --- |"]
         for e in differing:
             for fact in e["facts"]:
-                if fact["held"] == len(fact["values"]):
+                claimed = fact.get("original_kind")
+                misdeclared = claimed is not None and claimed != fact.get("kind", claimed)
+                if fact["held"] == len(fact["values"]) and not misdeclared:
                     continue
                 values = ", ".join(_value(v) for v in fact["values"])
+                if misdeclared:
+                    values += (f" (the original calls it a {escape.md(str(claimed))}; the "
+                               f"commit declares a {escape.md(str(fact.get('kind')))})")
                 out.append(
                     f"| {escape.md(e['chapter'] + '/' + e['name'])} | "
                     f"{escape.md(str(fact['key']))} | "

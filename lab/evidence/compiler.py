@@ -24,15 +24,14 @@ import math
 import os
 import platform
 import re
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import errors, files
+from lab import errors
 from lab.errors import EvidenceError
-from lab.evidence import dsse, environment, gate, manifest, provenance
+from lab.evidence import dsse, environment, gate, manifest, provenance, tree
 
 SCHEMA_VERSION = 1
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -53,22 +52,9 @@ PUBLIC_KEY_FILE = "runtime.pub.pem"
 # Everything one run writes: removed before a run so none of it can outlive a failed one.
 RUN_FILES = (TESTS_FILE, REPORT_FILE, ENVELOPE_FILE, PUBLIC_KEY_FILE)
 
-# What the evidence covers: the code that ran and the declaration of what had to run.
-SOURCE_PATTERNS = (
-    "lab/**/*.py",
-    "lab/runtime/store/schema.sql",
-    "experiments/**/*.py",
-    "experiments/manifest.json",
-    "pyproject.toml",
-    # What pytest loads besides the experiments: the lab's own tests and their conftest
-    # (the README's test command runs them together), a root conftest, the ini file.
-    "conftest.py",
-    "tests/**/*.py",
-    "pytest.ini",
-    ".pytest.ini",
-    "tox.ini",
-    "setup.cfg",
-)
+# What the evidence covers is every file of the tree that ran (``lab.evidence.tree``): the
+# files git tracks in a checkout, every file of a hermetic run's exported commit; the
+# report names them all at once by their tree id.
 
 # The limits every run has, whatever it did; ``limits`` adds those derived from the run.
 LIMITS = (
@@ -383,24 +369,28 @@ def _detail(value: Any, aliases: _Aliases) -> str:
     return " ".join(tokens)
 
 
-def _collection_errors(facts: RunFacts) -> list[dict[str, Any]]:
+def collection_error_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The report's ``collection_errors``: every failed collection record, by node id."""
     failed = [
         {"nodeid": str(r.get("nodeid")), "message": _message(r)}
-        for r in facts.records
+        for r in records
         if r.get("$report_type") == "CollectReport" and r.get("outcome") == "failed"
     ]
     return sorted(failed, key=lambda item: item["nodeid"])
 
 
-def _experiments(facts: RunFacts, tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per-experiment rows: declared ones first, in manifest order, then undeclared ones."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+def experiment_rows(
+    expected: Sequence[Expected], tests: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per-experiment rows: declared ones first, in manifest order, then undeclared ones;
+    the verifier rebuilds them this way from the rows it rebuilt."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for test in tests:
         if test["experiment"] is not None:
             groups.setdefault((test["chapter"], test["experiment"]), []).append(test)
     rows: list[dict[str, Any]] = []
-    declared = {(e.chapter, e.name): e for e in facts.expected}
-    keys = [(e.chapter, e.name) for e in facts.expected]
+    declared = {(e.chapter, e.name): e for e in expected}
+    keys = [(e.chapter, e.name) for e in expected]
     keys += sorted(set(groups) - set(declared))
     for key in keys:
         ran = groups.get(key, [])
@@ -420,6 +410,24 @@ def _experiments(facts: RunFacts, tests: list[dict[str, Any]]) -> list[dict[str,
     return rows
 
 
+def skip_rows(tests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Skips anywhere: a skipped unit test in an evidence run fails the gate as well."""
+    return [
+        {"nodeid": t["nodeid"], "outcome": t["outcome"], "reason": t.get("message")}
+        for t in tests
+        if t["outcome"] in (SKIPPED, XFAILED)
+    ]
+
+
+def observation_rows(tests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The report's ``observations``: each observation of each row with its kinds."""
+    return [
+        {"nodeid": t["nodeid"], "observation": o,
+         "kinds": kinds[i] if i < len(kinds := t["observation_kinds"]) else {}}
+        for t in tests for i, o in enumerate(t["observations"])
+    ]
+
+
 def compile_report(
     facts: RunFacts,
     *,
@@ -431,16 +439,12 @@ def compile_report(
     """The run's report (``runtime.json``) with the gate's verdict (``gate.decide``)."""
     env = os.environ if environ is None else environ
     tests = _tests(facts)
-    rows = _experiments(facts, tests)
+    rows = experiment_rows(facts.expected, tests)
     reported = {t["nodeid"] for t in tests}
-    # Skips anywhere: a skipped unit test in an evidence run fails the gate as well.
-    skips = [
-        {"nodeid": t["nodeid"], "outcome": t["outcome"], "reason": t.get("message")}
-        for t in tests
-        if t["outcome"] in (SKIPPED, XFAILED)
-    ]
-    commit, dirty = facts.git if facts.git is not None else _git(root)
-    sources = source_digests(root)
+    skips = skip_rows(tests)
+    snapshot = tree.sources(root, env)
+    commit, dirty = facts.git if facts.git is not None else _git(root, snapshot, env)
+    sources = dict(snapshot.sha256) if snapshot is not None else {}
     when = (now or datetime.datetime.now(datetime.UTC)).astimezone(datetime.UTC)
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -466,15 +470,12 @@ def compile_report(
             for e in facts.expected
         ],
         "skips": skips,
-        "collection_errors": _collection_errors(facts),
+        "collection_errors": collection_error_rows(facts.records),
         "experiments": rows,
         "tests": tests,
-        "observations": [
-            {"nodeid": t["nodeid"], "observation": o,
-             "kinds": kinds[i] if i < len(kinds := t["observation_kinds"]) else {}}
-            for t in tests for i, o in enumerate(t["observations"])
-        ],
+        "observations": observation_rows(tests),
         "sources": sources,
+        "tree": snapshot.tree if snapshot is not None else None,
         "limits": limits(facts.database, tests, restarts=_restarts(facts),
                          temporal=_temporal(facts)),
         "environment": installed_environment(root),
@@ -706,36 +707,34 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def _git(root: Path) -> tuple[str | None, bool | None]:
+def _git(
+    root: Path, snapshot: tree.Snapshot | None, environ: Mapping[str, str]
+) -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the run: an exported commit is dirty when its files on disk
+    no longer make its tree; a checkout, when git reports any change (the fixed git of
+    ``lab.evidence.tree``, never the caller's)."""
+    exported = tree.exported_commit(environ)
+    if exported is not None and not (root / ".git").exists():
+        return exported[0], snapshot is None or snapshot.tree != exported[1]
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        )
-        if head.returncode != 0:
-            return None, None
-        status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.SubprocessError):
+        head = tree.git(root, ["rev-parse", "HEAD"], "the run's commit").decode().strip()
+        status = tree.git(root, ["status", "--porcelain"], "the run's tree state")
+    except (errors.UsageError, errors.EnvironmentFailure):
         return None, None
-    dirty = None if status.returncode != 0 else bool(status.stdout.strip())
-    return head.stdout.strip(), dirty
+    return head, bool(status.strip())
 
 
 def source_files(root: Path) -> list[str]:
-    """Repo-relative posix paths of the files the evidence covers, sorted."""
-    found: set[str] = set()
-    for pattern in SOURCE_PATTERNS:
-        for path in root.glob(pattern):
-            if path.is_file() and "__pycache__" not in path.parts:
-                found.add(path.relative_to(root).as_posix())
-    return sorted(found)
-
+    """Repo-relative posix paths of the files the evidence covers, sorted: every file of
+    the tree (``lab.evidence.tree.sources``); none outside git."""
+    snapshot = tree.sources(root)
+    return sorted(snapshot.sha256) if snapshot is not None else []
 
 
 def source_digests(root: Path) -> dict[str, str]:
     """``{path: sha256}`` of every source file under ``root``."""
-    return {name: files.sha256_file(root / name) for name in source_files(root)}
+    snapshot = tree.sources(root)
+    return dict(snapshot.sha256) if snapshot is not None else {}
 
 
 # --------------------------------------------------------------------------- signing

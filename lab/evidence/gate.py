@@ -117,6 +117,7 @@ def decide(report: Mapping[str, Any]) -> Gate:
                 failures.append(f"{nodeid} {test.get('outcome')}")
             elif _needs_database(row, test) and test.get("database") is not True:
                 failures.append(f"{nodeid} did not reach a real database")
+    failures += _row_failures(report, tests)
     # Outside the experiments too, anything but a pass fails: a skipped unit test in a
     # run that writes evidence is a claim the evidence would otherwise make silently.
     failures += [
@@ -145,9 +146,40 @@ def decide(report: Mapping[str, Any]) -> Gate:
     else:
         status = PASS
     floor = {"required": len(SEED_EXPERIMENTS), "passed": seed_passed}
-    local = hermetic.failures(report.get("run"))
+    local = hermetic.failures(report.get("run")) or hermetic.source_failures(report)
     return Gate(status, failures, narrowed, sorted(missing), floor,
                 publishable=status == PASS and not local, local=local)
+
+
+def _row_failures(
+    report: Mapping[str, Any], tests: Mapping[str, Mapping[str, Any]]
+) -> list[str]:
+    """Each result has one row, listed by exactly one experiment row of its experiment:
+    a result left out of its experiment's list, or listed twice, cannot hide."""
+    failures: list[str] = []
+    given = [str(t.get("nodeid")) for t in _mappings(report.get("tests"))]
+    if len(given) != len(tests):
+        failures.append("a result has more than one row")
+    listed: dict[str, tuple[str, str]] = {}
+    experiments: set[tuple[str, str]] = set()
+    for row in _mappings(report.get("experiments")):
+        key = (str(row.get("chapter")), str(row.get("name")))
+        if key in experiments:
+            failures.append(f"{key[0]}/{key[1]} has more than one experiment row")
+        experiments.add(key)
+        for nodeid in (str(n) for n in _list(row.get("tests"))):
+            if nodeid in listed:
+                failures.append(f"{nodeid} is listed more than once among the experiments")
+            listed[nodeid] = key
+            test = tests.get(nodeid)
+            if test is None or (test.get("chapter"), test.get("experiment")) != key:
+                failures.append(f"{nodeid} is listed by {key[0]}/{key[1]} but has no row "
+                                "of that experiment")
+    for nodeid, test in tests.items():
+        if test.get("experiment") is not None and nodeid not in listed:
+            failures.append(f"{nodeid} ({test.get('outcome')}) is a result no experiment "
+                            "row lists")
+    return failures
 
 
 def _seed_floor(

@@ -1,7 +1,8 @@
 """Hermetic runs: the one environment allowlist, and what makes a recorded run hermetic.
 
-``lab run --hermetic`` (``lab.runner``) clones the committed revision into a fresh
-directory, installs the locked environment into a fresh or digest-verified venv and
+``lab run --hermetic`` (``lab.runner``) exports the committed revision's files from
+git's objects into a fresh directory (``lab.evidence.tree``), installs the lock's
+verified wheels into a venv checked file by file against them (``lab.evidence.wheels``),
 runs pytest there with only the variables of ``ALLOWLIST`` (plus the isolation
 settings of ``ISOLATION``): no ``PYTHONPATH``, ``PYTHONSTARTUP``, ``PYTHONHOME``,
 ``LD_PRELOAD``, no ``PYTEST_ADDOPTS`` nor any other pytest option from the
@@ -29,6 +30,9 @@ LOCAL = "local"
 REQUEST_ENV = "LAB_HERMETIC"
 # The lock's digest, handed by the runner (``sha256`` hex of the lock file it installed).
 LOCK_ENV = "LAB_HERMETIC_LOCK"
+# The commit the runner exported and its tree id (``lab.evidence.tree``'s names).
+COMMIT_ENV = "LAB_HERMETIC_COMMIT"
+TREE_ENV = "LAB_HERMETIC_TREE"
 
 # Every variable a hermetic run passes on from the caller's environment, and nothing else.
 # PATH finds git and the PostgreSQL binaries; the LAB_/BOOK_ names are the lab's own
@@ -42,8 +46,11 @@ ALLOWLIST: tuple[str, ...] = (
     "LAB_EVIDENCE_KEY",
     "BOOK_RUN_URL",
     "LAB_PG_BINARIES",
-    "LAB_PG_CACHE",
 )
+# The PostgreSQL template cache, always off: a publishable run's cluster is made by its
+# own initdb, never copied from a template someone else's run left behind.
+PG_CACHE_ENV = "LAB_PG_CACHE"
+PG_CACHE_OFF = "off"
 # Set by the runner itself, never taken from the caller: -I-style isolation that every
 # child interpreter inherits through its environment (-s: PYTHONNOUSERSITE, -P:
 # PYTHONSAFEPATH), bytecode in a fresh directory, a fresh HOME and TMPDIR.
@@ -56,6 +63,9 @@ ISOLATION: tuple[str, ...] = (
     "TMPDIR",
     REQUEST_ENV,
     LOCK_ENV,
+    PG_CACHE_ENV,
+    COMMIT_ENV,
+    TREE_ENV,
 )
 # Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off.
 _RUNTIME_ADDED = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
@@ -68,7 +78,8 @@ def allowed_names() -> tuple[str, ...]:
 
 
 def environment(
-    caller: Mapping[str, str], *, pycache: str, home: str, tmp: str, lock_sha256: str
+    caller: Mapping[str, str], *, pycache: str, home: str, tmp: str, lock_sha256: str,
+    commit: str, tree: str,
 ) -> dict[str, str]:
     """The whole environment of a hermetic run: the allowlisted part of ``caller`` plus
     the isolation settings; nothing else of ``caller`` reaches the run."""
@@ -84,6 +95,9 @@ def environment(
     )
     env[REQUEST_ENV] = "1"
     env[LOCK_ENV] = lock_sha256
+    env[PG_CACHE_ENV] = PG_CACHE_OFF
+    env[COMMIT_ENV] = commit
+    env[TREE_ENV] = tree
     return env
 
 
@@ -108,7 +122,33 @@ def observe(
         # Ignored or untracked files of the checkout when the run started (None: unknown).
         "ignored": None if ignored is None else sorted(ignored)[:20],
         "lock": dict(lock) if lock is not None else None,
+        # The commit the runner exported and its tree id, as handed to this process: the
+        # report's own tree (computed from the files) must be this one.
+        "source": {"commit": environ.get(COMMIT_ENV), "tree": environ.get(TREE_ENV)},
     }
+
+
+def source_failures(report: Mapping[str, Any]) -> list[str]:
+    """Why a hermetic report is not what its run section promises: its ``tree``
+    (computed from the files after the run) and ``commit`` must be those the runner
+    exported, and its PostgreSQL a cluster the run made with its own ``initdb``."""
+    run = report.get("run")
+    source = run.get("source") if isinstance(run, Mapping) else None
+    if not isinstance(source, Mapping):
+        return []  # ``failures`` names it
+    found: list[str] = []
+    if report.get("tree") != source.get("tree"):
+        found.append(f"not hermetic: the sources make tree {str(report.get('tree'))[:12]}, "
+                     f"not the exported commit's {str(source.get('tree'))[:12]}")
+    if report.get("commit") != source.get("commit"):
+        found.append("not hermetic: the report names another commit than the one exported")
+    database = report.get("postgresql")
+    details = database.get("details") if isinstance(database, Mapping) else None
+    method = details.get("method") if isinstance(details, Mapping) else None
+    if method != "initdb":
+        found.append(f"not hermetic: the run's PostgreSQL was not made by its own initdb "
+                     f"(method {method!r}): a cached template is never publishable")
+    return found
 
 
 def failures(run: Any) -> list[str]:
@@ -137,7 +177,11 @@ def failures(run: Any) -> list[str]:
     ignored = run.get("ignored")
     if ignored is None or (isinstance(ignored, list) and ignored):
         shown = ", ".join(str(i) for i in ignored[:3]) if isinstance(ignored, list) else "unknown"
-        found.append(f"the checkout was not a fresh clone (ignored or untracked: {shown})")
+        found.append(f"the sources were not exactly the commit's tree ({shown})")
+    source = run.get("source")
+    if not isinstance(source, Mapping) or not all(
+            isinstance(source.get(k), str) and source.get(k) for k in ("commit", "tree")):
+        found.append("the sources were not exported from a commit's git objects")
     lock = run.get("lock")
     if not isinstance(lock, Mapping) or not isinstance(lock.get("sha256"), str):
         found.append("no lock digest is recorded")

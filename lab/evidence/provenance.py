@@ -18,7 +18,6 @@ import importlib.util
 import marshal
 import os
 import site
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
@@ -28,8 +27,9 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
-from lab import files
+from lab import errors, files
 from lab.errors import InputError
+from lab.evidence import tree
 
 # Modules without a file that pytest-xdist's workers legitimately register.
 _FILELESS = frozenset({"__channelexec__"})
@@ -96,16 +96,11 @@ def sha256_file(path: Path) -> str | None:
 
 
 def tracked_files(root: Path) -> set[str] | None:
-    """Repo-relative paths git tracks under ``root`` (None outside a git checkout)."""
-    try:
-        done = subprocess.run(
-            ["git", "ls-files", "-z"], cwd=root, capture_output=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return {p for p in done.stdout.decode("utf-8", "replace").split("\0") if p}
+    """Repo-relative paths of the tree's files under ``root``: those git tracks in a
+    checkout, every file of an exported commit (``lab.evidence.tree.sources``); None
+    outside git."""
+    snapshot = tree.sources(root)
+    return set(snapshot.sha256) if snapshot is not None else None
 
 
 def installed_distributions() -> list[str]:
@@ -496,15 +491,19 @@ def lock_digest(root: Path, installed: str | None) -> dict[str, Any] | None:
 
 
 def stray_files(root: Path) -> list[str] | None:
-    """Untracked, ignored or changed paths of the git checkout at ``root`` (ignored
-    directories as one entry); None when git cannot say."""
+    """Untracked, ignored or changed paths of the checkout at ``root`` (ignored
+    directories as one entry); None when git cannot say. An exported commit (no
+    ``.git``; ``lab.evidence.tree``) has none exactly when its files make its tree."""
+    exported = tree.exported_commit(os.environ)
+    if exported is not None and not (root / ".git").exists():
+        snapshot = tree.sources(root)
+        if snapshot is not None and snapshot.tree == exported[1]:
+            return []
+        found = snapshot.tree if snapshot is not None else "none"
+        return [f"its files make tree {found[:12]}, not {exported[1][:12]}"]
     try:
-        done = subprocess.run(
-            ["git", "status", "--porcelain", "--ignored=traditional", "--untracked-files=normal"],
-            cwd=root, capture_output=True, timeout=60, check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
+        raw = tree.git(root, ["status", "--porcelain", "--ignored=traditional",
+                              "--untracked-files=normal"], "the checkout's stray files")
+    except (errors.UsageError, errors.EnvironmentFailure):
         return None
-    if done.returncode != 0:
-        return None
-    return [line[3:] for line in done.stdout.decode("utf-8", "replace").splitlines() if line]
+    return [line[3:] for line in raw.decode("utf-8", "replace").splitlines() if line]

@@ -3,10 +3,14 @@
 ``compare(original, reproductions)`` takes verified, schema-checked reports (the
 original run and K re-runs of its commit) and returns a typed result:
 
-- every **fact** of every result of every experiment (an observation key classified
-  ``fact`` in the original, ``lab.evidence.observations``) with its original value and
-  its value in each re-run; a fact *holds* in a run when the values are equal, and an
-  experiment is the *same* when every fact held in every run;
+- every **fact** of every result of every experiment with its original value and its
+  value in each re-run; a fact *holds* in a run when the values are equal, and an
+  experiment is the *same* when every fact held in every run. Which keys are facts is
+  the committed declaration's word, never the original's: the re-runs run the commit's
+  own ``observe(..., facts=, measurements=)`` and ``lab.evidence.observations`` rule, so
+  a key is a measurement only when every re-run recorded it as one. A key the original
+  calls by another kind than the commit declares is a difference (``misdeclared``):
+  an original that calls every key a measurement does not reproduce;
 - every **measurement** with its values side by side, never compared;
 - each experiment's outcome in every run: a reproduction is identical only when every
   experiment passed in the original and in every re-run, and every fact held.
@@ -38,6 +42,10 @@ class Value:
     key: str  # the key, with "#n" for its n-th observation (n > 1) in the same result
     original: Any
     values: tuple[Any, ...]
+    # The kind the re-runs (the commit's declaration) give the key, and the kind the
+    # original's report claims for it (None: the original did not record the key).
+    kind: str = observations.FACT
+    original_kind: str | None = None
 
     @property
     def held(self) -> int:
@@ -45,9 +53,15 @@ class Value:
         return sum(1 for value in self.values if value == self.original)
 
     @property
+    def misdeclared(self) -> bool:
+        """True when the original calls the key by another kind than the commit declares."""
+        return self.original_kind is not None and self.original_kind != self.kind
+
+    @property
     def same(self) -> bool:
-        """True when the value held in every re-run."""
-        return self.held == len(self.values)
+        """True when the value held in every re-run and the original declared it as the
+        commit does."""
+        return self.held == len(self.values) and not self.misdeclared
 
 
 @dataclass(frozen=True)
@@ -162,14 +176,18 @@ def _experiment(
         for seen in after:
             labels += [label for label in seen if label not in labels]
         for label in labels:
-            kind, value = before.get(label, (None, ABSENT))
-            if kind is None:
-                # Only the re-runs saw it: a fact if any of them calls it one.
-                kinds = {seen[label][0] for seen in after if label in seen}
-                kind = observations.FACT if observations.FACT in kinds else next(iter(kinds))
+            claimed, value = before.get(label, (None, ABSENT))
+            # The commit's declaration, as its re-runs recorded it: a measurement only
+            # when every re-run that saw the key called it one.
+            kinds = {seen[label][0] for seen in after if label in seen}
+            kind = observations.MEASUREMENT if kinds == {observations.MEASUREMENT} \
+                else observations.FACT
             entry = Value(nodeid, label, value,
-                          tuple(seen.get(label, (kind, ABSENT))[1] for seen in after))
-            (measurements if kind == observations.MEASUREMENT else facts).append(entry)
+                          tuple(seen.get(label, (kind, ABSENT))[1] for seen in after),
+                          kind=kind, original_kind=claimed)
+            # A misdeclared key is shown and judged with the facts, whatever its kind.
+            compared = kind == observations.FACT or entry.misdeclared
+            (facts if compared else measurements).append(entry)
     return ExperimentComparison(
         chapter=key[0],
         name=key[1],
@@ -183,9 +201,9 @@ def _experiment(
 def compare(original: Mapping[str, Any], reproductions: Sequence[Mapping[str, Any]]) -> Comparison:
     """The original report against each re-run's report (at least one).
 
-    Experiments come in the original's order, then any only a re-run has. A key the
-    original classified as anything but a measurement is compared as a fact (the gate
-    refuses unclassified keys, so that is only ever a declared fact).
+    Experiments come in the original's order, then any only a re-run has. A key is
+    compared as a fact unless every re-run recorded it as a measurement; the original's
+    recorded kinds are never trusted, only checked against the re-runs'.
     """
     if not reproductions:
         raise ValueError("compare needs at least one reproduction")
@@ -199,7 +217,8 @@ def compare(original: Mapping[str, Any], reproductions: Sequence[Mapping[str, An
 
 def _value_json(value: Value) -> dict[str, Any]:
     return {"nodeid": value.nodeid, "key": value.key, "original": value.original,
-            "values": list(value.values), "held": value.held}
+            "values": list(value.values), "held": value.held, "kind": value.kind,
+            "original_kind": value.original_kind}
 
 
 def to_json(comparison: Comparison) -> dict[str, Any]:

@@ -11,10 +11,13 @@ producer wrote about itself:
   ``runtime.pub.pem`` beside the evidence is never a pin.
 - the report is schema-checked (``report.validate``) before any field is read;
 - ``runtime.json`` and ``tests.jsonl`` must be the signed subjects' bytes;
-- the verdict is recomputed from the signed rows with ``gate.decide`` and every
-  recorded summary of it (status, failures, missing, skips, exit status) must agree;
-- with ``check_sources``, every recorded digest is compared with the working tree
-  and the recorded expectation with the committed ``experiments/manifest.json``.
+- every row of the report (tests, experiments, observations, skips, collection errors)
+  must be what the signed ``tests.jsonl`` folds to (``rows.check``), and the verdict is
+  recomputed from those rows with ``gate.decide``: every recorded summary of it (status,
+  failures, missing, skips, exit status) must agree;
+- with ``check_sources``, the tree id the files tracked in the working tree make is
+  compared with the signed one (``lab.evidence.tree``), every recorded digest with its
+  file, and the recorded expectation with the committed ``experiments/manifest.json``.
 
 Every file is read through ``files.read_bytes``: bounded, regular files only.
 """
@@ -33,7 +36,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import files
 from lab.errors import EvidenceError, InputError
-from lab.evidence import compiler, dsse, gate, hermetic
+from lab.evidence import compiler, dsse, gate, hermetic, rows
+from lab.evidence import tree as source_tree
 from lab.evidence.report import Report
 from lab.evidence.report import problems as schema_problems
 
@@ -301,7 +305,7 @@ def verify(
     if check_sources:
         verdict.sources_checked = True
         tree = root or Path.cwd()
-        _check_sources(sources, tree, problems)
+        _check_sources(sources, report.get("tree"), tree, problems)
         _check_recorded_digests(report, tree, problems)
         _check_expected(report, tree, problems)
     return verdict
@@ -424,7 +428,7 @@ def _check_statement(
         if hashlib.sha256(data).hexdigest() != signed[name]:
             problems.append(f"{name}: its sha256 does not match the signed subject")
         elif name == compiler.TESTS_FILE:
-            _check_tests(data, predicate, problems)
+            rows.check(data, predicate, problems)
         elif name == compiler.REPORT_FILE:
             try:
                 if files.parse_json(data, name) != predicate:
@@ -438,57 +442,6 @@ def _check_statement(
     if sources != declared:
         problems.append("subjects: the source subjects differ from the report's sources")
     return declared
-
-
-def _check_tests(data: bytes, predicate: Any, problems: list[str]) -> None:
-    """The report's test rows must be those the signed ``tests.jsonl`` folds to.
-
-    The rows are rebuilt from pytest's own records (``compiler.test_rows``), so a
-    report cannot fold away a rerun, a failed phase or a second attempt that the
-    records keep.
-    """
-    if not isinstance(predicate, Mapping) or not isinstance(predicate.get("tests"), list):
-        return  # the schema check names it
-    records: list[Mapping[str, Any]] = []
-    try:
-        lines = data.decode("utf-8").splitlines()
-    except UnicodeDecodeError:
-        problems.append(f"{compiler.TESTS_FILE}: not UTF-8")
-        return
-    for number, line in enumerate(lines, 1):
-        try:
-            record = files.parse_json(line.encode(), f"{compiler.TESTS_FILE} line {number}")
-        except InputError as exc:
-            problems.append(str(exc))
-            return
-        if not isinstance(record, Mapping):
-            problems.append(f"{compiler.TESTS_FILE} line {number}: not a JSON object")
-            return
-        if record.get("$report_type") in ("SessionStart", "SessionFinish"):
-            continue
-        records.append(record)
-    prefix = predicate.get("experiments_dir")
-    try:
-        rebuilt = compiler.test_rows(records, prefix if isinstance(prefix, str) else "")
-    except (TypeError, ValueError, AttributeError, KeyError):
-        problems.append(f"{compiler.TESTS_FILE}: its records cannot be folded into test rows")
-        return
-    recorded = {str(t.get("nodeid")): t for t in predicate["tests"] if isinstance(t, Mapping)}
-    for row in rebuilt:
-        kept = recorded.pop(row["nodeid"], None)
-        if kept is None:
-            problems.append(f"tests: {row['nodeid']} is in {compiler.TESTS_FILE} but not "
-                            "among the report's rows")
-        elif kept.get("outcome") != row["outcome"]:
-            problems.append(
-                f"tests: {row['nodeid']} is {_short(kept.get('outcome'))} in the report but "
-                f"{row['outcome']} in the signed {compiler.TESTS_FILE}"
-            )
-        elif dict(kept) != row:
-            problems.append(f"tests: the row of {row['nodeid']} is not what "
-                            f"{compiler.TESTS_FILE} folds to")
-    for nodeid in sorted(recorded)[:5]:
-        problems.append(f"tests: {nodeid} has a row but no record in {compiler.TESTS_FILE}")
 
 
 def subjects(statement_: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
@@ -581,10 +534,23 @@ def _compare(root: Path, name: str, digest: str, what: str, problems: list[str])
         problems.append(str(exc))
 
 
-def _check_sources(sources: Mapping[str, str], root: Path, problems: list[str]) -> None:
+def _check_sources(
+    sources: Mapping[str, str], recorded_tree: Any, root: Path, problems: list[str]
+) -> None:
+    """The files git tracks under ``root`` must make the tree the evidence names (so every
+    tracked file is covered, whatever its name), and each signed digest must match."""
+    snapshot = source_tree.sources(root)
+    if snapshot is None:
+        problems.append(f"sources: {root} is not a git checkout whose files can be listed")
+    elif not isinstance(recorded_tree, str):
+        problems.append("sources: the evidence names no tree id, so its sources cannot be "
+                        "compared as a whole")
+    elif snapshot.tree != recorded_tree:
+        problems.append(f"sources: the files tracked in {root} make tree {snapshot.tree[:12]}, "
+                        f"not the signed {recorded_tree[:12]}")
     for name, digest in sorted(sources.items()):
         _compare(root, name, digest, "source", problems)
-    for name in compiler.source_files(root):
+    for name in sorted(snapshot.sha256 if snapshot is not None else ()):
         if name not in sources:
             problems.append(f"source {name}: present in {root} but not covered by the evidence")
 
@@ -670,7 +636,8 @@ def environment_note(report: Mapping[str, Any] | None) -> str:
 
 def run_kind(report: Mapping[str, Any] | None) -> str:
     """``hermetic`` when the report's facts make the run hermetic, else ``local``."""
-    if report is None or hermetic.failures(report.get("run")):
+    if report is None or hermetic.failures(report.get("run")) or hermetic.source_failures(
+            report):
         return hermetic.LOCAL
     return hermetic.HERMETIC
 
