@@ -31,6 +31,12 @@ PINNED_SERVER = "1.32.0"
 CLOSE_WITHIN = 60.0
 # What the SDK's worker logs (on stdout) when the server refuses an activity's completion.
 REFUSED_COMPLETION = "Activity not found on completion"
+# The kinds of ``_seen``'s keys: the versions, settings and final status every run observes
+# (each test asserts the status); the activity's events carry the server's failure texts and
+# the history its event order, which may vary between runs.
+SEEN_FACTS = ("temporal_versions", "temporal_config", "temporal_status")
+SEEN_MEASUREMENTS = ("temporal_activity_events", "activity_attempt_recorded",
+                     "temporal_history")
 
 
 @pytest.fixture
@@ -130,7 +136,9 @@ def test_temporal_activity_reruns_after_sigkill_after_effect(lab, peer, observe,
         "outcome": f"activity re-ran after its start-to-close timeout: {calls} tool calls, "
                    f"{effects} effect(s), Temporal status {status}, attempt "
                    f"{seen['activity_attempt_recorded']} recorded",
-    }, measurements=("temporal_history",))
+    }, facts=("peer_window", "system", "effects", "tool_calls", "outcome", *SEEN_FACTS,
+              "activity_attempt_recorded"),
+       measurements=("temporal_activity_events", "temporal_history"))
 
 
 def _paused_then_killed(lab, peer, rig, workflow_id, work, settings, **spawn) -> None:
@@ -176,7 +184,8 @@ def test_temporal_retry_budget_holds_across_a_crash(lab, peer, observe):
         **seen,
         "outcome": f"{calls} attempts for a budget of {budget}: the server counts attempts, "
                    f"the killed one included; Temporal status {status}",
-    }, measurements=("temporal_history",))
+    }, facts=("peer_window", "system", "effects", "tool_calls", "budget", "outcome",
+              *SEEN_FACTS), measurements=SEEN_MEASUREMENTS)
 
 
 def test_temporal_lost_reply_times_out_and_retries(lab, peer, observe):
@@ -213,7 +222,9 @@ def test_temporal_lost_reply_times_out_and_retries(lab, peer, observe):
         "outcome": f"the held reply outlived the 3 s start-to-close timeout; the retry "
                    f"credited again: {effects} effect(s), {lookups} lookups, Temporal "
                    f"status {status}",
-    }, measurements=("temporal_history",))
+    }, facts=("peer_window", "system", "effects", "tool_calls", "lookups",
+              "late_outcome_refused_by_server", "outcome", *SEEN_FACTS),
+       measurements=SEEN_MEASUREMENTS)
 
 
 def test_temporal_unguarded_code_change_is_nondeterministic(lab, peer, observe):
@@ -245,8 +256,9 @@ def test_temporal_unguarded_code_change_is_nondeterministic(lab, peer, observe):
         "workflow_task_failure": failed[0]["cause"],
         **seen,
         "outcome": f"v2 replay failed the workflow task ({failed[0]['cause']}); the workflow "
-                   f"is {status} with {effects} effect(s) and {calls} tool calls",
-    }, measurements=("temporal_history", "tool_calls"))
+                   f"is {status} with {effects} effect(s)",
+    }, facts=("peer_window", "system", "code_change", "effects", "workflow_task_failure",
+              "outcome", *SEEN_FACTS), measurements=("tool_calls", *SEEN_MEASUREMENTS))
 
 
 def test_temporal_patched_code_change_completes_the_old_workflow(lab, peer, observe):
@@ -278,7 +290,9 @@ def test_temporal_patched_code_change_completes_the_old_workflow(lab, peer, obse
         **seen,
         "outcome": f"workflow.patched kept the v1 path: Temporal status {status}, "
                    f"{calls} tool calls, {effects} effect(s), no notification",
-    }, measurements=("temporal_history",))
+    }, facts=("peer_window", "system", "code_change", "effects", "tool_calls",
+              "notifications_scheduled", "outcome", *SEEN_FACTS),
+       measurements=SEEN_MEASUREMENTS)
 
 
 def test_temporal_cancel_during_the_call_hides_the_effect(lab, peer, observe):
@@ -316,7 +330,9 @@ def test_temporal_cancel_during_the_call_hides_the_effect(lab, peer, observe):
         **seen,
         "outcome": f"Temporal status {status} with {effects} effect(s) in the ledger; "
                    f"{len(completed)} activity completion(s) recorded",
-    }, measurements=("temporal_history",))
+    }, facts=("peer_window", "system", "effects", "activity_completions_recorded",
+              "completion_refused_by_server", "outcome", *SEEN_FACTS),
+       measurements=("tool_calls", *SEEN_MEASUREMENTS))
 
 
 def test_temporal_server_restart_between_effect_and_completion(lab, killable_temporal, observe):
@@ -354,7 +370,8 @@ def test_temporal_server_restart_between_effect_and_completion(lab, killable_tem
             **seen,
             "outcome": f"server restarted before the activity's completion: Temporal status "
                        f"{status}, {calls} tool call(s), {effects} effect(s)",
-        }, measurements=("temporal_history",))
+        }, facts=("peer_window", "system", "effects", "tool_calls", "outcome", *SEEN_FACTS),
+           measurements=("server_restarts", *SEEN_MEASUREMENTS))
     finally:
         peer.close()
 
@@ -390,4 +407,5 @@ def test_temporal_approval_signal_binds_nothing(lab, peer, observe, approval):
         **seen,
         "outcome": f"a signal naming another tenant and plan, expired, released the credit: "
                    f"Temporal status {status}, {effects} effect(s)",
-    }, measurements=("temporal_history",))
+    }, facts=("peer_window", "system", "effects", "outcome", *SEEN_FACTS),
+       measurements=("approval_signals", *SEEN_MEASUREMENTS))
