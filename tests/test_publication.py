@@ -260,13 +260,15 @@ def _uv() -> str:
 
 
 def test_a_venv_is_judged_by_the_locks_wheels_not_by_its_record(tmp_path: Path) -> None:
-    """Class 2: a venv installed by uv from hash-checked wheels passes; a file planted in
-    it, even with a line added to the distribution's RECORD, fails naming the file, as
-    does an installed file edited in place; a wheel whose sha256 the lock does not give
-    is refused before it is unpacked."""
+    """Class 2: a venv installed by uv from hash-checked wheels passes (headers the wheel
+    installs outside site-packages included, as greenlet's are); a file planted in it,
+    even with a line added to the distribution's RECORD, fails naming the file, as does
+    an installed file edited in place; a wheel whose sha256 the lock does not give is
+    refused before it is unpacked."""
     store = tmp_path / "wheels"
     store.mkdir()
-    wheel = _wheel(store, "tinydist", {"tinydist/__init__.py": b"VALUE = 1\n"})
+    wheel = _wheel(store, "tinydist", {"tinydist/__init__.py": b"VALUE = 1\n",
+                                       "tinydist-1.0.data/headers/tiny.h": b"int tiny;\n"})
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     requirements = tmp_path / "requirements.txt"
     requirements.write_text(f"tinydist==1.0 \\\n    --hash=sha256:{sha}\n")
@@ -287,6 +289,11 @@ def test_a_venv_is_judged_by_the_locks_wheels_not_by_its_record(tmp_path: Path) 
                                      "UV_LINK_MODE": "copy"})
     (site,) = venv.glob("lib/python*/site-packages")
     assert wheels.venv_problems(venv, site, found) == []
+    (header,) = venv.glob("include/site/python*/tinydist/tiny.h")
+    header.write_text("int planted;\n")
+    assert wheels.venv_problems(venv, site, found) == [
+        f"{header.relative_to(venv).as_posix()}: differs from its wheel"]
+    header.write_text("int tiny;\n")
 
     planted = site / "tinydist" / "planted.py"
     planted.write_text("import os\n")

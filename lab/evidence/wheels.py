@@ -23,6 +23,7 @@ import hashlib
 import io
 import os
 import re
+import sys
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,9 +88,11 @@ def verified(wheels: Iterable[Path], locked: Mapping[str, set[str]]) -> list[Pat
 @dataclass
 class Installs:
     """What verified wheels install: site-packages paths with their digests (None: the
-    installer rewrites it), dist-info directories and console script names."""
+    installer rewrites it), dist-info directories, console script names, and the files
+    installed outside site-packages (``.data/headers``, ``.data/data``) by venv path."""
 
     site: dict[str, str | None] = field(default_factory=dict)
+    venv: dict[str, str | None] = field(default_factory=dict)
     dist_infos: set[str] = field(default_factory=set)
     scripts: dict[str, str | None] = field(default_factory=dict)
 
@@ -140,6 +143,13 @@ def installs(wheels: Sequence[Path]) -> Installs:
                         found.site[PurePosixPath(*parts[2:]).as_posix()] = sha
                     elif parts[1] == "scripts":
                         found.scripts[parts[-1]] = None  # its shebang is rewritten
+                    elif parts[1] == "headers":
+                        # Where pip and uv put a wheel's headers: include/site/pythonX.Y/<dist>/.
+                        found.venv[PurePosixPath(
+                            "include", "site", f"python{sys.version_info[0]}.{sys.version_info[1]}",
+                            dist_info.split("-")[0], *parts[2:]).as_posix()] = sha
+                    elif parts[1] == "data":
+                        found.venv[PurePosixPath(*parts[2:]).as_posix()] = sha
                     continue
                 found.site[path.as_posix()] = sha
     return found
@@ -172,6 +182,7 @@ def venv_problems(venv: Path, site: Path, wheels: Sequence[Path],
     problems: list[str] = []
     site_rel = site.relative_to(venv).as_posix()
     seen: set[str] = set()
+    seen_outside: set[str] = set()
     for name in _walk(venv):
         path = venv / name
         if name.startswith(site_rel + "/"):
@@ -192,6 +203,13 @@ def venv_problems(venv: Path, site: Path, wheels: Sequence[Path],
         parts = name.split("/")
         if name in _VENV_FILES or name == stamp or name in ("lib64", "bin/python"):
             continue
+        if name in expected.venv:
+            seen_outside.add(name)
+            want = expected.venv[name]
+            read = files.read_bytes(path, WHEEL_LIMIT, "venv file")
+            if want is not None and hashlib.sha256(read).hexdigest() != want:
+                problems.append(f"{name}: differs from its wheel")
+            continue
         if len(parts) == 2 and parts[0] == "bin" and (
                 _VENV_SCRIPTS.match(parts[1]) or parts[1] in expected.scripts):
             continue
@@ -199,4 +217,7 @@ def venv_problems(venv: Path, site: Path, wheels: Sequence[Path],
     for inner, want in sorted(expected.site.items()):
         if inner not in seen and not inner.endswith(".dist-info/RECORD") and want is not None:
             problems.append(f"{inner}: a locked wheel's file is missing")
+    for name, want in sorted(expected.venv.items()):
+        if name not in seen_outside and want is not None:
+            problems.append(f"{name}: a locked wheel's file is missing")
     return problems
