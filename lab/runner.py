@@ -34,8 +34,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from lab import errors, files
-from lab.evidence import compiler, gate, hermetic, provenance, summary, wheels
+from lab import errors, files, sandbox
+from lab.evidence import compiler, dsse, gate, hermetic, provenance, seal, summary, wheels
 from lab.evidence import tree as source_tree
 from lab.pg import cluster, providers
 
@@ -376,6 +376,10 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
     origin = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd(),
                        "--hermetic runs a commit of a git repository"))
     sha = resolve_commit(origin, options.commit or "HEAD")
+    sandbox.require()
+    key_file = os.environ.get(dsse.KEY_ENV)
+    if key_file and not Path(key_file).is_file():
+        raise errors.UsageError(f"{dsse.KEY_ENV} names no file: {key_file}")
     directory = Path(options.evidence).resolve()
     for name in compiler.RUN_FILES:
         (directory / name).unlink(missing_ok=True)
@@ -395,22 +399,56 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
         python = run_venv(scratch, tree, dependencies)
         for name in ("pycache", "home", "tmp"):
             (scratch / name).mkdir()
-        env = hermetic.environment(
-            os.environ, pycache=str(scratch / "pycache"), home=str(scratch / "home"),
+        # The key stays with this process: the run signs with an ephemeral key, and
+        # ``seal`` re-signs once the sandbox has ended (lab.evidence.seal).
+        run_env = {k: v for k, v in os.environ.items() if k != dsse.KEY_ENV}
+        env = sandbox.fixed_environment(hermetic.environment(
+            run_env, pycache=str(scratch / "pycache"), home=str(scratch / "home"),
             tmp=str(scratch / "tmp"), lock_sha256=lock_sha256, commit=sha, tree=tree_id,
-        )
+        ))
+        layout = sandbox.Layout(
+            read_only=_read_only_paths(dependencies, env),
+            writable=(scratch, directory), workdir=tree)
         # Fill the fresh bytecode prefix from the sources this run runs, before any test:
         # otherwise every worker, tool and peer process starts by compiling its imports,
         # and the experiments' start-up timeouts measure the compiler.
         try:
-            subprocess.run([str(python), "-m", "compileall", "-q", "-j", "0", str(dependencies),
-                            str(tree / "lab")], cwd=tree, env=env, capture_output=True,
-                           timeout=_INSTALL_TIMEOUT, check=False)
+            subprocess.run(sandbox.command(layout, env, [
+                str(python), "-m", "compileall", "-q", "-j", "0", str(dependencies),
+                str(tree / "lab")]), cwd=tree, capture_output=True,
+                timeout=_INSTALL_TIMEOUT, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise errors.EnvironmentFailure(f"compiling the run's bytecode: {exc}") from exc
         run_options = dataclasses.replace(options, evidence=str(directory))
         command = pytest_command(run_options, python=str(python))
-        out.print(f"[dim]$ {' '.join(command)}  (in the exported tree, {len(env)} allowlisted "
-                  "variables)[/dim]")
-        completed = subprocess.run(command, cwd=tree, env=env, check=False)
+        out.print(f"[dim]$ {' '.join(command)}  (in the exported tree, in a bubblewrap "
+                  f"sandbox, {len(env)} fixed variables)[/dim]")
+        completed = subprocess.run(sandbox.command(layout, env, command), cwd=tree,
+                                   check=False)
+        if (directory / compiler.REPORT_FILE).is_file():
+            _seal(directory, key_file)
     return _summarise(directory, completed.returncode, out)
+
+
+def _read_only_paths(dependencies: Path, env: Mapping[str, str]) -> tuple[Path, ...]:
+    """What a sandboxed run reads of the machine besides the system directories: the
+    interpreter's prefix, the dependencies' venv, and PostgreSQL binaries named by path."""
+    # ``dependencies`` is the venv's site-packages (lib/pythonX.Y/site-packages): the
+    # whole venv is read, its scripts and headers included.
+    paths = [Path(sys.base_prefix).resolve(), dependencies.resolve().parents[2]]
+    named = env.get(cluster.BINARIES_ENV, "")
+    if named.startswith("/") and Path(named).is_dir():
+        paths.append(Path(named).resolve())
+    return tuple(p for p in dict.fromkeys(paths) if not str(p).startswith("/usr/"))
+
+
+def _seal(directory: Path, key_file: str | None) -> None:
+    """Re-sign the sandboxed run's evidence here, with the key the run never saw."""
+    report = files.read_json(directory / compiler.REPORT_FILE, files.REPORT_LIMIT,
+                             compiler.REPORT_FILE)
+    binaries = (report.get("postgresql", {}).get("details", {}).get("binaries")
+                if isinstance(report, dict) else None)
+    base = sandbox.trusted_base(Path(_base_python()),
+                                Path(binaries) if isinstance(binaries, str) else None)
+    signer = dsse.load_signer({dsse.KEY_ENV: key_file} if key_file else {})
+    seal.seal(directory, signer, base)

@@ -67,9 +67,10 @@ ISOLATION: tuple[str, ...] = (
     COMMIT_ENV,
     TREE_ENV,
 )
-# Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off.
+# Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off;
+# PWD, which the sandbox (bwrap --chdir) sets to the exported tree.
 _RUNTIME_ADDED = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
-                  "PYTEST_CURRENT_TEST", "PYTEST_VERSION")
+                  "PYTEST_CURRENT_TEST", "PYTEST_VERSION", "PWD")
 
 
 def allowed_names() -> tuple[str, ...]:
