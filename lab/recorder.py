@@ -27,8 +27,10 @@ import json
 import os
 import shlex
 import sys
+import sysconfig
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -53,6 +55,17 @@ OBSERVATION = "lab_observation"
 OBSERVATION_KINDS = "lab_observation_kinds"
 
 _annotated = pytest.StashKey[bool]()
+
+# Hooks through which a plugin can change what a test's outcome looks like: run or skip
+# its body, build, rewrite or report its phase reports. Only pytest, its installed
+# plugins (each file vouched for by its distribution's RECORD) and the lab may implement
+# them; a conftest or another module of the tree that does fails the gate (issue 42).
+REPORT_HOOKS = (
+    "pytest_runtest_protocol", "pytest_runtest_setup", "pytest_runtest_call",
+    "pytest_runtest_teardown", "pytest_pyfunc_call", "pytest_runtest_makereport",
+    "pytest_runtest_logreport", "pytest_report_teststatus", "pytest_report_to_serializable",
+    "pytest_report_from_serializable", "pytest_make_collect_report", "pytest_collectreport",
+)
 
 
 def observation_properties(
@@ -155,11 +168,37 @@ def _rewriter(config: pytest.Config) -> Any:
     return rewritten
 
 
+def report_hook_owners(config: pytest.Config) -> list[dict[str, str]]:
+    """Each implementation of a ``REPORT_HOOKS`` hook by a module of the tree other than
+    the lab's own (a conftest, a ``pytest_plugins`` module): hook, plugin and file."""
+    root = config.rootpath.resolve()
+    installed = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"],
+                                             sysconfig.get_paths()["platlib"])}
+    found: list[dict[str, str]] = []
+    for name in REPORT_HOOKS:
+        caller = getattr(config.hook, name, None)
+        for impl in caller.get_hookimpls() if caller is not None else ():
+            module = impl.plugin if isinstance(impl.plugin, ModuleType) else \
+                sys.modules.get(type(impl.plugin).__module__)
+            file = getattr(module, "__file__", None)
+            if not isinstance(file, str):
+                continue
+            path = Path(file).resolve()
+            if (not path.is_relative_to(root) or path.is_relative_to(root / "lab")
+                    or any(path.is_relative_to(site) for site in installed)):
+                continue
+            found.append({"hook": name, "plugin": impl.plugin_name,
+                          "file": path.relative_to(root).as_posix()})
+    return found
+
+
 def ran_here(config: pytest.Config) -> dict[str, Any]:
-    """Every module this process ran and the start-up hooks of its interpreter."""
+    """Every module this process ran, the start-up hooks of its interpreter and the
+    tree's modules that implement a hook which can change a test's outcome."""
     return {
         "modules": provenance.ran_modules(_rewriter(config)),
         "hooks": provenance.startup_hooks(),
+        "report_hooks": report_hook_owners(config),
     }
 
 
@@ -245,6 +284,7 @@ class Collector:
         self.worker_loaded: list[provenance.Loaded] = []
         self.worker_ran: list[dict[str, Any]] = []
         self.worker_hooks: list[dict[str, Any]] = []
+        self.worker_report_hooks: list[dict[str, Any]] = []
         self.run = observe_run(config)
         self.worker_problems: list[str] = []
         self.records: list[dict[str, Any]] = []
@@ -285,6 +325,8 @@ class Collector:
             return
         self.worker_ran += [m for m in ran["modules"] if isinstance(m, dict)]
         self.worker_hooks += [h for h in ran.get("hooks") or [] if isinstance(h, dict)]
+        self.worker_report_hooks += [h for h in ran.get("report_hooks") or []
+                                     if isinstance(h, dict)]
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """In a single process, the items that will run."""
@@ -382,6 +424,11 @@ class Collector:
             signer = dsse.load_signer({})
         status = int(session.exitstatus)
         here = ran_here(self.config)
+        for owner in {json.dumps(h, sort_keys=True): h for h in
+                      [*here["report_hooks"], *self.worker_report_hooks]}.values():
+            problems.append(f"{owner.get('file')} implements {owner.get('hook')}, a hook that "
+                            "can change a test's outcome: only pytest, its installed plugins "
+                            "and the lab may")
         facts = compiler.RunFacts(
             records=self.records,
             collected=sorted(self.collected),

@@ -567,6 +567,27 @@ def test_untracked_root_conftest_that_fakes_passes_fails_naming_it(
     assert root_conftest["sha256"] == files.sha256_file(tree.path / "conftest.py")
 
 
+def test_a_tracked_conftest_that_changes_outcomes_fails_naming_it(
+    tree: pytest.Pytester,
+) -> None:
+    """Issue 42: a committed, tracked conftest whose pytest_pyfunc_call fakes every pass
+    is vouched for as a source, but it implements a hook that can change a test's outcome:
+    the gate fails naming the file and the hook."""
+    _edit(tree, OBSERVED, "    assert False, 'broken'")
+    conftest = tree.path / "conftest.py"
+    conftest.write_text(conftest.read_text() + EVIL_HOOK)
+    labtree.commit(tree.path)
+    result = _run(tree, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["dirty"] is False
+    assert all(t["outcome"] == "passed" for t in report["tests"])  # the forgery worked...
+    # ...and the gate refuses it, naming the conftest and the hook.
+    assert report["status"] == gate.FAIL
+    assert any("conftest.py implements pytest_pyfunc_call" in f
+               for f in report["gate"]["failures"]), report["gate"]["failures"]
+
+
 def test_pytest_plugins_module_from_elsewhere_fails_naming_it(
     tree: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
