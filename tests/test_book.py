@@ -30,8 +30,8 @@ import pytest
 from conftest import KeyFiles, resign
 
 from lab import cli, escape
-from lab.book import builder, figures, model_chapter
-from lab.evidence import compiler, dsse, gate, verification
+from lab.book import builder, drawing, figures, model_chapter
+from lab.evidence import compiler, dsse, gate, trust, verification
 from lab.model import signed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -721,7 +721,7 @@ def test_markup_in_labels_is_escaped_in_both_renderings() -> None:
     """Text from the evidence cannot break the SVG or end a Mermaid statement."""
     timeline = [_mark(0.1, "experiment", "odd <b>&amp; text; #1")]
     figure = figures.sequence([], timeline)
-    document = figures.svg(figure, "title <&>", "caption & <more>")
+    document = drawing.svg(figure, "title <&>", "caption & <more>")
     root = ET.fromstring(document.encode())  # noqa: S314 - the build's own output
     texts = [t.text for t in root.iter(f"{SVG}text")]
     assert "odd <b>&amp; text; #1" in texts and "title <&>" in texts
@@ -981,7 +981,7 @@ def test_a_forged_publication_key_is_not_called_one(
     builder.build(directory, out, public_key=key.public, root=root)
     markdown = _markdown(out)
     assert "a publication key, pinned by `--public-key`" in markdown
-    trusted = [verification.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
+    trusted = [trust.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
     builder.build(directory, out, trusted=trusted, root=root)
     assert "pinned by `keys/trusted/ci.pub.pem`" in _markdown(out)
 

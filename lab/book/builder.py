@@ -45,8 +45,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
-from lab.book import figures, model_chapter, pages
-from lab.evidence import compiler, dsse, reproduction_evidence, verification
+from lab.book import drawing, figures, model_chapter, pages, raster
+from lab.evidence import compiler, dsse, reproduction_evidence, trust, verification
 from lab.evidence.report import Report
 from lab.faults import crashmatrix
 
@@ -74,7 +74,7 @@ def build(
     out: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
     root: Path | None = None,
     png: bool = False,
     sources: Path | None = None,
@@ -128,7 +128,7 @@ def build(
                              model_pinned_by=model_pinned_by, sources=texts, png=png,
                              code=experiment_sources(report, root or Path.cwd())))
     if png:
-        files_out.update(figures.pngs(files_out))
+        files_out.update(raster.pngs(files_out))
     _write(out, files_out)
     return sorted(files_out)
 
@@ -137,7 +137,7 @@ def _verified_copies(
     evidence_dir: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None,
-    trusted: Sequence[verification.TrustedKey],
+    trusted: Sequence[trust.TrustedKey],
     root: Path,
 ) -> tuple[Report, str | None, dict[str, bytes]]:
     """Copy the run's evidence files privately and verify the copy: its report, the pin
@@ -189,7 +189,7 @@ def _public_key(path: Path, report: Report) -> bytes:
     except errors.EvidenceError as exc:
         raise Refused(f"the signed report names no usable public key: {exc}") from exc
     if path.exists() or path.is_symlink():
-        present = verification.load_public_key_file(path, compiler.PUBLIC_KEY_FILE)
+        present = trust.load_public_key_file(path, compiler.PUBLIC_KEY_FILE)
         if dsse.raw_public_key(present) != dsse.raw_public_key(signed):
             raise Refused(f"{compiler.PUBLIC_KEY_FILE} is not the key that signed the evidence")
     return dsse.public_pem(signed).encode("ascii")
@@ -259,7 +259,7 @@ def _render(
             continue
         figure = figures.sequence(test["events"], test["timeline"])
         path = f"{FIGURES_DIR}/{names[nodeid]}.svg"
-        rendered[path] = figures.svg(figure, pages.test_title(test), test["claim"]).encode()
+        rendered[path] = drawing.svg(figure, pages.test_title(test), test["claim"]).encode()
         paths[str(nodeid)] = path
     evidence = pages.Evidence(
         report=report,
@@ -363,9 +363,9 @@ def cli_main(options: BuildOptions) -> int:
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
     if options.public_key:
-        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
     trusted = ([] if pinned is not None
-               else verification.trusted_keys_for(root, Path(options.evidence)))
+               else trust.trusted_keys_for(root, Path(options.evidence)))
     out = Path(options.out)
     try:
         written = build(

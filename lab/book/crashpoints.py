@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lab import errors, escape
-from lab.book import figures
+from lab.book import drawing, figures
 from lab.faults import crashmatrix
 from lab.faults.crashmatrix import (
     AUTOMATIC,
@@ -167,7 +167,7 @@ def outcome_figures(matrix: Mapping[str, Any]) -> list[tuple[str, Mapping[str, A
             continue
         events = history(cell)
         title = f"{cell.get('fault')} at {cell.get('boundary')} ({cell.get('kind')} tool)"
-        svg = figures.svg(figures.sequence(events, []), title, text, clock=_step_number,
+        svg = drawing.svg(figures.sequence(events, []), title, text, clock=_step_number,
                           legend=_STEP_LEGEND).encode()
         seen[text] = (cell, svg)
     return [(text, cell, svg) for text, (cell, svg) in seen.items()]

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import escape
 from lab.errors import Refused
-from lab.evidence import verification
+from lab.evidence import trust
 from lab.model import candidates, signed
 
 MODEL_DIR = "model"
@@ -41,7 +41,7 @@ def verified_files(
     evidence_dir: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
 ) -> tuple[dict[str, bytes], str | None]:
     """``{model/<name>: bytes}`` of the verified model evidence (``{}`` when there is
     none) and the pin that vouched for *its* signer (None: unpinned); the runtime

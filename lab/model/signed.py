@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
 from lab.errors import EvidenceError, InputError
-from lab.evidence import compiler, dsse, verification
+from lab.evidence import compiler, dsse, trust, verification
 from lab.model import generation
 from lab.model.cases import CaseSet
 
@@ -234,7 +234,7 @@ def verify(
     path: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
     model_path: Path | None = None,
 ) -> Verdict:
     """Check a model evidence directory offline and name every failure (see the module doc)."""
