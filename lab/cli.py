@@ -195,8 +195,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _book(args: argparse.Namespace) -> int:
     from lab.book import builder
+    from lab.model import signed
 
-    return builder.cli_main(options_from(builder.BuildOptions, args))
+    # The model's verifier is handed down: the book reads evidence, never lab.model.
+    return builder.cli_main(options_from(builder.BuildOptions, args),
+                            model_verifier=signed.verify)
 
 
 def _crashpoints(args: argparse.Namespace) -> int:

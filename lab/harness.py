@@ -66,6 +66,7 @@ PUBLIC_MODULES = (
     "lab.runtime.barrier",
     "lab.runtime.sealing",
     "lab.faults",
+    "lab.evidence.crashmatrix",
     "lab.peers",
 )
 

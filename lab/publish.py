@@ -197,7 +197,8 @@ def publish(
         reasons = hermetic.failures(verdict.report.get("run") if verdict.report else None)
         raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
     _refuse_dirty(plan.root, "after the run")
-    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
+    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root,
+                         model_verifier=signed.verify)
 
 
 def cli_main(options: PublishOptions) -> int:

@@ -339,7 +339,7 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     shutil.copytree(tree / "evidence", source)
     canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
-    written = builder.build(source, out, root=tree)
+    written = builder.build(source, out, root=tree, model_verifier=signed.verify)
     assert "evidence/model/model-experiment.json" in written
     assert "evidence/model/traces/zero.constrained.json" in written
     assert "figures/model-outcomes.svg" in written
@@ -352,11 +352,11 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     trace.write_bytes(trace.read_bytes().replace(b'"canned"', b'"Canned"', 1))
     with pytest.raises(builder.Refused,
                        match=r"zero\.constrained\.json: its sha256 does not match"):
-        builder.build(source, tmp_path / "book2", root=tree)
+        builder.build(source, tmp_path / "book2", root=tree, model_verifier=signed.verify)
     shutil.rmtree(source / "model")
     (source / "model-experiment.json").write_text("{}")
     with pytest.raises(builder.Refused, match="an unsigned model report"):
-        builder.build(source, tmp_path / "book3", root=tree)
+        builder.build(source, tmp_path / "book3", root=tree, model_verifier=signed.verify)
 
 
 # --------------------------------------------------------------------------- refusals

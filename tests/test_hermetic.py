@@ -31,8 +31,16 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import cli, errors, files, runner
 from lab.book import builder
-from lab.evidence import compiler, dsse, gate, hermetic, provenance, trust, verification
-from lab.faults import crashmatrix
+from lab.evidence import (
+    compiler,
+    crashmatrix,
+    dsse,
+    gate,
+    hermetic,
+    provenance,
+    trust,
+    verification,
+)
 from lab.model import signed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,7 +438,7 @@ def test_model_evidence_is_judged_by_its_own_signer_not_the_runtime_pin(tmp_path
     compiler.write(evidence, _facts(), root=root, signer=dsse.Signer(key, "key_file"))
     write_model_evidence(evidence / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
-    builder.build(evidence, out, trusted=trusted, root=root)
+    builder.build(evidence, out, trusted=trusted, root=root, model_verifier=signed.verify)
     head = (out / "index.md").read_text()
     model = (out / "model.md").read_text()
     assert "pinned by" in head
@@ -438,7 +446,8 @@ def test_model_evidence_is_judged_by_its_own_signer_not_the_runtime_pin(tmp_path
     assert "against the pinned public key" not in model
     # Pinned explicitly, the model evidence must be signed by that very key.
     with pytest.raises(errors.Refused, match="model"):
-        builder.build(evidence, tmp_path / "book2", public_key=trusted[0].key, root=root)
+        builder.build(evidence, tmp_path / "book2", public_key=trusted[0].key, root=root,
+                      model_verifier=signed.verify)
 
 
 def test_only_keys_git_tracks_are_trusted(tmp_path: Path) -> None:

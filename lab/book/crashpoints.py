@@ -11,8 +11,8 @@ from typing import Any
 
 from lab import errors, escape
 from lab.book import drawing, figures
-from lab.faults import crashmatrix
-from lab.faults.crashmatrix import (
+from lab.evidence import crashmatrix
+from lab.evidence.crashmatrix import (
     AUTOMATIC,
     NOT_APPLICABLE,
     NOT_REACHED,

@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from lab import errors, protocol
-from lab.faults import crashmatrix, invariants
+from lab.evidence import crashmatrix
+from lab.faults import invariants
 from lab.pg import edge, providers
 from lab.runtime import plan, processes, sealing, store, toolclient, worker
 from lab.runtime import toolprocess as toolprocesses
