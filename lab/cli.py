@@ -195,11 +195,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _book(args: argparse.Namespace) -> int:
     from lab.book import builder
-    from lab.model import signed
+    from lab.model import signed  # handed down: the book never imports lab.model
 
-    # The model's verifier is handed down: the book reads evidence, never lab.model.
-    return builder.cli_main(options_from(builder.BuildOptions, args),
-                            model_verifier=signed.verify)
+    return builder.cli_main(options_from(builder.BuildOptions, args), model_verifier=signed.verify)
 
 
 def _crashpoints(args: argparse.Namespace) -> int:
