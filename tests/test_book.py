@@ -31,7 +31,7 @@ from conftest import KeyFiles, resign
 
 from lab import cli, escape
 from lab.book import builder, drawing, figures, model_chapter
-from lab.evidence import compiler, dsse, gate, trust, verification
+from lab.evidence import bundle, compiler, crashmatrix, dsse, gate, trust, verification
 from lab.model import signed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -357,6 +357,37 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     (source / "model-experiment.json").write_text("{}")
     with pytest.raises(builder.Refused, match="an unsigned model report"):
         builder.build(source, tmp_path / "book3", root=tree, model_verifier=signed.verify)
+
+
+def test_the_bundle_declares_every_part_and_says_why_one_is_missing(
+    tree: Path, tmp_path: Path
+) -> None:
+    """The evidence is opened once: the runtime part verified, each optional part absent
+    with its reason, or refused with its reason; model evidence needs the verifier the
+    command hands down."""
+    source = tmp_path / "evidence"
+    shutil.copytree(tree / "evidence", source)
+    opened = bundle.open_bundle(source, root=tree)
+    assert opened.part(bundle.RUNTIME).present
+    assert compiler.REPORT_FILE in opened.part(bundle.RUNTIME).files
+    for name in (bundle.MODEL, bundle.REPRODUCTIONS, bundle.CRASHPOINTS):
+        part = opened.part(name)
+        assert (part.present, part.refused, dict(part.files)) == (False, None, {})
+        assert part.absent
+    assert opened.refusals == []
+
+    (source / crashmatrix.OUTPUT_FILE).write_bytes(b"{")
+    canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
+    opened = bundle.open_bundle(source, root=tree)
+    assert opened.part(bundle.MODEL).refused == (
+        f"{source / 'model'}: model evidence, but no model verifier was given")
+    refused = opened.part(bundle.CRASHPOINTS).refused
+    assert refused is not None and refused.startswith(f"{source / crashmatrix.OUTPUT_FILE}: ")
+    assert opened.refusals == [opened.part(bundle.MODEL).refused, refused]
+
+    opened = bundle.open_bundle(source, root=tree, model_verifier=signed.verify)
+    assert opened.part(bundle.MODEL).present
+    assert "model/model-experiment.json" in opened.part(bundle.MODEL).files
 
 
 # --------------------------------------------------------------------------- refusals
