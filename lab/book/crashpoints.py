@@ -1,7 +1,7 @@
 """The crash-point matrix as a book page: the coloured table and one figure per outcome.
 
 Renders only a matrix the signed run recorded (``crashmatrix.signed_digests``); the
-data format, its loader and its verdict live in ``lab.faults.crashmatrix``.
+data format, its loader and its verdict live in ``lab.evidence.crashmatrix``.
 """
 
 from __future__ import annotations
