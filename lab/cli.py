@@ -92,17 +92,17 @@ def verify_evidence(options: EvidenceOptions) -> int:
 
     ``show`` also needs a PASS to exit 0, and says what it could not verify.
     """
-    from lab.evidence import gate, summary, verification
+    from lab.evidence import gate, summary, trust, verification
 
     path = Path(options.path)
     root = Path.cwd()
     pinned = None
     if options.public_key:
-        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
     from lab.model import signed
 
     if options.evidence_command == "verify" and signed.is_model_evidence(path):
-        model_trusted = [] if pinned is not None else verification.trusted_keys(root)
+        model_trusted = [] if pinned is not None else trust.trusted_keys(root)
         model_verdict = signed.verify(path, public_key=pinned, trusted=model_trusted)
         print(signed.format_verdict(model_verdict))
         sys.stdout.flush()
@@ -114,11 +114,11 @@ def verify_evidence(options: EvidenceOptions) -> int:
         # A reproduction names no commit of its own: the keys committed at HEAD, or the pin.
         checked = reproduction_evidence.verify(
             path, public_key=pinned,
-            trusted=[] if pinned is not None else verification.trusted_keys(root))
+            trusted=[] if pinned is not None else trust.trusted_keys(root))
         print(reproduction_evidence.format_verdict(checked))
         sys.stdout.flush()
         return 0 if checked.ok else 1
-    trusted = [] if pinned is not None else verification.trusted_keys_for(root, path)
+    trusted = [] if pinned is not None else trust.trusted_keys_for(root, path)
     verdict = verification.verify(
         path,
         public_key=pinned,
@@ -195,8 +195,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _book(args: argparse.Namespace) -> int:
     from lab.book import builder
+    from lab.model import signed  # handed down: the book never imports lab.model
 
-    return builder.cli_main(options_from(builder.BuildOptions, args))
+    return builder.cli_main(options_from(builder.BuildOptions, args), model_verifier=signed.verify)
 
 
 def _crashpoints(args: argparse.Namespace) -> int:

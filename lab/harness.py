@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from lab import errors, names, protocol
-from lab.runtime import backoff, processes, proposal, store, tool, worker
+from lab.runtime import backoff, processes, proposal, store, tool, toolclient, toolfaults, worker
 from lab.runtime import plan as plans
 from lab.runtime.plan import Plan
 
@@ -62,9 +62,11 @@ PUBLIC_MODULES = (
     "lab.runtime.proposal",
     "lab.runtime.store",
     "lab.runtime.tool",
+    "lab.runtime.toolclient",
     "lab.runtime.barrier",
     "lab.runtime.sealing",
     "lab.faults",
+    "lab.evidence.crashmatrix",
     "lab.peers",
 )
 
@@ -128,7 +130,7 @@ SEED_LEASE = timedelta(seconds=3)
 DEFAULT_APPROVAL_TTL = timedelta(minutes=1)
 WORKER_BACKOFF = timedelta(milliseconds=20)
 # The credit tool's client gives up after this many seconds: the outcome is then unknown.
-CLIENT_TIMEOUT_S: float = inspect.signature(tool.ToolClient).parameters["timeout"].default
+CLIENT_TIMEOUT_S: float = inspect.signature(toolclient.ToolClient).parameters["timeout"].default
 # The aliases an author annotates with, without reaching into internal modules.
 WorkerProcess = processes.WorkerProcess
 Hook = worker.Hook
@@ -201,7 +203,7 @@ class Rig:
     """A running credit tool, a client for it, and an in-process worker using both."""
 
     service: tool.ToolService
-    client: tool.ToolClient
+    client: toolclient.ToolClient
     worker: worker.Worker
 
 
@@ -216,7 +218,7 @@ class Harness:
         self.db_t0 = db.execute("SELECT clock_timestamp() AS now")[0]["now"]
         self.timeline: list[dict[str, Any]] = []
         self._services: list[tool.ToolService] = []
-        self._clients: list[tool.ToolClient] = []
+        self._clients: list[toolclient.ToolClient] = []
         self._processes: list[processes.WorkerProcess] = []
 
     # -- building blocks -------------------------------------------------------
@@ -231,7 +233,7 @@ class Harness:
         service = tool.ToolService(self.dsn, self.schema, idempotent=idempotent,
                                    fenced_lookup=fenced_lookup).start()
         self._services.append(service)
-        client = tool.ToolClient(service.endpoint, service.token)
+        client = toolclient.ToolClient(service.endpoint, service.token)
         self._clients.append(client)
         runner = worker.Worker(
             db=self.store,
@@ -250,7 +252,7 @@ class Harness:
         proxy in front of the tool; default the tool itself) and give up after ``timeout``
         seconds: a short timeout makes a held request outlive its caller. Its client is
         closed with the experiment."""
-        client = tool.ToolClient(endpoint or rig.service.endpoint, rig.service.token,
+        client = toolclient.ToolClient(endpoint or rig.service.endpoint, rig.service.token,
                                  timeout=timeout)
         self._clients.append(client)
         return worker.Worker(db=self.store, client=client, name=name, lease=SEED_LEASE,
@@ -479,7 +481,7 @@ def reference() -> str:
               f"- worker backoff after a 429: {WORKER_BACKOFF.total_seconds() * 1000:g} ms "
               "(`harness.WORKER_BACKOFF`)",
               f"- the tool client's timeout: {CLIENT_TIMEOUT_S:g} s (`harness.CLIENT_TIMEOUT_S`)",
-              f"- a `hold_next` nobody releases ends after {tool.DEFAULT_HOLD_SECONDS:g} s",
+              f"- a `hold_next` nobody releases ends after {toolfaults.DEFAULT_HOLD_SECONDS:g} s",
               "- boundaries a `hook` sees (`lab.protocol`): "
               + ", ".join(f"`{b}`" for b in protocol.NAMES
                           if b not in protocol.TOOL_STAGES),

@@ -231,8 +231,8 @@ def check_endpoint(endpoint: str) -> str:
     port = int(port_text)
     shown = f"[{address}]" if ":" in address else address
     base = f"http://{shown}:{port}"
-    # The client (``tool.ToolClient``) splits the result with urllib: it must see
-    # exactly this target.
+    # The client (``toolclient.ToolClient``) checks that urllib and httpx both see exactly
+    # this target.
     try:
         parsed = urllib.parse.urlsplit(base)
         parsed_port = parsed.port

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import dsse, hermetic, verification
+from lab.evidence import dsse, hermetic, trust, verification
 from lab.model import signed
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Pla
     pinned = signer.key.public_key()
     if options.public_key:
         # Bounded, regular files only: a FIFO or a huge file is refused, not read.
-        expected = verification.load_public_key_file(Path(options.public_key), "--public-key")
+        expected = trust.load_public_key_file(Path(options.public_key), "--public-key")
         if dsse.raw_public_key(expected) != dsse.raw_public_key(pinned):
             raise Refused(
                 f"unpinned: {dsse.KEY_ENV} signs as {signer.keyid}, not as the --public-key "
@@ -197,7 +197,8 @@ def publish(
         reasons = hermetic.failures(verdict.report.get("run") if verdict.report else None)
         raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
     _refuse_dirty(plan.root, "after the run")
-    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root)
+    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root,
+                         model_verifier=signed.verify)
 
 
 def cli_main(options: PublishOptions) -> int:

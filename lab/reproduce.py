@@ -44,6 +44,7 @@ from lab.evidence import (
     reproduction,
     reproduction_evidence,
     summary,
+    trust,
     verification,
 )
 from lab.evidence import tree as source_tree
@@ -163,7 +164,7 @@ def check_environment(report: Mapping[str, Any], root: Path) -> str | None:
 
 
 def _verified_original(
-    path: Path, public_key: Any, trusted: Sequence[verification.TrustedKey], root: Path
+    path: Path, public_key: Any, trusted: Sequence[trust.TrustedKey], root: Path
 ) -> tuple[dict[str, Any], bytes]:
     verdict = verification.verify(path, public_key=public_key, trusted=trusted, root=root)
     if verdict.unreadable is not None:
@@ -174,7 +175,7 @@ def _verified_original(
     if verdict.pinned_by is None:
         raise errors.Refused(
             f"{path}: UNPINNED: only evidence a pinned key vouches for is re-run (pin its "
-            f"signer with --public-key or a key committed under {verification.TRUSTED_DIR}/)")
+            f"signer with --public-key or a key committed under {trust.TRUSTED_DIR}/)")
     report: dict[str, Any] = dict(verdict.report)
     if report.get("dirty") is not False or not report.get("commit"):
         raise errors.Refused(
@@ -212,7 +213,7 @@ def reproduce(
     tree = root or Path.cwd()
     show = console or summary.console_for_output()
     _target(out, evidence)
-    trusted = [] if public_key is not None else verification.trusted_keys_for(tree, evidence)
+    trusted = [] if public_key is not None else trust.trusted_keys_for(tree, evidence)
     original, envelope = _verified_original(evidence, public_key, trusted, tree)
     lock = check_environment(original, tree)
     commit = str(original["commit"])
@@ -354,7 +355,7 @@ def cli_main(options: ReproduceOptions) -> int:
     """``lab reproduce``: pin, check the evidence exists, reproduce."""
     pinned = None
     if options.public_key:
-        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
     evidence = Path(options.evidence)
     if not evidence.exists():
         raise errors.InputError(f"evidence {evidence}: no such file or directory")
@@ -378,7 +379,7 @@ def _verified_report(path: Path, public_key: Any, root: Path) -> dict[str, Any]:
     """The report of ``path``, verified like ``lab evidence verify`` (a PASS), or refused."""
     if not path.exists():
         raise errors.InputError(f"evidence {path}: no such file or directory")
-    trusted = [] if public_key is not None else verification.trusted_keys_for(root, path)
+    trusted = [] if public_key is not None else trust.trusted_keys_for(root, path)
     verdict = verification.verify(path, public_key=public_key, trusted=trusted, root=root)
     if verdict.unreadable is not None:
         raise errors.InputError(verification.printable(verdict.unreadable))
@@ -408,7 +409,7 @@ def compare_main(options: CompareOptions, console: Console | None = None) -> int
     root = Path.cwd()
     pinned = None
     if options.public_key:
-        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
     first = _verified_report(Path(options.first), pinned, root)
     second = _verified_report(Path(options.second), pinned, root)
     comparison = reproduction.compare(first, [second])

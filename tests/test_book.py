@@ -30,8 +30,8 @@ import pytest
 from conftest import KeyFiles, resign
 
 from lab import cli, escape
-from lab.book import builder, figures, model_chapter
-from lab.evidence import compiler, dsse, gate, verification
+from lab.book import builder, drawing, figures, model_chapter
+from lab.evidence import bundle, compiler, crashmatrix, dsse, gate, trust, verification
 from lab.model import signed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,7 +339,7 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     shutil.copytree(tree / "evidence", source)
     canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
-    written = builder.build(source, out, root=tree)
+    written = builder.build(source, out, root=tree, model_verifier=signed.verify)
     assert "evidence/model/model-experiment.json" in written
     assert "evidence/model/traces/zero.constrained.json" in written
     assert "figures/model-outcomes.svg" in written
@@ -352,11 +352,42 @@ def test_model_section_comes_from_signed_model_evidence(tree: Path, tmp_path: Pa
     trace.write_bytes(trace.read_bytes().replace(b'"canned"', b'"Canned"', 1))
     with pytest.raises(builder.Refused,
                        match=r"zero\.constrained\.json: its sha256 does not match"):
-        builder.build(source, tmp_path / "book2", root=tree)
+        builder.build(source, tmp_path / "book2", root=tree, model_verifier=signed.verify)
     shutil.rmtree(source / "model")
     (source / "model-experiment.json").write_text("{}")
     with pytest.raises(builder.Refused, match="an unsigned model report"):
-        builder.build(source, tmp_path / "book3", root=tree)
+        builder.build(source, tmp_path / "book3", root=tree, model_verifier=signed.verify)
+
+
+def test_the_bundle_declares_every_part_and_says_why_one_is_missing(
+    tree: Path, tmp_path: Path
+) -> None:
+    """The evidence is opened once: the runtime part verified, each optional part absent
+    with its reason, or refused with its reason; model evidence needs the verifier the
+    command hands down."""
+    source = tmp_path / "evidence"
+    shutil.copytree(tree / "evidence", source)
+    opened = bundle.open_bundle(source, root=tree)
+    assert opened.part(bundle.RUNTIME).present
+    assert compiler.REPORT_FILE in opened.part(bundle.RUNTIME).files
+    for name in (bundle.MODEL, bundle.REPRODUCTIONS, bundle.CRASHPOINTS):
+        part = opened.part(name)
+        assert (part.present, part.refused, dict(part.files)) == (False, None, {})
+        assert part.absent
+    assert opened.refusals == []
+
+    (source / crashmatrix.OUTPUT_FILE).write_bytes(b"{")
+    canned_model.write_evidence(source / "model", tmp_path / "scratch", ["account-a", "zero"])
+    opened = bundle.open_bundle(source, root=tree)
+    assert opened.part(bundle.MODEL).refused == (
+        f"{source / 'model'}: model evidence, but no model verifier was given")
+    refused = opened.part(bundle.CRASHPOINTS).refused
+    assert refused is not None and refused.startswith(f"{source / crashmatrix.OUTPUT_FILE}: ")
+    assert opened.refusals == [opened.part(bundle.MODEL).refused, refused]
+
+    opened = bundle.open_bundle(source, root=tree, model_verifier=signed.verify)
+    assert opened.part(bundle.MODEL).present
+    assert "model/model-experiment.json" in opened.part(bundle.MODEL).files
 
 
 # --------------------------------------------------------------------------- refusals
@@ -721,7 +752,7 @@ def test_markup_in_labels_is_escaped_in_both_renderings() -> None:
     """Text from the evidence cannot break the SVG or end a Mermaid statement."""
     timeline = [_mark(0.1, "experiment", "odd <b>&amp; text; #1")]
     figure = figures.sequence([], timeline)
-    document = figures.svg(figure, "title <&>", "caption & <more>")
+    document = drawing.svg(figure, "title <&>", "caption & <more>")
     root = ET.fromstring(document.encode())  # noqa: S314 - the build's own output
     texts = [t.text for t in root.iter(f"{SVG}text")]
     assert "odd <b>&amp; text; #1" in texts and "title <&>" in texts
@@ -981,7 +1012,7 @@ def test_a_forged_publication_key_is_not_called_one(
     builder.build(directory, out, public_key=key.public, root=root)
     markdown = _markdown(out)
     assert "a publication key, pinned by `--public-key`" in markdown
-    trusted = [verification.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
+    trusted = [trust.TrustedKey(key.public, "keys/trusted/ci.pub.pem")]
     builder.build(directory, out, trusted=trusted, root=root)
     assert "pinned by `keys/trusted/ci.pub.pem`" in _markdown(out)
 

@@ -30,7 +30,8 @@ import os
 from pathlib import Path
 
 from lab import pytest_plugin, recorder
-from lab.faults import crashmatrix, crashpoints
+from lab.evidence import crashmatrix
+from lab.faults import crashpoints
 
 
 def test_crash_point_slice(request, observe):

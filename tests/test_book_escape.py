@@ -21,7 +21,7 @@ import pytest
 
 from lab import escape
 from lab.book import crashpoints, model_chapter, pages, sidebyside, site
-from lab.faults import crashmatrix
+from lab.evidence import crashmatrix
 
 REPO = Path(__file__).resolve().parents[1]
 RENDERERS = sorted([*(REPO / "lab" / "book").glob("*.py"), *(REPO / "lab" / "faults").glob("*.py")])

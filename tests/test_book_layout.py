@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.book import browser, chapter, crashpoints, quantities, site
-from lab.faults import crashmatrix
+from lab.evidence import crashmatrix
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -15,7 +15,8 @@ import pytest
 
 from lab import errors, protocol, pytest_plugin
 from lab.book import crashpoints as crashpoint_chapter
-from lab.faults import crashmatrix, crashpoints
+from lab.evidence import crashmatrix
+from lab.faults import crashpoints
 
 LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {

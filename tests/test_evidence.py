@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from lab import cli, errors, files, recorder
-from lab.evidence import compiler, dsse, gate, report, verification
+from lab.evidence import compiler, dsse, gate, report, trust, verification
 
 DATABASE = {"provider": "dsn", "server_version": "15.8", "details": {"host": "127.0.0.1"}}
 
@@ -538,13 +538,13 @@ def test_a_pin_is_the_only_trust(
     # Only a key git tracks is trusted: commit it.
     labtree.git(repo, "add", "keys/trusted/ci.pub.pem")
     labtree.commit(repo)
-    trusted = verification.trusted_keys(repo, environ={})
+    trusted = trust.trusted_keys(repo, environ={})
     committed = verification.verify(signed, trusted=trusted)
     assert committed.ok and committed.pinned_by == "keys/trusted/ci.pub.pem at HEAD"
     assert "pinned by keys/trusted/ci.pub.pem" in _first_line(committed)
 
-    from_env = verification.trusted_keys(
-        repo / "lab", environ={verification.TRUSTED_ENV: str(key.public_pem)}
+    from_env = trust.trusted_keys(
+        repo / "lab", environ={trust.TRUSTED_ENV: str(key.public_pem)}
     )
     assert verification.verify(signed, trusted=from_env).ok
 
@@ -561,8 +561,8 @@ def test_a_pin_is_the_only_trust(
     assert f"pinned by keys/trusted/ci.pub.pem at {head[:12]}" in out
 
     # A trusted key list that does not hold the signer: the pin does not vouch.
-    stranger = verification.trusted_keys(
-        repo / "lab", environ={verification.TRUSTED_ENV: str(make_key("other").public_pem)}
+    stranger = trust.trusted_keys(
+        repo / "lab", environ={trust.TRUSTED_ENV: str(make_key("other").public_pem)}
     )
     assert not verification.verify(signed, trusted=stranger).ok
 

@@ -22,7 +22,7 @@ import pytest
 from test_book import SIGKILL, tree  # noqa: F401 - ``tree``: the real run, a module fixture
 
 from lab import cli
-from lab.book import builder, figures
+from lab.book import builder, drawing, figures, raster
 
 SVG = "{http://www.w3.org/2000/svg}"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -91,13 +91,13 @@ def test_every_label_of_every_figure_shows_in_cairosvg(png_books: tuple[Path, Pa
     out = png_books[0]
     seen = 0
     for path, document in _svgs(out):
-        labels = figures.labels(document)
+        labels = raster.labels(document)
         # Every label is checked: one box per step text the figure draws.
         assert [label.text for label in labels] == _step_texts(document), path.name
         assert any(label.halo for label in labels), path.name  # arrows, not notes only
         written = path.with_suffix(".png").read_bytes()
-        assert written == figures.png(document)
-        assert figures.legibility(document, written) == [], path.name
+        assert written == raster.png(document)
+        assert raster.legibility(document, written) == [], path.name
         seen += 1
     assert seen == 3
 
@@ -148,10 +148,10 @@ def test_checker_sees_a_label_that_does_not_show(
     document = (png_books[0] / builder.FIGURES_DIR / f"{SIGKILL}.svg").read_text()
     broken = damage(document)
     assert broken != document
-    problems = figures.legibility(broken)
+    problems = raster.legibility(broken)
     assert any(problem in p for p in problems), problems
-    with pytest.raises(figures.Illegible, match=r"^figures/x\.svg: label"):
-        figures.pngs({"figures/x.svg": broken.encode()})
+    with pytest.raises(raster.Illegible, match=r"^figures/x\.svg: label"):
+        raster.pngs({"figures/x.svg": broken.encode()})
 
 
 # --------------------------------------------------------------------------- hostile evidence
@@ -185,7 +185,7 @@ def _hostile_figure(text: str) -> tuple[figures.Figure, str]:
         {"t": 0.08, "actor": "experiment", "what": f"SIGKILL {text}"},
     ]
     figure = figures.sequence(events, timeline)
-    return figure, figures.svg(figure, f"test_{text}[{text}]", f"A claim: {text}")
+    return figure, drawing.svg(figure, f"test_{text}[{text}]", f"A claim: {text}")
 
 
 @pytest.mark.parametrize("text", HOSTILE, ids=range(len(HOSTILE)))
@@ -215,7 +215,7 @@ def test_evidence_strings_cannot_add_markup_to_a_figure(text: str) -> None:
     diagram = figures.mermaid(figure)
     assert diagram.count("\n") == len(figure.lanes) + len(figure.steps) + 1
     assert "<" not in diagram and "\r" not in diagram
-    assert figures.legibility(document) == []
+    assert raster.legibility(document) == []
 
 
 def test_shown_makes_hidden_characters_visible_and_bounds_length() -> None:
@@ -235,7 +235,7 @@ def test_long_evidence_strings_keep_the_figure_bounded() -> None:
     root = ET.fromstring(document.encode())  # noqa: S314 - the figure just drawn
     assert int(root.get("width", "0")) < 4000
     assert max(len(t.text or "") for t in root.iter(f"{SVG}text")) <= figures.MAX_CAPTION
-    assert figures.legibility(document) == []
+    assert raster.legibility(document) == []
 
 
 def test_png_without_cairosvg_is_a_one_line_error(
@@ -243,8 +243,8 @@ def test_png_without_cairosvg_is_a_one_line_error(
 ) -> None:
     """Without the book extra, ``--png`` names what to install instead of a traceback."""
     monkeypatch.setitem(sys.modules, "cairosvg", None)  # import cairosvg -> ImportError
-    with pytest.raises(figures.RendererMissing, match=r"pip install '\.\[book\]'"):
-        figures.pngs({"figures/x.svg": b"<svg/>"})
+    with pytest.raises(raster.RendererMissing, match=r"pip install '\.\[book\]'"):
+        raster.pngs({"figures/x.svg": b"<svg/>"})
 
 
 def test_damaged_evidence_draws_what_it_can_without_a_traceback() -> None:
@@ -260,7 +260,7 @@ def test_damaged_evidence_draws_what_it_can_without_a_traceback() -> None:
     assert len(figure.steps) == figures.MAX_STEPS + figures.MAX_FINAL_STATES
     # 1000 events and 1001 marks (the experiment's own "started" too), 1000 final states
     assert figure.omitted == 2001 - figures.MAX_STEPS + 1000 - figures.MAX_FINAL_STATES
-    document = figures.svg(figure, {"title": 1}, 12345)  # type: ignore[arg-type]
+    document = drawing.svg(figure, {"title": 1}, 12345)  # type: ignore[arg-type]
     root = ET.fromstring(document.encode())  # noqa: S314 - the figure just drawn
     assert root.findtext(f"{SVG}title") == "{'title': 1}"
     assert figures.sequence("not a list", 5) == figures.sequence([], [])  # type: ignore[arg-type]

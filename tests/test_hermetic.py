@@ -31,8 +31,16 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import cli, errors, files, runner
 from lab.book import builder
-from lab.evidence import compiler, dsse, gate, hermetic, provenance, verification
-from lab.faults import crashmatrix
+from lab.evidence import (
+    compiler,
+    crashmatrix,
+    dsse,
+    gate,
+    hermetic,
+    provenance,
+    trust,
+    verification,
+)
 from lab.model import signed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,12 +433,12 @@ def test_model_evidence_is_judged_by_its_own_signer_not_the_runtime_pin(tmp_path
     an ephemeral key: the book's model section says unpinned, never "pinned"."""
     root = _tree(tmp_path)
     key, pem = _key(tmp_path, "publication")
-    trusted = [verification.TrustedKey(dsse.load_public_key(pem.read_bytes()), "test pin")]
+    trusted = [trust.TrustedKey(dsse.load_public_key(pem.read_bytes()), "test pin")]
     evidence = tmp_path / "evidence"
     compiler.write(evidence, _facts(), root=root, signer=dsse.Signer(key, "key_file"))
     write_model_evidence(evidence / "model", tmp_path / "scratch", ["account-a", "zero"])
     out = tmp_path / "book"
-    builder.build(evidence, out, trusted=trusted, root=root)
+    builder.build(evidence, out, trusted=trusted, root=root, model_verifier=signed.verify)
     head = (out / "index.md").read_text()
     model = (out / "model.md").read_text()
     assert "pinned by" in head
@@ -438,7 +446,8 @@ def test_model_evidence_is_judged_by_its_own_signer_not_the_runtime_pin(tmp_path
     assert "against the pinned public key" not in model
     # Pinned explicitly, the model evidence must be signed by that very key.
     with pytest.raises(errors.Refused, match="model"):
-        builder.build(evidence, tmp_path / "book2", public_key=trusted[0].key, root=root)
+        builder.build(evidence, tmp_path / "book2", public_key=trusted[0].key, root=root,
+                      model_verifier=signed.verify)
 
 
 def test_only_keys_git_tracks_are_trusted(tmp_path: Path) -> None:
@@ -447,13 +456,13 @@ def test_only_keys_git_tracks_are_trusted(tmp_path: Path) -> None:
     root = _tree(tmp_path)
     (root / "keys" / "trusted").mkdir(parents=True)
     _, stranger = _key(root / "keys" / "trusted", "stranger")
-    assert verification.trusted_keys(root, environ={}) == []
+    assert trust.trusted_keys(root, environ={}) == []
     labtree.commit(root)
-    (committed,) = verification.trusted_keys(root, environ={})
+    (committed,) = trust.trusted_keys(root, environ={})
     assert committed.origin == "keys/trusted/stranger.pub.pem at HEAD"
     original = dsse.raw_public_key(committed.key)
     _key(root / "keys" / "trusted", "stranger")  # overwrite the file, uncommitted
-    (again,) = verification.trusted_keys(root, environ={})
+    (again,) = trust.trusted_keys(root, environ={})
     assert dsse.raw_public_key(again.key) == original
     assert stranger.exists()
 
@@ -484,17 +493,17 @@ def test_keys_are_the_ones_git_tracked_at_the_evidences_commit(tmp_path: Path) -
     labtree.commit(root)
     second = _git(root, "rev-parse", "HEAD").strip()
 
-    (at_first,) = verification.trusted_keys_for(
+    (at_first,) = trust.trusted_keys_for(
         root, _evidence_naming(tmp_path / "e1", first), environ={})
     assert at_first.origin == f"keys/trusted/old.pub.pem at {first[:12]}"
-    (at_second,) = verification.trusted_keys_for(
+    (at_second,) = trust.trusted_keys_for(
         root, _evidence_naming(tmp_path / "e2", second), environ={})
     assert at_second.origin == f"keys/trusted/new.pub.pem at {second[:12]}"
-    assert verification.trusted_keys_for(
+    assert trust.trusted_keys_for(
         root, _evidence_naming(tmp_path / "e3", "f" * 40), environ={}) == []
-    assert verification.trusted_keys_for(
+    assert trust.trusted_keys_for(
         root, _evidence_naming(tmp_path / "e4", None), environ={}) == []
-    assert verification.trusted_keys_for(root, tmp_path / "missing", environ={}) == []
+    assert trust.trusted_keys_for(root, tmp_path / "missing", environ={}) == []
 
 
 def test_one_function_decides_signer_trust() -> None:

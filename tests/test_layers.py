@@ -178,6 +178,25 @@ def test_imports_point_down_the_floors() -> None:
     assert upward == []
 
 
+def test_a_room_imports_nothing_it_is_told_never_to() -> None:
+    """A room's ``never`` packages are out of bounds although lower: the book reads the
+    evidence bundle, never the fault tools or the model that produced the evidence."""
+    rooms = tomllib.loads((ROOT / "docs" / "floors.toml").read_text(encoding="utf-8"))["room"]
+    book = next(room for room in rooms if room["package"] == "lab.book")
+    assert set(book.get("never", [])) >= {"lab.faults", "lab.model"}
+    graph = _modules()
+    crossing = sorted(
+        f"{module} -> {target}"
+        for room in rooms
+        for module in graph
+        if room["package"] != "lab" and module.startswith(room["package"][4:] + ".")
+        for target in graph[module]
+        for banned in room.get("never", [])
+        if f"lab.{target}".startswith(banned + ".") or f"lab.{target}" == banned
+    )
+    assert crossing == []
+
+
 def test_no_import_cycle() -> None:
     """The import graph of ``lab/`` is acyclic (imports inside functions included)."""
     graph = _modules()

@@ -811,7 +811,7 @@ def test_model_evidence_follows_the_runtime_trust_policy(
     fails, an ephemeral one verifies as UNPINNED, a pinned or committed-trusted one is OK."""
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from lab.evidence import dsse, verification
+    from lab.evidence import dsse, trust
 
     key = ed25519.Ed25519PrivateKey.generate()
     directory = tmp_path / "model"
@@ -822,7 +822,7 @@ def test_model_evidence_follows_the_runtime_trust_policy(
     pinned = signed.verify(directory, public_key=key.public_key())
     assert pinned.ok and pinned.pinned_by == "--public-key"
     assert signed.format_verdict(pinned).startswith("OK ")
-    trusted = [verification.TrustedKey(key.public_key(), "keys/trusted/k.pub.pem")]
+    trusted = [trust.TrustedKey(key.public_key(), "keys/trusted/k.pub.pem")]
     vouched = signed.verify(directory, trusted=trusted)
     assert vouched.ok and vouched.pinned_by == "keys/trusted/k.pub.pem"
 

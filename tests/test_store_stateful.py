@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 
 from lab import errors, pytest_plugin
 from lab.faults import invariants
-from lab.runtime import barrier, plan, sealing, store, tool
+from lab.runtime import barrier, plan, sealing, store, tool, toolclient
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 SEQUENCES = int(os.environ.get("LAB_STATEFUL_SEQUENCES", 2000 if PROFILE == "long" else 20))
@@ -75,8 +75,8 @@ class Rig:
     schema: str
     db: store.Store
     services: dict[bool, tool.ToolService]
-    clients: dict[bool, tool.ToolClient]
-    unreachable: dict[bool, tool.ToolClient]
+    clients: dict[bool, toolclient.ToolClient]
+    unreachable: dict[bool, toolclient.ToolClient]
     stats: dict[str, Any] = field(default_factory=lambda: {"sequences": 0, "steps": 0})
 
     def reset(self) -> None:
@@ -340,9 +340,9 @@ def rig(lab_dsn: str, lab_schema: str, request: pytest.FixtureRequest) -> Any:
     db = store.Store.open(lab_dsn, lab_schema, keys=keys, max_connections=2)
     services = {kind: tool.ToolService(lab_dsn, lab_schema, idempotent=kind).start()
                 for kind in (True, False)}
-    clients = {kind: tool.ToolClient(s.endpoint, s.token) for kind, s in services.items()}
+    clients = {kind: toolclient.ToolClient(s.endpoint, s.token) for kind, s in services.items()}
     # A loopback port nothing listens on: the request is never delivered.
-    unreachable = {kind: tool.ToolClient("http://127.0.0.1:9", s.token)
+    unreachable = {kind: toolclient.ToolClient("http://127.0.0.1:9", s.token)
                    for kind, s in services.items()}
     pytest_plugin.reached_database(request.node)
     made = Rig(lab_dsn, lab_schema, db, services, clients, unreachable)

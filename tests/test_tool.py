@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from lab import errors
-from lab.runtime import tool
+from lab.runtime import tool, toolclient
 
 VALID_BODY = {
     "effect_key": "ek1_" + "a" * 64,
@@ -113,7 +113,7 @@ def test_unreachable_tool_is_never_dispatched(lab):
     rig = lab.credit_tool()
     endpoint, token = rig.service.endpoint, rig.service.token
     rig.service.stop()
-    with tool.ToolClient(endpoint, token, timeout=2) as client, pytest.raises(
+    with toolclient.ToolClient(endpoint, token, timeout=2) as client, pytest.raises(
         errors.ToolUnavailable
     ):
         client.call(lab.approved())
@@ -121,9 +121,9 @@ def test_unreachable_tool_is_never_dispatched(lab):
 
 def test_client_refuses_unsafe_endpoints_and_empty_tokens():
     with pytest.raises(errors.BoundaryViolation):
-        tool.ToolClient("http://192.0.2.1:80", "token")
+        toolclient.ToolClient("http://192.0.2.1:80", "token")
     with pytest.raises(errors.ToolError):
-        tool.ToolClient("http://127.0.0.1:80", "")
+        toolclient.ToolClient("http://127.0.0.1:80", "")
 
 
 def test_token_comparison_is_constant_time():
@@ -226,7 +226,7 @@ def test_an_unreleased_hold_ends_by_itself(lab, rig, service):
 def test_slow_next_delays_the_commit_past_a_short_client_timeout(lab, service):
     """A slow tool past the client's timeout is an unknown outcome whose effect lands later."""
     service.slow_next(0.6)
-    with tool.ToolClient(service.endpoint, service.token, timeout=0.2) as client, \
+    with toolclient.ToolClient(service.endpoint, service.token, timeout=0.2) as client, \
             pytest.raises(errors.OutcomeUnknown):
         client.call(lab.approved())
     lab.wait_until(lambda: lab.effects() == 1, within=5, what="the slow effect")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from lab import protocol, pytest_plugin
-from lab.runtime import plan, sealing, store, tool, worker
+from lab.runtime import plan, sealing, store, tool, toolclient, worker
 
 PROPOSER = store.Actor("tenant-a", "employee-a", "proposer")
 APPROVER = store.Actor("tenant-a", "manager-a", "approver")
@@ -43,7 +43,9 @@ def _approved(db: store.Store, count: int, *, idempotent: bool) -> list[str]:
     return ids
 
 
-def _worker(db: store.Store, client: tool.ToolClient, batch: int, **extra: Any) -> worker.Worker:
+def _worker(
+    db: store.Store, client: toolclient.ToolClient, batch: int, **extra: Any
+) -> worker.Worker:
     return worker.Worker(db=db, client=client, name="batcher", lease=timedelta(seconds=30),
                          fused=True, batch=batch, **extra)
 
@@ -51,7 +53,7 @@ def _worker(db: store.Store, client: tool.ToolClient, batch: int, **extra: Any) 
 def test_a_batch_is_claimed_sent_and_completed_together(lab_dsn: str, db: store.Store) -> None:
     ids = _approved(db, 5, idempotent=True)
     with _service(lab_dsn, db, idempotent=True) as service, \
-            tool.ToolClient(service.endpoint, service.token) as client:
+            toolclient.ToolClient(service.endpoint, service.token) as client:
         runner = _worker(db, client, 3)
         assert runner.step() == []  # three claimed and sent; their completions wait
         assert (runner.pending, service.calls) == (3, 3)
@@ -71,7 +73,7 @@ def test_a_non_idempotent_batch_commits_every_barrier_before_any_request(
     ids = _approved(db, 3, idempotent=False)
     seen: list[tuple[str, str, int]] = []
     with _service(lab_dsn, db, idempotent=False) as service, \
-            tool.ToolClient(service.endpoint, service.token) as client:
+            toolclient.ToolClient(service.endpoint, service.token) as client:
 
         def hook(stage: str, claim: store.Workflow) -> None:
             seen.append((stage, claim.id, service.calls))
@@ -92,7 +94,7 @@ def test_one_stale_completion_does_not_hold_back_the_rest_of_its_batch(
 ) -> None:
     good, doomed = _approved(db, 2, idempotent=True)
     with _service(lab_dsn, db, idempotent=True) as service, \
-            tool.ToolClient(service.endpoint, service.token) as client:
+            toolclient.ToolClient(service.endpoint, service.token) as client:
         runner = _worker(db, client, 2)
         assert runner.step() == [] and runner.pending == 2
         # The second one's lease runs out and is recovered before the next step.

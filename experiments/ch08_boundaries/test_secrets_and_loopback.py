@@ -8,7 +8,7 @@ import pytest
 from psycopg import conninfo
 
 from lab import errors, harness, loopback
-from lab.runtime import store, tool
+from lab.runtime import store, toolclient
 
 REMOTE_DSNS = [
     "postgres://book:book-lab-only@192.0.2.1:25432/book?sslmode=disable",
@@ -64,7 +64,7 @@ def test_loopback_boundaries_reject_remote_targets(observe):
     refused_endpoints = 0
     for endpoint in UNSAFE_ENDPOINTS:
         with pytest.raises(errors.BoundaryViolation):
-            tool.ToolClient(endpoint, "token")
+            toolclient.ToolClient(endpoint, "token")
         refused_endpoints += 1
     pinned = conninfo.conninfo_to_dict(
         loopback.check_dsn("host=localhost port=5432 dbname=book", environ={})

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lab import protocol
-from lab.faults import crashmatrix, crashpoints
+from lab.evidence import crashmatrix
+from lab.faults import crashpoints
 
 
 @pytest.mark.long_running

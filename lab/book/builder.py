@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +44,9 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
-from lab.book import figures, model_chapter, pages
-from lab.evidence import compiler, dsse, reproduction_evidence, verification
+from lab.book import drawing, figures, pages, raster
+from lab.evidence import bundle, crashmatrix, model_evidence, trust
 from lab.evidence.report import Report
-from lab.faults import crashmatrix
 
 INDEX_FILE = f"{pages.INDEX}.html"
 MANIFEST_FILE = "MANIFEST.sha256"
@@ -59,11 +57,6 @@ EVIDENCE_DIR = "evidence"
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 _MAX_STEM = 120  # file names stay far below the file system's 255 bytes
-_STAGED = (
-    (compiler.REPORT_FILE, files.REPORT_LIMIT),
-    (compiler.ENVELOPE_FILE, files.ENVELOPE_LIMIT),
-    (compiler.TESTS_FILE, files.TESTS_LOG_LIMIT),
-)
 
 
 Refused = errors.Refused
@@ -74,10 +67,11 @@ def build(
     out: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
     root: Path | None = None,
     png: bool = False,
     sources: Path | None = None,
+    model_verifier: model_evidence.ModelVerifier | None = None,
 ) -> list[str]:
     """Verify the evidence in ``evidence_dir``, then write the book into ``out``.
 
@@ -86,7 +80,10 @@ def build(
     evidence (default: the current directory). ``png`` also writes
     ``figures/<name>.png`` beside each SVG (needs the ``book`` extra). ``sources`` is the
     folder of the book's source pages (default: ``<root>/book``; a chapter without a
-    page, or no folder at all, gets pages of directives alone). Returns the
+    page, or no folder at all, gets pages of directives alone). ``model_verifier``
+    verifies model evidence (``lab.model.signed.verify``, handed down by the command:
+    the book does not import the model); model evidence without one is refused. The
+    evidence is opened once (``lab.evidence.bundle``). Returns the
     paths written, relative to ``out`` and sorted; raises ``Refused`` with a one-line
     reason instead.
     """
@@ -101,98 +98,23 @@ def build(
         raise Refused(f"--out {out} would overwrite the book's sources: build into "
                       f"{DEFAULT_OUT} or another folder")
     texts = pages.load_sources(sources)
-    report, pinned_by, copies = _verified_copies(
-        evidence_dir, public_key=public_key, trusted=trusted, root=root or Path.cwd()
+    opened = bundle.open_bundle(
+        evidence_dir, public_key=public_key, trusted=trusted, root=root or Path.cwd(),
+        model_verifier=model_verifier,
     )
-    copies[f"{EVIDENCE_DIR}/{compiler.PUBLIC_KEY_FILE}"] = _public_key(
-        evidence_dir / compiler.PUBLIC_KEY_FILE, report
-    )
-    model_files, model_pinned_by = model_chapter.verified_files(
-        evidence_dir, public_key=public_key, trusted=trusted
-    )
-    for name, data in model_files.items():
-        copies[f"{EVIDENCE_DIR}/{name}"] = data
-    for name, data in reproduction_evidence.book_files(
-        evidence_dir, copies[f"{EVIDENCE_DIR}/{compiler.ENVELOPE_FILE}"], public_key=public_key,
-        trusted=trusted,
-    ).items():
-        copies[f"{EVIDENCE_DIR}/{name}"] = data
-    try:
-        matrix = crashmatrix.read(evidence_dir)
-    except errors.InputError as exc:
-        raise Refused(f"{evidence_dir / crashmatrix.OUTPUT_FILE}: {exc}") from exc
-    if matrix is not None:
-        copies[f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"] = matrix
+    if opened.refusals:
+        raise Refused(opened.refusals[0])
+    report = opened.report
+    copies = {f"{EVIDENCE_DIR}/{name}": data for name, data in opened.verified_files().items()}
     files_out = dict(copies)
-    files_out.update(_render(report, copies, pinned_by=pinned_by,
-                             model_pinned_by=model_pinned_by, sources=texts, png=png,
+    files_out.update(_render(report, copies, pinned_by=opened.pinned_by,
+                             model_pinned_by=opened.part(bundle.MODEL).pinned_by,
+                             sources=texts, png=png,
                              code=experiment_sources(report, root or Path.cwd())))
     if png:
-        files_out.update(figures.pngs(files_out))
+        files_out.update(raster.pngs(files_out))
     _write(out, files_out)
     return sorted(files_out)
-
-
-def _verified_copies(
-    evidence_dir: Path,
-    *,
-    public_key: ed25519.Ed25519PublicKey | None,
-    trusted: Sequence[verification.TrustedKey],
-    root: Path,
-) -> tuple[Report, str | None, dict[str, bytes]]:
-    """Copy the run's evidence files privately and verify the copy: its report, the pin
-    that vouched for the signer, and the copies (by their path in the book), or
-    ``Refused`` naming the first problem (a dirty run first of all)."""
-    copies: dict[str, bytes] = {}
-    with tempfile.TemporaryDirectory(prefix="lab-book-") as scratch:
-        # Verify a private copy and build from it: nothing can change between the check and use.
-        staged = Path(scratch)
-        for name, limit in _STAGED:
-            source = evidence_dir / name
-            if source.exists() or source.is_symlink():
-                data = files.read_bytes(source, limit, name)
-                (staged / name).write_bytes(data)
-                copies[f"{EVIDENCE_DIR}/{name}"] = data
-        verdict = verification.verify(
-            staged,
-            public_key=public_key,
-            trusted=trusted,
-            check_sources=True,
-            root=root,
-        )
-    if verdict.report is not None and verdict.report["dirty"] is True:
-        # Said first: whatever else failed, a dirty tree is never published.
-        raise Refused(
-            f"{evidence_dir}: the run's working tree had uncommitted changes: "
-            "dirty evidence is not publishable"
-        )
-    if not verdict.ok or verdict.report is None:
-        # Name the caller's files, not the private copy.
-        problems = [p.replace(str(staged), str(evidence_dir)) for p in verdict.problems]
-        problems = problems or ["no report"]
-        # Every reason, on one line: the reader fixes them all at once, not one per build.
-        listed = problems[0] if len(problems) == 1 else "; ".join(
-            f"({n}) {problem}" for n, problem in enumerate(problems, 1))
-        raise Refused(verification.printable(f"{evidence_dir}: {listed}"))
-    return verdict.report, verdict.pinned_by, copies
-
-
-def _public_key(path: Path, report: Report) -> bytes:
-    """The signer's PEM from the signed report; a key file beside it must be the same key.
-
-    The file beside the evidence is never a source of trust: it is only refused
-    when it names another key, since the book would publish it.
-    """
-    pem = report["signing"]["public_key"]
-    try:
-        signed = dsse.load_public_key(pem.encode())
-    except errors.EvidenceError as exc:
-        raise Refused(f"the signed report names no usable public key: {exc}") from exc
-    if path.exists() or path.is_symlink():
-        present = verification.load_public_key_file(path, compiler.PUBLIC_KEY_FILE)
-        if dsse.raw_public_key(present) != dsse.raw_public_key(signed):
-            raise Refused(f"{compiler.PUBLIC_KEY_FILE} is not the key that signed the evidence")
-    return dsse.public_pem(signed).encode("ascii")
 
 
 def _inside(out: Path, name: str) -> Path:
@@ -259,7 +181,7 @@ def _render(
             continue
         figure = figures.sequence(test["events"], test["timeline"])
         path = f"{FIGURES_DIR}/{names[nodeid]}.svg"
-        rendered[path] = figures.svg(figure, pages.test_title(test), test["claim"]).encode()
+        rendered[path] = drawing.svg(figure, pages.test_title(test), test["claim"]).encode()
         paths[str(nodeid)] = path
     evidence = pages.Evidence(
         report=report,
@@ -354,7 +276,9 @@ class BuildOptions:
     png: bool = False
 
 
-def cli_main(options: BuildOptions) -> int:
+def cli_main(
+    options: BuildOptions, *, model_verifier: model_evidence.ModelVerifier | None = None
+) -> int:
     """``lab book build``: 0 when the book was written; a refusal is raised as ``Refused``.
 
     The signer is pinned by ``--public-key`` when given, else trusted when it is one of
@@ -363,14 +287,14 @@ def cli_main(options: BuildOptions) -> int:
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
     if options.public_key:
-        pinned = verification.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
     trusted = ([] if pinned is not None
-               else verification.trusted_keys_for(root, Path(options.evidence)))
+               else trust.trusted_keys_for(root, Path(options.evidence)))
     out = Path(options.out)
     try:
         written = build(
             Path(options.evidence), out, public_key=pinned, trusted=trusted, root=root,
-            png=options.png,
+            png=options.png, model_verifier=model_verifier,
         )
     except OSError as exc:
         raise Refused(f"{exc.filename or options.out}: {exc.strerror or exc}") from exc

@@ -1,7 +1,7 @@
 """The crash-point matrix as a book page: the coloured table and one figure per outcome.
 
 Renders only a matrix the signed run recorded (``crashmatrix.signed_digests``); the
-data format, its loader and its verdict live in ``lab.faults.crashmatrix``.
+data format, its loader and its verdict live in ``lab.evidence.crashmatrix``.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from lab import errors, escape
-from lab.book import figures
-from lab.faults import crashmatrix
-from lab.faults.crashmatrix import (
+from lab.book import drawing, figures
+from lab.evidence import crashmatrix
+from lab.evidence.crashmatrix import (
     AUTOMATIC,
     NOT_APPLICABLE,
     NOT_REACHED,
@@ -167,7 +167,7 @@ def outcome_figures(matrix: Mapping[str, Any]) -> list[tuple[str, Mapping[str, A
             continue
         events = history(cell)
         title = f"{cell.get('fault')} at {cell.get('boundary')} ({cell.get('kind')} tool)"
-        svg = figures.svg(figures.sequence(events, []), title, text, clock=_step_number,
+        svg = drawing.svg(figures.sequence(events, []), title, text, clock=_step_number,
                           legend=_STEP_LEGEND).encode()
         seen[text] = (cell, svg)
     return [(text, cell, svg) for text, (cell, svg) in seen.items()]

@@ -1,9 +1,9 @@
 """The book's model section: from verified, signed model evidence only.
 
-``verified_files`` stages a private copy of ``<evidence>/model/``, verifies it
-(``signed.verify``, under the pinned key when there is one) and returns
-its files for the book; anything unsigned, altered or uncovered is refused,
-naming the file. ``section`` renders the chapter from those verified bytes:
+The evidence bundle (``lab.evidence.bundle``) verifies ``<evidence>/model/`` on a
+private copy, under the pinned key when there is one, and refuses anything unsigned,
+altered or uncovered, naming the file. ``section`` renders the chapter from those
+verified bytes:
 per mode a table of outcomes with the unsafe count, one chart of counts by
 outcome (``figures/model-outcomes.svg``), tokens per second and load time, and
 every case's outcome. No clock, sorted keys: the same evidence, the same bytes.
@@ -12,22 +12,14 @@ every case's outcome. No clock, sorted keys: the same evidence, the same bytes.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
 from lab import escape
-from lab.errors import Refused
-from lab.evidence import verification
-from lab.model import candidates, signed
+from lab.evidence import model_evidence
 
-MODEL_DIR = "model"
+MODEL_DIR = model_evidence.MODEL_DIR
 CHART = "figures/model-outcomes.svg"
-MAX_DIR_BYTES = 256 << 20
 OUTCOME_LABELS = {
     "admitted_matching": "admitted, matching the request",
     "admitted_mismatch": "admitted, not the request",
@@ -37,55 +29,16 @@ OUTCOME_LABELS = {
 _COLOURS = {"unconstrained": "#8c6bb1", "constrained": "#2b8cbe"}
 
 
-def verified_files(
-    evidence_dir: Path,
-    *,
-    public_key: ed25519.Ed25519PublicKey | None,
-    trusted: Sequence[verification.TrustedKey] = (),
-) -> tuple[dict[str, bytes], str | None]:
-    """``{model/<name>: bytes}`` of the verified model evidence (``{}`` when there is
-    none) and the pin that vouched for *its* signer (None: unpinned); the runtime
-    evidence's pin never carries over to it."""
-    stray = sorted(evidence_dir.glob("model-experiment*.json"))
-    if stray:
-        raise Refused(
-            f"{stray[0]}: an unsigned model report; lab model run signs its report into "
-            f"{evidence_dir / MODEL_DIR}"
-        )
-    source = evidence_dir / MODEL_DIR
-    if not source.exists():
-        return {}, None
-    paths = sorted(source.rglob("*"))
-    links = [p for p in paths if p.is_symlink()]
-    if links:
-        raise Refused(f"{links[0]}: a symbolic link in the model evidence")
-    if sum(p.stat().st_size for p in paths if p.is_file()) > MAX_DIR_BYTES:
-        raise Refused(f"{source}: larger than {MAX_DIR_BYTES} bytes")
-    with tempfile.TemporaryDirectory(prefix="lab-book-model-") as scratch:
-        # Verify a private copy and publish from it: nothing can change in between.
-        staged = Path(scratch) / MODEL_DIR
-        shutil.copytree(source, staged)
-        verdict = signed.verify(staged, public_key=public_key, trusted=trusted)
-        if not verdict.ok:
-            more = f" (and {len(verdict.problems) - 1} more)" if len(verdict.problems) > 1 else ""
-            raise Refused(f"{source}: {verdict.problems[0]}{more}")
-        return {
-            f"{MODEL_DIR}/{path.relative_to(staged).as_posix()}": path.read_bytes()
-            for path in sorted(staged.rglob("*"))
-            if path.is_file()
-        }, verdict.pinned_by
-
-
 def section(
     copies: Mapping[str, bytes], prefix: str, *, pinned: bool
 ) -> tuple[list[str], dict[str, bytes]]:
     """The Markdown lines and the chart of the model chapter from the verified copies."""
-    report_name = f"{prefix}{MODEL_DIR}/{signed.REPORT_FILE}"
+    report_name = f"{prefix}{MODEL_DIR}/{model_evidence.REPORT_FILE}"
     if report_name not in copies:
         return [], {}
     report = json.loads(copies[report_name])
     summary: dict[str, Any] = report["summary"]
-    modes = [m for m in candidates.MODES if m in summary]
+    modes = [m for m in model_evidence.MODES if m in summary]
     signer = (
         "against the pinned public key (--public-key)"
         if pinned

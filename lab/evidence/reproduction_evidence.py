@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import files
 from lab.errors import EvidenceError, InputError, Refused
-from lab.evidence import compiler, dsse, verification
+from lab.evidence import compiler, dsse, trust, verification
 
 RECORD_FILE = "reproduction.json"
 ENVELOPE_FILE = "reproduction.intoto.json"
@@ -182,7 +182,7 @@ def verify(
     directory: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
 ) -> Verified:
     """Check the envelope, its signer (runtime trust rules), the statement and the record."""
     result = Verified(directory)
@@ -237,7 +237,7 @@ def book_files(
     original_envelope: bytes,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
 ) -> dict[str, bytes]:
     """The verified reproduction files of ``evidence_dir/reproduction/`` for the book.
 

@@ -3,7 +3,7 @@
 ``tests.jsonl`` is pytest's own record of the run (every phase report, every failed
 collection), signed beside the report. ``check`` reads it line by line (each line a
 JSON object of a known type; each test record with a node id), folds it the way the
-producer does (``compiler.test_rows``, ``experiment_rows``, ``observation_rows``,
+producer does (``testlog.test_rows``, ``experiment_rows``, ``observation_rows``,
 ``skip_rows``, ``collection_error_rows``) and requires every section of the report
 built from it to be exactly the rebuilt one: a row the log does not hold, a row
 missing, renamed or listed twice, an experiment row that leaves out one of its results
@@ -18,7 +18,7 @@ from typing import Any
 
 from lab import files
 from lab.errors import InputError
-from lab.evidence import compiler
+from lab.evidence import compiler, testlog
 
 # The record types the recorder writes into tests.jsonl, and nothing else.
 SESSION_START, SESSION_FINISH = "SessionStart", "SessionFinish"
@@ -71,8 +71,8 @@ def records(data: bytes, problems: list[str]) -> list[Mapping[str, Any]] | None:
     return found
 
 
-def _expected(predicate: Mapping[str, Any]) -> list[compiler.Expected]:
-    return [compiler.Expected(str(e["chapter"]), str(e["name"]), int(e["results"]),
+def _expected(predicate: Mapping[str, Any]) -> list[testlog.Expected]:
+    return [testlog.Expected(str(e["chapter"]), str(e["name"]), int(e["results"]),
                               e["database"])
             for e in predicate["expected"]]
 
@@ -121,12 +121,12 @@ def check(data: bytes, predicate: Any, problems: list[str]) -> None:
         return
     prefix = predicate.get("experiments_dir")
     try:
-        tests = compiler.test_rows(found, prefix if isinstance(prefix, str) else "")
+        tests = testlog.test_rows(found, prefix if isinstance(prefix, str) else "")
         sections: dict[str, Any] = {
-            "experiments": compiler.experiment_rows(_expected(predicate), tests),
-            "observations": compiler.observation_rows(tests),
-            "skips": compiler.skip_rows(tests),
-            "collection_errors": compiler.collection_error_rows(found),
+            "experiments": testlog.experiment_rows(_expected(predicate), tests),
+            "observations": testlog.observation_rows(tests),
+            "skips": testlog.skip_rows(tests),
+            "collection_errors": testlog.collection_error_rows(found),
         }
     except (TypeError, ValueError, AttributeError, KeyError):
         problems.append(f"{compiler.TESTS_FILE}: its records cannot be folded into rows")

@@ -72,7 +72,7 @@ from lab import errors, protocol
 from lab.faults import audit, clocksteps, diagnostics, diskfull, invariants, proxy
 from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
 from lab.pg import edge, embedded
-from lab.runtime import backoff, plan, processes, sealing, store, tool, worker
+from lab.runtime import backoff, plan, processes, sealing, store, tool, toolclient, worker
 
 __all__ = ["Chaos", "Settings", "run", "split"]
 
@@ -114,7 +114,7 @@ class _Population:
         self.acknowledged: list[invariants.Acknowledged] = []
         self.service: tool.ToolService | None = None
         self.db: store.Store | None = None
-        self.client: tool.ToolClient | None = None
+        self.client: toolclient.ToolClient | None = None
         self.reconciler: worker.Worker | None = None
         self.open = {"ready": size, "running": 0, "unreviewed_unknown": 0}
 
@@ -126,7 +126,7 @@ class _Population:
             self.ledger_dsn, self.schema, idempotent=self.idempotent,
             fenced_lookup=self.fenced_lookup,
         ).start()
-        self.client = tool.ToolClient(self.service.endpoint, self.service.token)
+        self.client = toolclient.ToolClient(self.service.endpoint, self.service.token)
         self.reconciler = worker.Worker(
             db=self.db, client=self.client, name="chaos-recoverer",
             lease=timedelta(seconds=LEASE_S),

@@ -55,9 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from lab import errors, protocol
-from lab.faults import crashmatrix, invariants
+from lab.evidence import crashmatrix
+from lab.faults import invariants
 from lab.pg import edge, providers
-from lab.runtime import plan, processes, sealing, store, tool, worker
+from lab.runtime import plan, processes, sealing, store, toolclient, worker
 from lab.runtime import toolprocess as toolprocesses
 
 WORKER_SIGKILL = "worker_sigkill"
@@ -560,7 +561,7 @@ def _recover(
     """Recover as an operator's recoverer: expired leases, reconciliation, requeued work."""
     actions: list[str] = []
     deadline = time.monotonic() + CELL_TIMEOUT_S
-    with tool.ToolClient(tools.endpoint, tools.token) as client:
+    with toolclient.ToolClient(tools.endpoint, tools.token) as client:
         recoverer = worker.Worker(db=db, client=client, name="recoverer",
                                   lease=timedelta(seconds=LEASE_S))
         while True:

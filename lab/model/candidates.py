@@ -26,10 +26,11 @@ from typing import Any
 import jsonschema
 
 from lab import errors
+from lab.evidence import model_evidence
 from lab.model.cases import Case
 from lab.runtime import plan, proposal
 
-MODES = ("unconstrained", "constrained")
+MODES = model_evidence.MODES
 # Outcomes of one generation, in the order tables and charts show them.
 OUTCOMES = ("admitted_matching", "admitted_mismatch", "rejected", "failed")
 

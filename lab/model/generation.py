@@ -25,13 +25,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from lab.evidence import model_evidence
 from lab.model import candidates, engine, grammar
 from lab.model.cases import Case, CaseSet, Injection
 from lab.model.engine import Engine, ModelFile
 
 MODES = candidates.MODES
-REPORT_FILE = "model-experiment.json"
-TRACES_DIR = "traces"
+REPORT_FILE = model_evidence.REPORT_FILE
+TRACES_DIR = model_evidence.TRACES_DIR
 
 # Report fields that measure time; everything else is deterministic.
 TIME_FIELDS = frozenset(

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
 from lab.errors import EvidenceError, InputError
-from lab.evidence import compiler, dsse, verification
+from lab.evidence import compiler, dsse, model_evidence, trust, verification
 from lab.model import generation
 from lab.model.cases import CaseSet
 
@@ -109,11 +109,11 @@ REPORT_SCHEMA: dict[str, Any] = {
     },
 }
 
-ENVELOPE_FILE = "model.intoto.json"
-PUBLIC_KEY_FILE = "model.pub.pem"
-CASES_FILE = "cases.json"
-REPORT_FILE = generation.REPORT_FILE
-TRACES_DIR = generation.TRACES_DIR
+ENVELOPE_FILE = model_evidence.ENVELOPE_FILE
+PUBLIC_KEY_FILE = model_evidence.PUBLIC_KEY_FILE
+CASES_FILE = model_evidence.CASES_FILE
+REPORT_FILE = model_evidence.REPORT_FILE
+TRACES_DIR = model_evidence.TRACES_DIR
 MODEL_SUBJECT_PREFIX = "model/"
 PREDICATE_TYPE = "https://durable-agent-lab.dev/model-evidence/v1"
 DEFAULT_DIR = Path("evidence/model")
@@ -234,7 +234,7 @@ def verify(
     path: Path,
     *,
     public_key: ed25519.Ed25519PublicKey | None = None,
-    trusted: Sequence[verification.TrustedKey] = (),
+    trusted: Sequence[trust.TrustedKey] = (),
     model_path: Path | None = None,
 ) -> Verdict:
     """Check a model evidence directory offline and name every failure (see the module doc)."""

@@ -37,7 +37,7 @@ from psycopg import sql
 
 from lab import errors, names, protocol
 from lab.pg import edge
-from lab.runtime import processes, tool
+from lab.runtime import processes, tool, toolclient
 
 APP = "labpeer"
 QUEUE = "lab_bench"
@@ -214,12 +214,12 @@ def main(args_in: Sequence[str] | None = None) -> int:
     dbos = module()
     endpoint = os.environ.get(TOOL_ENV, "")
     token = os.environ.get(TOKEN_ENV, "")
-    clients: list[tool.ToolClient] = []
+    clients: list[toolclient.ToolClient] = []
     attempts = [0]
 
     def credit_step(body: dict[str, Any]) -> dict[str, str]:
         if not clients:
-            clients.append(tool.ToolClient(endpoint, token))
+            clients.append(toolclient.ToolClient(endpoint, token))
         attempts[0] += 1
         work = Work(body["effect_key"], body["fingerprint"], body["plan"])
         failure: errors.ToolError | None = None

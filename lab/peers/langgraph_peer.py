@@ -43,7 +43,7 @@ from psycopg import sql
 
 from lab import errors, names, protocol
 from lab.pg import edge
-from lab.runtime import plan, processes, proposal, sealing, store, tool, worker
+from lab.runtime import plan, processes, proposal, sealing, store, tool, toolclient, worker
 
 DSN_ENV = "LAB_LG_DSN"
 SCHEMA_ENV = "LAB_LG_SCHEMA"
@@ -118,7 +118,7 @@ class Nodes:
     """The graph's node functions, bound to a tool client and (delegate mode) the lab store."""
 
     mode: str
-    client: tool.ToolClient | None
+    client: toolclient.ToolClient | None
     interrupt: Callable[[Any], Any]
     pause: str | None = None
     db: store.Store | None = None
@@ -167,7 +167,7 @@ class Nodes:
         self._peer_stage("after_tool")
         return {"receipt": receipt.to_json()}
 
-    def _delegated(self, state: State, client: tool.ToolClient) -> State:
+    def _delegated(self, state: State, client: toolclient.ToolClient) -> State:
         assert self.db is not None
         db = self.db
         workflow_id = state["workflow_id"]
@@ -320,7 +320,8 @@ def main(args_in: Sequence[str] | None = None) -> int:
     os.environ["LAB_LG_THREAD"] = args.thread
     dsn = os.environ[DSN_ENV]
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(tool.ToolClient(os.environ[TOOL_ENV], os.environ[TOKEN_ENV]))
+        client = stack.enter_context(
+            toolclient.ToolClient(os.environ[TOOL_ENV], os.environ[TOKEN_ENV]))
         db = None
         if args.mode == "delegate":
             db = stack.enter_context(store.Store.open(

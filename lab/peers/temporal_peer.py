@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lab import errors, protocol
-from lab.runtime import processes, tool
+from lab.runtime import processes, tool, toolclient
 
 TOOL_ENV = "LAB_TEMPORAL_TOOL"
 TOKEN_ENV = protocol.TOKEN_ENV  # the same variable `lab worker` reads
@@ -284,12 +284,12 @@ async def _serve(args: argparse.Namespace, endpoint: str, token: str) -> None:
 
     from lab.peers import temporal_workflows as flows
 
-    clients: list[tool.ToolClient] = []
+    clients: list[toolclient.ToolClient] = []
 
     @activity.defn(name=flows.CREDIT_ACTIVITY)
     def credit(body: dict[str, Any]) -> dict[str, str]:
         if not clients:
-            clients.append(tool.ToolClient(endpoint, token))
+            clients.append(toolclient.ToolClient(endpoint, token))
         attempt = activity.info().attempt
         work = Work(body["effect_key"], body["fingerprint"], body["plan"])
         failure: errors.ToolError | None = None

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import IO
 
 from lab import errors, protocol
-from lab.runtime import backoff, egress, forkserver, sealing, store, tool, worker
+from lab.runtime import backoff, egress, forkserver, sealing, store, toolclient, worker
 
 # Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
 WORKER_APP_PREFIX = "lab-worker:"
@@ -112,7 +112,7 @@ def worker_main(options: WorkerOptions) -> int:
             wait_for_newline()
 
     try:
-        with _open_store(dsn, options.schema, options.name) as db, tool.ToolClient(
+        with _open_store(dsn, options.schema, options.name) as db, toolclient.ToolClient(
             options.tool, token
         ) as client:
             runner = worker.Worker(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from lab import errors, protocol
-from lab.runtime import store, tool
+from lab.runtime import store, toolclient
 from lab.runtime.barrier import StartBarrier
 from lab.runtime.plan import Receipt
 
@@ -39,7 +39,7 @@ class Worker:
     """
 
     db: store.Store
-    client: tool.ToolClient
+    client: toolclient.ToolClient
     name: str = "worker"
     lease: timedelta = timedelta(seconds=3)
     heartbeat_every: timedelta | None = None

@@ -1,7 +1,8 @@
 """The crash-point matrix as data: its file format, its verdict, and its signed digest.
 
-Pure: no database, no processes. ``lab crashpoints`` (``lab.faults.crashpoints``)
-produces the matrix; ``lab book build`` renders it from the evidence directory
+Pure: no database, no processes. The format lives with the evidence, its reader:
+``lab crashpoints`` (``lab.faults.crashpoints``), its producer, writes the matrix,
+and ``lab book build`` renders it from the evidence bundle (``lab.evidence.bundle``)
 with ``lab.book.crashpoints.book_section``. The file is signed with the run when an experiment of
 the run observed its sha256 (``SIGNED_KEY``): the signed report then binds the
 file's exact bytes, and the chapter says so; any other matrix is refused.
