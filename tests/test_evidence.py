@@ -50,7 +50,8 @@ def _passing(nodeid: str, observation: dict[str, Any] | None = None) -> list[dic
         ["lab_database", True],
     ]
     if observation is not None:
-        props += [list(p) for p in recorder.observation_properties(observation)]
+        props += [list(p) for p in recorder.observation_properties(
+            observation, facts=tuple(observation))]
     return [_record(nodeid, when, props=props) for when in ("setup", "call", "teardown")]
 
 
