@@ -5,6 +5,8 @@
   the sender's bridge port and the receiver's address. Silent, as a cut cable is: the
   sender sees no error, only no answer. A **one-way** partition drops one direction only
   (A's packets to B; B's to A still arrive); a full one drops both.
+- A host **isolated** has its cable pulled: its bridge port is set down (iproute2 alone,
+  no nftables), so it reaches nobody and nobody reaches it until it is **rejoined**.
 - **Loss** on a host's link: an nftables rule dropping that share of what the host sends
   (``numgen random``). **Delay, jitter and reordering** need ``tc netem``; a kernel built
   without ``sch_netem`` refuses them in one line (nothing is changed).
@@ -71,6 +73,7 @@ class Faults:
         self.hosts = hosts
         self._rules: dict[tuple[str, str], int] = {}  # (from, to or "loss") -> rule handle
         self._shaped: set[str] = set()
+        self._isolated: set[str] = set()
         self._table = False
 
     def _host(self, name: str) -> Host:
@@ -120,6 +123,20 @@ class Faults:
         self._delete_rule((b, a))
         self.hosts.record("heal", between=f"{a}<->{b}")
 
+    def isolate(self, name: str) -> None:
+        """Pull host ``name``'s cable: its bridge port goes down."""
+        host = self._host(name)
+        command("ip", "link", "set", host.port, "down", netns=self.hosts.bridge_ns)
+        self._isolated.add(name)
+        self.hosts.record("isolated", host=name)
+
+    def rejoin(self, name: str) -> None:
+        """Plug host ``name``'s cable back in."""
+        host = self._host(name)
+        command("ip", "link", "set", host.port, "up", netns=self.hosts.bridge_ns)
+        self._isolated.discard(name)
+        self.hosts.record("rejoined", host=name)
+
     def shape(self, name: str, fault: LinkFault) -> None:
         """Apply ``fault`` to everything host ``name`` sends (replacing an earlier one)."""
         fault.validate()
@@ -159,6 +176,8 @@ class Faults:
             self.heal(a, b)
         for name in list(self._shaped):
             self.unshape(name)
+        for name in list(self._isolated):
+            self.rejoin(name)
 
 
 _netem: list[bool] = []

@@ -78,7 +78,7 @@ class Replicated:
 
     hosts: Hosts
     primary_host: str
-    standby_host: str
+    standby_host: str | None  # None: a server alone (the credit tool's ledger, say)
     mode: str = "sync"
     environ: Mapping[str, str] | None = None
     nodes: list[Node] = field(default_factory=list)
@@ -162,6 +162,8 @@ class Replicated:
         self._sql(primary, sql.SQL("ALTER ROLE {} PASSWORD {}").format(
             sql.Identifier(SUPERUSER), sql.Literal(self._password)))
         self.record("primary started", node=primary.name)
+        if self.standby_host is None:
+            return
         standby = self._node(runner, self.standby_host, "standby")
         self._empty_data(runner, standby.cluster)
         runner.run("pg_basebackup", "-D", str(standby.cluster.data), "-h", primary.socket_dir,
@@ -285,6 +287,7 @@ class Replicated:
         new.role = "primary"
         self.record("promoted", node=new.name)
         if self.mode != "async":
+            # Else every commit would wait for a standby that is gone: the pair is one now.
             self._sql(new, "ALTER SYSTEM SET synchronous_standby_names = ''")
             self._sql(new, "SELECT pg_reload_conf()")
             self.record("commits alone", node=new.name, why="no standby left to wait for")
