@@ -64,6 +64,10 @@ def test_a_synchronous_commit_waits_for_the_standby_and_survives_failover(
         assert _rows(pair.local_dsn()) == [1, 2]
         _insert(pair.local_dsn(), 3)
         assert pair.describe()["nodes"]["db2"]["role"] == "primary"
+        old = pair.rejoin()
+        _insert(pair.local_dsn(), 4)  # synchronous again: acknowledged once db1 has it
+        assert _rows(pair.local_dsn(old)) == [1, 2, 3, 4]
+        assert [s["step"] for s in pair.steps][-2:] == ["pg_rewind", "rejoined"]
 
 
 def test_an_asynchronous_failover_loses_what_the_cut_off_standby_never_got(

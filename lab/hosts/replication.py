@@ -14,7 +14,8 @@ lab host, so it listens on that host's address. The standby is made with
   (``local_dsn()``, the same multi-host form).
 - ``failover()`` is performed and recorded step by step: the old primary is fenced
   (its whole process group SIGKILLed, as a host dies), the standby promoted, and, with
-  no standby left, the new primary told to commit alone (recorded as such).
+  no standby left, the new primary told to commit alone (recorded as such); ``rejoin()``
+  then brings the old primary back as a standby with ``pg_rewind``.
 
 The administrative statements here (promote, replication state) are the server's own
 functions, not the workflow store's SQL, which stays in ``lab.runtime.store``.
@@ -52,9 +53,9 @@ _HBA = ("local replication all trust\n"
         "host replication postgres 169.254.0.0/16 scram-sha-256\n"
         "host all all 169.254.0.0/16 scram-sha-256\n")
 # Quick to notice a dead peer: a failover in a test must not wait a minute for a timeout.
-_SETTINGS = ("wal_level=replica", "max_wal_senders=8", "wal_keep_size=64MB",
-             "wal_log_hints=on", "hot_standby=on", "wal_sender_timeout=5s",
-             "wal_receiver_timeout=5s", "wal_retrieve_retry_interval=200ms")
+_SETTINGS = ("wal_level = replica", "max_wal_senders = 8", "wal_keep_size = '64MB'",
+             "wal_log_hints = on", "hot_standby = on", "wal_sender_timeout = '5s'",
+             "wal_receiver_timeout = '5s'", "wal_retrieve_retry_interval = '200ms'")
 
 
 @dataclass
@@ -158,6 +159,10 @@ class Replicated:
             initdb(runner, primary.cluster.data)
         with open(primary.cluster.data / "pg_hba.conf", "a", encoding="ascii") as hba:
             hba.write(_HBA)
+        # In the data directory, not on the command line: pg_basebackup carries them to the
+        # standby, and pg_rewind's own crash recovery reads them (wal_log_hints above all).
+        with open(primary.cluster.data / "postgresql.auto.conf", "a", encoding="ascii") as conf:
+            conf.write("".join(f"{setting}\n" for setting in _SETTINGS))
         self._launch(primary)
         self._sql(primary, sql.SQL("ALTER ROLE {} PASSWORD {}").format(
             sql.Identifier(SUPERUSER), sql.Literal(self._password)))
@@ -183,7 +188,6 @@ class Replicated:
         cluster = Embedded(runner, base, durable=False)
         host = self.hosts[host_name]
         cluster.listen = f"127.0.0.1,{host.address}"
-        cluster.settings = [arg for s in _SETTINGS for arg in ("-c", s)]
         node = Node(host_name, host, cluster, role)
         self.nodes.append(node)
         return node
@@ -292,6 +296,33 @@ class Replicated:
             self._sql(new, "SELECT pg_reload_conf()")
             self.record("commits alone", node=new.name, why="no standby left to wait for")
         return new
+
+    def rejoin(self) -> Node:
+        """Step 3: the fenced old primary rejoins as a standby of the new one: ``pg_rewind``
+        (after the crash recovery it runs itself) winds its data back to where the timelines
+        forked, it follows the new primary, and a synchronous pair is synchronous again."""
+        old = next(node for node in self.nodes if node.role == "fenced")
+        new = self.primary
+        runner = old.cluster.runner
+        # Until the new primary checkpoints, its control file still names the old timeline
+        # and pg_rewind would find "no rewind required" on a history that forked.
+        self._sql(new, "CHECKPOINT")
+        source = conninfo.make_conninfo(host=new.socket_dir, port=str(PORT), user=SUPERUSER,
+                                        dbname="postgres")
+        runner.run("pg_rewind", "--target-pgdata", str(old.cluster.data),
+                   "--source-server", source, timeout=_READY_TIMEOUT)
+        self.record("pg_rewind", node=old.name, source=new.name)
+        self._follow(runner, old, new)
+        self._launch(old)
+        old.role = "standby"
+        self._wait_streaming(new, old)
+        if self.mode != "async":
+            self._set_sync(new, old.name)
+        # Streaming is not following: a standby on the wrong timeline streams and stalls.
+        self.wait_until(f"{old.name} to replay everything {new.name} wrote",
+                        lambda: self.replay_lag_bytes() == 0)
+        self.record("rejoined", node=old.name, primary=new.name, mode=self.mode)
+        return old
 
     def failover(self) -> list[dict[str, Any]]:
         """Fence the primary, promote the standby; the steps recorded (``steps``)."""
