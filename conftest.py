@@ -1,11 +1,12 @@
 """The experiments' shared fixtures: a PostgreSQL of a chapter's own that it may kill, fill
-or step the clock of, and a Temporal dev server of a test's own that it may kill.
+or step the clock of, a Temporal dev server of a test's own that it may kill, and chapter
+17's lab hosts with a replicated database (``beyond_one_host``).
 
 The lab's pytest plugin (``lab.pytest_plugin``) provides ``lab``, ``observe``,
 ``reached_database`` and ``evidence_artifact`` everywhere; this file adds what
-chapters 11 to 16 share. It is git-tracked and hashed into the evidence like every
+chapters 11 to 17 share. It is git-tracked and hashed into the evidence like every
 conftest pytest loads (the gate fails a run that loaded an untracked one). See
-docs/authoring.md, "A database of your own to kill" and "Temporal".
+docs/authoring.md, "A database of your own to kill", "Temporal" and "Beyond one host".
 """
 
 from __future__ import annotations
