@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -167,3 +169,19 @@ def test_the_loopback_guard_learns_exactly_the_hosts_addresses() -> None:
         loopback.forget(["169.254.7.9"])
     with pytest.raises(errors.BoundaryViolation):
         loopback.learn(["192.168.0.1"])
+
+
+@needs_root
+def test_a_killed_owner_leaves_no_namespace_behind() -> None:
+    """The process that built the hosts is SIGKILLed: its reaper deletes the namespaces."""
+    script = ("import os, signal, sys\nfrom lab.hosts import network\n"
+              "built = network.Hosts(['k']).__enter__()\nprint(built.run_id, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    run_id = done.stdout.strip()
+    assert run_id and done.returncode == -9
+    deadline = time.monotonic() + 30
+    while network.leftovers(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert network.leftovers(run_id) == []

@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,18 @@ _CLONE_NEWNET = 0x40000000
 _COMMAND_TIMEOUT = 20.0
 _NAME = re.compile(r"[a-z][a-z0-9]{0,7}")
 MAX_HOSTS = 32
+
+
+# Waits for EOF on stdin (its owner closed it, or died), then deletes the namespaces named
+# on its command line that still exist; their veth pairs and the bridge go with them.
+_REAPER = r"""
+import os, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+sys.stdin.buffer.read()
+for name in sys.argv[1:]:
+    if os.path.exists(os.path.join("/run/netns", name)):
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=20)
+"""
 
 
 def refusal() -> str | None:
@@ -149,6 +162,11 @@ class Hosts:
         self.events: list[dict[str, str]] = []
         self._names = names
         self._made: list[str] = []
+        every = [self.bridge_ns, *(f"lab-{self.run_id}-{name}" for name in names)]
+        # Outlives us: if this process dies (even by SIGKILL), it deletes the namespaces.
+        self._reaper: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, *every], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     # -- building --------------------------------------------------------------------------
 
@@ -252,6 +270,11 @@ class Hosts:
             except errors.ProvisioningError as exc:
                 failures.append(str(exc))
         self._made.clear()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None and reaper.stdin is not None:
+            reaper.stdin.close()  # nothing left for it to delete: it exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                reaper.wait(timeout=_COMMAND_TIMEOUT * 2)
         if failures:
             log.error("lab hosts: teardown left something behind: %s", "; ".join(failures))
             raise errors.ProvisioningError(f"lab hosts teardown failed: {failures[0]}")

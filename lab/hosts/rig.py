@@ -41,6 +41,11 @@ _RELAY = r"""
 import socket, sys, threading
 address, target = sys.argv[1], int(sys.argv[2])
 server = socket.create_server((address, 0))
+def orphaned():
+    sys.stdin.read()  # EOF: whoever started the relay closed the pipe or died
+    import os
+    os._exit(0)
+threading.Thread(target=orphaned, daemon=True).start()
 print(server.getsockname()[1], flush=True)
 def pipe(a, b):
     try:
@@ -145,7 +150,7 @@ class HostRig:
                                                                 fork=False))
         port = int(self.tool.wait_for(protocol.READY, timeout=_READY_S).split()[1])
         relay = host.popen([sys.executable, "-I", "-S", "-c", _RELAY, host.address, str(port)],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
         self.endpoint = f"http://{host.address}:{_first_line(relay, 'the tool relay')}"
         self.hosts.record("tool", host="ledger", endpoint=self.endpoint)
