@@ -1,16 +1,17 @@
 """The experiments' shared fixtures: a PostgreSQL of a chapter's own that it may kill, fill
-or step the clock of, and a Temporal dev server of a test's own that it may kill.
+or step the clock of, a Temporal dev server of a test's own that it may kill, and chapter
+17's lab hosts with a replicated database (``beyond_one_host``).
 
 The lab's pytest plugin (``lab.pytest_plugin``) provides ``lab``, ``observe``,
 ``reached_database`` and ``evidence_artifact`` everywhere; this file adds what
-chapters 11 to 16 share. It is git-tracked and hashed into the evidence like every
+chapters 11 to 17 share. It is git-tracked and hashed into the evidence like every
 conftest pytest loads (the gate fails a run that loaded an untracked one). See
-docs/authoring.md, "A database of your own to kill" and "Temporal".
+docs/authoring.md, "A database of your own to kill", "Temporal" and "Beyond one host".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -19,6 +20,7 @@ from lab import pytest_plugin
 
 if TYPE_CHECKING:
     from lab import harness
+    from lab.hosts import rig as host_rig
     from lab.peers import temporal_server
     from lab.pg import cluster
 
@@ -110,3 +112,37 @@ def killable_temporal(request: pytest.FixtureRequest) -> Iterator[temporal_serve
     with server:
         pytest_plugin.record_temporal(request.node, server)
         yield server
+
+
+@pytest.fixture
+def beyond_one_host(
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[..., tuple[host_rig.HostRig, harness.Harness]]]:
+    """Chapter 17's rig, built on demand: ``rig, lab = beyond_one_host("sync"|"async",
+    idempotent=..., tool_flags=(...))``. Five lab hosts (``lab.hosts.rig``): the workflow
+    database replicated on ``db1``/``db2``, the tool and its ledger's own server on
+    ``ledger``, workers on ``w1``/``w2``; ``lab`` is the usual harness on a fresh schema
+    of the replicated database (reached over unix sockets, following the primary).
+    Everything is torn down at the end, hosts last. Needs root: otherwise the experiment
+    fails in one line, and the run is not PASS."""
+    import contextlib
+
+    from lab.hosts import network
+    from lab.hosts import rig as host_rig
+    from lab.runtime import store
+
+    reason = network.refusal()
+    if reason is not None:
+        pytest.fail(reason, pytrace=False)
+    with contextlib.ExitStack() as stack:
+
+        def build(mode: str, *, idempotent: bool = True,
+                  tool_flags: tuple[str, ...] = ()) -> tuple[host_rig.HostRig, harness.Harness]:
+            rig = stack.enter_context(host_rig.HostRig(mode, idempotent=idempotent))
+            lab = stack.enter_context(pytest_plugin.harness_on(request, rig.database_dsn()))
+            # The tool's ledger: the same tables, on the ledger host's own server.
+            store.create_schema(rig.ledger_dsn(), lab.schema)
+            rig.start_tool(lab.schema, lab.store.keys, lab.mark, *tool_flags)
+            return rig, lab
+
+        yield build

@@ -39,6 +39,47 @@ _SHOWABLE_HOST = re.compile(r"[A-Za-z0-9.:\-]{1,64}")
 _NUMERIC_HOST = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)(\.(0[xX][0-9A-Fa-f]*|[0-9]+)){0,3}")
 _DOTTED_QUAD = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}")
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
+HOSTS_ENV = "LAB_HOST_ADDRESSES"
+HOSTS_NETWORK = ipaddress.IPv4Network("169.254.0.0/16")
+_learned: set[str] = set()
+
+
+def _link_local(addresses: list[str]) -> set[str]:
+    """The addresses, each a canonical IPv4 literal of ``HOSTS_NETWORK``, or raise."""
+    chosen: set[str] = set()
+    for text in addresses:
+        try:
+            address = ipaddress.IPv4Address(text)
+        except ValueError:
+            address = None
+        if address is None or str(address) != text or address not in HOSTS_NETWORK:
+            raise errors.BoundaryViolation(
+                f"a lab host address must be a canonical IPv4 literal in {HOSTS_NETWORK}")
+        chosen.add(text)
+    return chosen
+
+
+def learn(addresses: list[str]) -> None:
+    """Admit these lab hosts' addresses in this process (see the module)."""
+    _learned.update(_link_local(addresses))
+
+
+def forget(addresses: list[str]) -> None:
+    """Stop admitting these addresses (their hosts are gone)."""
+    _learned.difference_update(addresses)
+
+
+def host_addresses(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The lab hosts' addresses admitted here: learned, or named by ``LAB_HOST_ADDRESSES``."""
+    env = os.environ if environ is None else environ
+    named = env.get(HOSTS_ENV, "")
+    return frozenset(_learned | (_link_local(named.split(",")) if named else set()))
+
+
+def _allowed_literal(host: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A canonical loopback literal, or the exact address of one of the run's lab hosts."""
+    return _canonical_loopback(host) or (
+        "%" not in host and host in host_addresses(environ))
 
 
 def _canonical_loopback(host: str) -> bool:
@@ -62,12 +103,12 @@ def _shown_host(host: str, secret: str) -> str:
     return "(not shown)"
 
 
-def _db_host_is_local(host: str) -> bool:
+def _db_host_is_local(host: str, environ: Mapping[str, str]) -> bool:
     if host == "":
         return True  # libpq uses its default unix socket directory
     if host.startswith(("/", "@")):
         return True  # a unix-domain socket directory (or abstract socket) is local
-    return host == LOOPBACK_NAME or _canonical_loopback(host)
+    return host == LOOPBACK_NAME or _allowed_literal(host, environ)
 
 
 def _split(params: Mapping[str, str], key: str) -> list[str] | None:
@@ -98,6 +139,7 @@ def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
         # from None: libpq's message can quote the whole DSN, password included.
         raise errors.BoundaryViolation("database DSN is malformed") from None
     secret = params.get("password", "")
+    host_addresses(env)  # a LAB_HOST_ADDRESSES naming anything but link-local is refused
     if "service" in params:
         raise errors.BoundaryViolation("database DSN names a service, which could be remote")
     for name in _SERVICE_ENV:
@@ -114,12 +156,12 @@ def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
             f"DSN names no host and {_HOST_ENV} is set: it could redirect the connection"
         )
     for host in hosts or []:
-        if not _db_host_is_local(host):
+        if not _db_host_is_local(host, env):
             raise errors.BoundaryViolation(
                 f"database host {_shown_host(host, secret)} is not loopback ({_ALLOWED_DB})"
             )
     for addr in addrs or []:
-        if addr != "" and not _canonical_loopback(addr):
+        if addr != "" and not _allowed_literal(addr, env):
             raise errors.BoundaryViolation(
                 f"database hostaddr {_shown_host(addr, secret)} is not a loopback address"
             )
@@ -128,7 +170,8 @@ def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
     # left alone: libpq refuses to connect with them.
     if hosts is not None and (addrs is None or len(addrs) == len(hosts)):
         pinned = [
-            addr or (PINNED_LOOPBACK if h == LOOPBACK_NAME else h if _canonical_loopback(h) else "")
+            addr or (PINNED_LOOPBACK if h == LOOPBACK_NAME
+                     else h if _allowed_literal(h, env) else "")
             for h, addr in zip(hosts, addrs or [""] * len(hosts), strict=True)
         ]
         if any(pinned):
@@ -167,7 +210,7 @@ def _endpoint_host(host: str) -> str:
             raise _refuse(f"host {_shown_host(inner, '')} is not loopback ({_ALLOWED_ENDPOINT})")
         return inner
     if _DOTTED_QUAD.fullmatch(host):
-        if not _canonical_loopback(host):
+        if not _allowed_literal(host):
             try:
                 ipaddress.IPv4Address(host)
             except ValueError:

@@ -147,6 +147,10 @@ class Embedded:
         self.clock_file = base / "faketime"
         self.clock_offset_s = 0
         self.postmaster: subprocess.Popen[bytes] | None = None
+        # Where it listens, and settings given after ours (a later -c wins): a server on a
+        # lab host listens on the host's address and may replicate (lab.hosts.replication).
+        self.listen = "127.0.0.1"
+        self.settings: list[str] = []
         self._reaper_args = [sys.executable, "-I", "-S", "-c", _REAPER, str(self.data), str(base)]
         if self.mount is not None and self.image is not None:
             self._reaper_args += [str(self.mount), str(self.image)]
@@ -349,9 +353,10 @@ class Embedded:
                     "-k",
                     str(self.base),
                     "-c",
-                    "listen_addresses=127.0.0.1",
+                    f"listen_addresses={self.listen}",
                     "-c",
                     "unix_socket_permissions=0700",
+                    *self.settings,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from lab import errors
+from lab import errors, loopback
 
 _installed = False
 _lock = threading.Lock()
@@ -31,10 +31,11 @@ def _check(event: str, args: tuple[Any, ...]) -> None:
         return
     if family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
         try:
-            loopback = ipaddress.ip_address(str(address[0]).split("%")[0]).is_loopback
+            local = ipaddress.ip_address(str(address[0]).split("%")[0]).is_loopback
         except ValueError:
-            loopback = False
-        if not loopback:
+            local = False
+        # The run's own lab hosts, exactly their addresses (lab.loopback.host_addresses).
+        if not local and str(address[0]) not in loopback.host_addresses():
             raise errors.BoundaryViolation(
                 f"egress guard: connection to {address[0]!r} refused (loopback only)"
             )

@@ -1,0 +1,177 @@
+"""Chapter 17: beyond one host. The workflow database is a primary and a streaming standby
+on lab hosts of their own, the credit tool and its ledger on a third, workers on two more
+(network namespaces on a bridge of their own: ``beyond_one_host`` in conftest.py). The
+primary dies in a window of a workflow and the standby is promoted; what every client was
+told is compared with what the new primary holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab import harness, protocol
+
+# What a worker's stage line says was committed, and the audit event that commit wrote.
+COMMITTED = {protocol.AFTER_CLAIM: "claimed", protocol.AFTER_BARRIER: "dispatching",
+             protocol.AFTER_COMPLETE: "completed"}
+TOOL_HOLDS = "tool_holds"
+WINDOWS = (protocol.AFTER_CLAIM, protocol.AFTER_BARRIER, TOOL_HOLDS, protocol.AFTER_TOOL)
+
+
+def told(*workers: harness.WorkerProcess) -> list[tuple[str, int, str]]:
+    """The commits each worker was told succeeded: (event kind, fence, worker), in order."""
+    found = []
+    for worker in workers:
+        for line in worker.all_lines():
+            parts = line.split()
+            if parts[:1] == [protocol.STAGE] and parts[1] in COMMITTED:
+                found.append((COMMITTED[parts[1]], int(parts[3]), worker.name))
+    return found
+
+
+def held(lab: harness.Harness) -> set[tuple[str, int, str]]:
+    """What the primary holds now: (event kind, fence, owner of that fence's claim) of every
+    audit event. The owner tells two claims of one fence apart."""
+    owners = {c.fence: c.owner for c in harness.retrying(lab.claims)}
+    return {(e["kind"], int(e["fence"] or 0), owners.get(int(e["fence"] or 0), ""))
+            for e in harness.retrying(lab.event_history)}
+
+
+def settle(rig, lab: harness.Harness, workflow_id: str, host: str = "w2") -> list[str]:
+    """What the lab does after any crash: a lease left running runs out and is recovered,
+    an unknown outcome is reconciled by a worker on another host. The steps taken."""
+    steps = []
+    if harness.retrying(lambda: lab.state(workflow_id)).state == "running":
+        lab.recover_by_elapsed_lease(workflow_id)
+        steps.append("lease recovered")
+    if lab.state(workflow_id).state in ("unknown", "queued"):
+        rig.spawn_worker(host, f"{host}-reconciler", "--reconcile", workflow_id).finish(
+            expect_exit=None)
+        steps.append("reconciled on another host")
+    return steps
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_synchronous_failover_loses_no_acknowledged_commit(beyond_one_host, observe, window):
+    """With synchronous replication, the primary killed and the standby promoted in each
+    window (after the claim, after the start barrier, while the tool holds the request,
+    after the reply): everything a worker was told committed is on the new primary, and the
+    workflow ends succeeded with exactly one effect."""
+    holds = window == TOOL_HOLDS
+    rig, lab = beyond_one_host("sync", tool_flags=("--pause", protocol.AFTER_REQUEST)
+                               if holds else ())
+    job = lab.approved(idempotent=True)
+    first = rig.spawn_worker("w1", "w1-worker", *(() if holds else ("--pause", window)))
+    if holds:
+        rig.tool.wait_for(f"{protocol.STAGE} {protocol.AFTER_REQUEST}")
+    else:
+        first.wait_for(f"{protocol.STAGE} {window}")
+    before = told(first)
+    steps = [s["step"] for s in rig.pair.failover()]
+    lab.mark("experiment", "failover: db1 fenced, db2 promoted")
+    (rig.tool.send("") if holds else first.release())
+    first.finish(expect_exit=None)
+    recovery = settle(rig, lab, job.id)
+    acknowledged = told(first)
+    lost = [commit for commit in acknowledged if commit not in held(lab)]
+    final = lab.state(job.id)
+    effects = rig.ledger_effects()
+    assert before and set(before) <= set(acknowledged)
+    assert steps == ["fenced", "promoted", "commits alone"]
+    assert lost == []
+    assert final.state == "succeeded"
+    assert effects == 1
+    observe({
+        "replication": "sync",
+        "window": window,
+        "failover_steps": steps,
+        "acknowledged_commits": len(acknowledged),
+        "acknowledged_lost": lost,
+        "state": final.state,
+        "effects": effects,
+        "recovery": recovery,
+        "hosts": rig.topology()["hosts"],
+    }, facts=("replication", "window", "failover_steps", "acknowledged_lost", "state",
+              "effects"),
+       measurements=("acknowledged_commits", "recovery", "hosts"))
+
+
+def _failover_after_the_barrier(beyond_one_host, mode):
+    """A non-idempotent workflow; with ``async`` the standby's cable is pulled first (it
+    falls behind, as a lagging standby does). The primary dies after the start barrier and
+    the standby is promoted; the first worker's request then goes out, and a worker on
+    another host carries on from what the new primary holds."""
+    rig, lab = beyond_one_host(mode, idempotent=False)
+    job = lab.approved(idempotent=False)
+    rig.pair.wait_until("the standby to replay the approval",
+                        lambda: rig.pair.replay_lag_bytes() == 0, within=30)
+    if mode == "async":
+        rig.faults.isolate("db2")
+    first = rig.spawn_worker("w1", "w1-worker", "--pause", protocol.AFTER_BARRIER)
+    first.wait_for(f"{protocol.STAGE} {protocol.AFTER_BARRIER}")
+    rig.pair.fence()
+    if mode == "async":
+        rig.faults.rejoin("db2")
+    rig.pair.promote()
+    lab.mark("experiment", "failover: db1 fenced, db2 promoted")
+    first.release()
+    first.finish(expect_exit=None)
+    second = rig.spawn_worker("w2", "w2-worker")
+    second.finish(expect_exit=None)
+    settle(rig, lab, job.id)
+    acknowledged = told(first)
+    lost = [commit for commit in acknowledged if commit not in held(lab)]
+    return rig, lab, job, acknowledged, lost
+
+
+def test_asynchronous_failover_after_the_start_barrier_loses_it_and_sends_a_second_effect(
+    beyond_one_host, observe
+):
+    """With asynchronous replication and a standby behind, the claim and the start barrier a
+    worker was told had committed are not on the new primary: another worker claims the
+    workflow again under the same fence and calls the non-idempotent tool a second time.
+    The lab's one-effect guarantee needs synchronous replication."""
+    rig, lab, job, acknowledged, lost = _failover_after_the_barrier(beyond_one_host, "async")
+    final = lab.state(job.id)
+    claims = lab.claims(job.id)
+    effects = rig.ledger_effects()
+    assert acknowledged == [("claimed", 1, "w1-worker"), ("dispatching", 1, "w1-worker")]
+    assert lost == acknowledged
+    assert [(c.owner, c.fence) for c in claims] == [("w2-worker", 1)]
+    assert effects == 2
+    assert rig.tool_requests()["call"] == 2
+    observe({
+        "replication": "async",
+        "window": protocol.AFTER_BARRIER,
+        "acknowledged_lost": [f"{kind} fence {fence} by {who}" for kind, fence, who in lost],
+        "fence_reused_by": [c.owner for c in claims],
+        "effects": effects,
+        "second_effect": effects - 1,
+        "state": final.state,
+    }, facts=("replication", "window", "acknowledged_lost", "fence_reused_by", "effects",
+              "second_effect"), measurements=("state",))
+
+
+def test_synchronous_failover_after_the_start_barrier_keeps_one_effect_and_asks_a_person(
+    beyond_one_host, observe
+):
+    """The same failover with synchronous replication: the new primary holds the start
+    barrier, so no worker calls the non-idempotent tool again; once the lease runs out the
+    workflow waits for a person, with exactly one effect."""
+    rig, lab, job, _, lost = _failover_after_the_barrier(beyond_one_host, "sync")
+    final = lab.state(job.id)
+    effects = rig.ledger_effects()
+    assert lost == []
+    assert [c.owner for c in lab.claims(job.id)] == ["w1-worker"]
+    assert effects == 1
+    assert rig.tool_requests()["call"] == 1
+    assert final.state == "unknown"
+    assert final.review_reason == "non_idempotent_dispatched"
+    observe({
+        "replication": "sync",
+        "window": protocol.AFTER_BARRIER,
+        "acknowledged_lost": lost,
+        "effects": effects,
+        "state": final.state,
+        "review_reason": final.review_reason,
+    }, facts=("replication", "window", "acknowledged_lost", "effects", "state",
+              "review_reason"))

@@ -1,0 +1,1 @@
+"""Lab hosts: network namespaces joined by a bridge, faults between them, replicated PostgreSQL."""

@@ -1,0 +1,187 @@
+"""Lab hosts: network namespaces on a bridge of their own, isolated from everything else,
+torn down without a trace, and the kernel-made network faults between them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from lab import errors, loopback
+from lab.hosts import netfaults, network
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="lab hosts need root")
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[network.Hosts]:
+    if os.geteuid() != 0:
+        pytest.skip("lab hosts need root")
+    with network.Hosts(["a", "b"]) as built:
+        yield built
+
+
+def _udp(source: network.Host, target: network.Host) -> bool:
+    """Whether one datagram from ``source`` reaches ``target`` within half a second."""
+    receiver = target.inside(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    sender = source.inside(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    try:
+        receiver.bind((target.address, 0))
+        receiver.settimeout(0.5)
+        sender.sendto(b"x", (target.address, receiver.getsockname()[1]))
+        try:
+            receiver.recvfrom(8)
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        receiver.close()
+        sender.close()
+
+
+# A fresh interpreter inside the host (no egress guard of ours): the kernel alone answers.
+_PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.0).close()
+    print("connected")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def _connect(host: network.Host, address: str, port: int) -> str:
+    return host.run(sys.executable, "-I", "-S", "-c", _PROBE, address, str(port)).strip()
+
+
+def test_non_root_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(errors.ProvisioningError) as refused:
+        network.Hosts(["a"])
+    assert "need root" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_bad_host_names_are_refused() -> None:
+    for names in (["A"], ["a", "a"], [], ["x" * 9]):
+        with pytest.raises((errors.UsageError, errors.ProvisioningError)):
+            network.Hosts(names)
+
+
+def test_hosts_reach_each_other_and_nothing_outside_the_bridge(two: network.Hosts) -> None:
+    a, b = two["a"], two["b"]
+    listener = b.inside(lambda: socket.create_server((b.address, 0)))
+    outside = socket.create_server(("127.0.0.1", 0))  # a listener of the machine itself
+    try:
+        assert _connect(a, b.address, listener.getsockname()[1]) == "connected"
+        # No route leaves the link-local network: the kernel refuses at once.
+        assert _connect(a, "1.1.1.1", 80) != "connected"
+        assert _connect(a, "127.0.0.1", outside.getsockname()[1]) != "connected"
+        # An address of the range that is no host on the bridge: nobody answers.
+        assert _connect(a, "169.254.255.254", 80) != "connected"
+    finally:
+        listener.close()
+        outside.close()
+    assert all(network.NETWORK.supernet_of(
+        network.ipaddress.IPv4Network(f"{addr}/32")) for addr in two.addresses())
+    assert [e["what"] for e in two.events[:2]] == ["built", "checked"]
+
+
+def test_a_changed_host_fails_the_check(two: network.Hosts) -> None:
+    a = two["a"]
+    a.run("ip", "route", "add", "10.9.0.0/16", "dev", "eth0")
+    try:
+        with pytest.raises(errors.ProvisioningError, match=r"a route to 10\.9\.0\.0/16"):
+            two.check()
+    finally:
+        a.run("ip", "route", "del", "10.9.0.0/16", "dev", "eth0")
+    two.check()
+
+
+@needs_root
+def test_teardown_leaves_no_namespace_and_kills_host_processes() -> None:
+    with network.Hosts(["solo"]) as built:
+        child = built["solo"].popen(["sleep", "60"])
+        run_id = built.run_id
+        assert network.leftovers(run_id)
+    assert network.leftovers(run_id) == []
+    assert child.poll() is not None
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="partitions need nftables")
+def test_partitions_full_and_one_way_then_healed(two: network.Hosts) -> None:
+    a, b = two["a"], two["b"]
+    faults = netfaults.Faults(two)
+    assert _udp(a, b) and _udp(b, a)
+    faults.partition("a", "b", one_way=True)
+    assert (_udp(a, b), _udp(b, a)) == (False, True)
+    faults.heal("a", "b")
+    faults.partition("a", "b")
+    assert (_udp(a, b), _udp(b, a)) == (False, False)
+    faults.heal_all()
+    assert _udp(a, b) and _udp(b, a)
+    kinds = [(e["what"], e.get("between", "")) for e in two.events if e["what"] != "checked"]
+    assert ("partition", "a->b") in kinds and ("partition", "a<->b") in kinds
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="loss needs nftables")
+def test_total_loss_on_a_link_drops_what_the_host_sends(two: network.Hosts) -> None:
+    a, b = two["a"], two["b"]
+    faults = netfaults.Faults(two)
+    faults.shape("a", netfaults.LinkFault(loss_pct=100))
+    try:
+        assert not _udp(a, b)
+        assert _udp(b, a)
+    finally:
+        faults.heal_all()
+    assert _udp(a, b)
+
+
+def test_link_fault_settings_are_checked() -> None:
+    for bad in (netfaults.LinkFault(delay_ms=-1), netfaults.LinkFault(jitter_ms=5),
+                netfaults.LinkFault(loss_pct=101), netfaults.LinkFault(reorder_pct=5)):
+        with pytest.raises(errors.UsageError):
+            bad.validate()
+    assert netfaults.LinkFault(delay_ms=50, jitter_ms=5, reorder_pct=10).netem_args() == [
+        "delay", "50ms", "5ms", "reorder", "10%"]
+
+
+def test_the_loopback_guard_learns_exactly_the_hosts_addresses() -> None:
+    env = {loopback.HOSTS_ENV: "169.254.7.1,169.254.7.2"}
+    dsn = "host=169.254.7.1,169.254.7.2 port=5432,5432 dbname=postgres user=u"
+    assert "hostaddr=169.254.7.1,169.254.7.2" in loopback.check_dsn(dsn, env)
+    for outside in ("169.254.7.3", "10.0.0.1", "169.254.007.1"):
+        with pytest.raises(errors.BoundaryViolation):
+            loopback.check_dsn(f"host={outside} dbname=postgres", env)
+    with pytest.raises(errors.BoundaryViolation):
+        loopback.check_dsn("host=127.0.0.1 dbname=postgres", {loopback.HOSTS_ENV: "10.0.0.1"})
+    with pytest.raises(errors.BoundaryViolation):
+        loopback.check_endpoint("http://169.254.7.9:80")
+    loopback.learn(["169.254.7.9"])
+    try:
+        assert loopback.check_endpoint("http://169.254.7.9:80") == "http://169.254.7.9:80"
+    finally:
+        loopback.forget(["169.254.7.9"])
+    with pytest.raises(errors.BoundaryViolation):
+        loopback.learn(["192.168.0.1"])
+
+
+@needs_root
+def test_a_killed_owner_leaves_no_namespace_behind() -> None:
+    """The process that built the hosts is SIGKILLed: its reaper deletes the namespaces."""
+    script = ("import os, signal, sys\nfrom lab.hosts import network\n"
+              "built = network.Hosts(['k']).__enter__()\nprint(built.run_id, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    run_id = done.stdout.strip()
+    assert run_id and done.returncode == -9
+    deadline = time.monotonic() + 30
+    while network.leftovers(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert network.leftovers(run_id) == []
