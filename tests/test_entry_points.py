@@ -34,6 +34,7 @@ SELF_PARSING = {
     "lab/runtime/toolprocess.py",
     "lab/peers/dbos_peer.py",
     "lab/peers/langgraph_peer.py",
+    "lab/peers/temporal_peer.py",
     "lab/evidence/environment.py",
     "lab/reference.py",
 }

@@ -11,7 +11,9 @@ import base64
 import hashlib
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -229,12 +231,47 @@ def test_the_report_records_the_checkout_lock(tmp_path: Path) -> None:
     assert recorded["differences"] and "uv.lock" in recorded["differences"][0]
 
 
-def test_a_hermetic_venv_edited_after_its_build_is_rebuilt_from_an_emptied_cache(
+def _demo_wheel(directory: Path) -> Path:
+    """A real wheel of demo-pkg 1.0, with its RECORD (what the lock's hash would name)."""
+    dist_info = "demo_pkg-1.0.dist-info"
+    members = {"demo_pkg/__init__.py": b"VALUE = 1\n",
+               f"{dist_info}/METADATA": b"Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n",
+               f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"}
+    rows = []
+    for name, data in members.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        rows.append(f"{name},sha256={digest},{len(data)}")
+    record = "\n".join([*rows, f"{dist_info}/RECORD,,"]) + "\n"
+    members[f"{dist_info}/RECORD"] = record.encode()
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / "demo_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return wheel
+
+
+def _hermetic_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                    install_into: Any) -> None:
+    """The hermetic install's steps without uv or the index: the verified wheels are one
+    demo wheel, and ``install_into(venv, wheel)`` plays the installer."""
+    from lab import runner
+
+    wheel = _demo_wheel(tmp_path / "wheels")
+    monkeypatch.setattr(runner, "_uv", lambda _origin: "uv")
+    monkeypatch.setattr(runner, "locked_requirements",
+                        lambda _uv, _tree, scratch: scratch / "requirements.txt")
+    monkeypatch.setattr(runner, "fetch_wheels", lambda *_args: [wheel])
+    monkeypatch.setattr(runner, "_install_locked",
+                        lambda venv, _uv, _requirements, found: install_into(venv, found[0]))
+
+
+def test_a_hermetic_venv_edited_after_its_build_is_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cached hermetic venv is reused only while it still matches the lock file by
-    file: one edited in place (as a hard link to uv's cache would let an author's own
-    venv do) is thrown away with the cache it came from and installed again."""
+    """A cached hermetic venv is reused only while every file in it is one the lock's
+    verified wheels install, with the wheel's digest: one edited in place is thrown away
+    and installed again from the wheels."""
     from lab import runner
 
     tree = tmp_path / "tree"
@@ -243,43 +280,41 @@ def test_a_hermetic_venv_edited_after_its_build_is_rebuilt_from_an_emptied_cache
     cache = tmp_path / "hermetic"
     builds: list[Path] = []
 
-    def lay_out(venv: Path, _tree: Path, _origin: Path, uv_cache: Path) -> None:
-        # What uv sync leaves: the locked distribution, its files matching RECORD.
-        builds.append(uv_cache)
-        uv_cache.mkdir(parents=True, exist_ok=True)
-        install(runner._site_packages(venv), "demo-pkg", "1.0",
-                {"demo_pkg/__init__.py": b"VALUE = 1\n"})
+    def unpack(venv: Path, wheel: Path) -> None:
+        builds.append(venv)
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(runner._site_packages(venv))
 
-    monkeypatch.setattr(runner, "_install_locked", lay_out)
-    site, _ = runner.install_environment(tree, cache, ROOT)
+    _hermetic_steps(monkeypatch, tmp_path, unpack)
+    site, _ = runner.install_environment(tree, cache, ROOT, tmp_path)
     assert len(builds) == 1 and (site / "demo_pkg" / "__init__.py").is_file()
-    assert runner.install_environment(tree, cache, ROOT)[0] == site and len(builds) == 1
-    (cache / "uv-cache" / "marker").write_text("from the first build")
+    assert runner.install_environment(tree, cache, ROOT, tmp_path)[0] == site
+    assert len(builds) == 1, "an intact venv is reused"
     with (site / "demo_pkg" / "__init__.py").open("a") as module:
         module.write("import os  # a payload\n")
-    again, _ = runner.install_environment(tree, cache, ROOT)
+    again, _ = runner.install_environment(tree, cache, ROOT, tmp_path)
     assert len(builds) == 2, "the edited venv was reused"
     assert (again / "demo_pkg" / "__init__.py").read_bytes() == b"VALUE = 1\n"
-    assert not (cache / "uv-cache" / "marker").exists(), "the cache it came from was kept"
 
 
 def test_a_fresh_hermetic_build_that_differs_from_the_lock_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An install whose files do not match their RECORD (a poisoned cache) is an
-    environment failure naming the difference, and leaves no venv to reuse."""
+    """An install whose files are not its verified wheels' (a poisoned installer cache) is
+    an environment failure naming the difference, and leaves no venv to reuse."""
     from lab import runner
 
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "uv.lock").write_text(LOCK, encoding="utf-8")
 
-    def poisoned(venv: Path, _tree: Path, _origin: Path, _uv_cache: Path) -> None:
+    def poisoned(venv: Path, wheel: Path) -> None:
         site = runner._site_packages(venv)
-        install(site, "demo-pkg", "1.0", {"demo_pkg/__init__.py": b"VALUE = 1\n"})
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site)
         (site / "demo_pkg" / "__init__.py").write_bytes(b"VALUE = 2\n")
 
-    monkeypatch.setattr(runner, "_install_locked", poisoned)
-    with pytest.raises(errors.EnvironmentFailure, match=r"demo_pkg/__init__\.py differs"):
-        runner.install_environment(tree, tmp_path / "hermetic", ROOT)
+    _hermetic_steps(monkeypatch, tmp_path, poisoned)
+    with pytest.raises(errors.EnvironmentFailure, match=r"demo_pkg/__init__\.py: differs"):
+        runner.install_environment(tree, tmp_path / "hermetic", ROOT, tmp_path)
     assert [p.name for p in (tmp_path / "hermetic").iterdir()] == []
