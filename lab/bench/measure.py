@@ -486,24 +486,27 @@ class CpuMeter:
 
 
 @contextlib.contextmanager
-def noise(enabled: bool) -> Iterator[int | None]:
-    """A fixed busy neighbour for the whole measurement: one process spinning on a core.
+def noise(count: int) -> Iterator[list[int]]:
+    """``count`` busy neighbours for the whole measurement: processes spinning on a core.
 
-    Both systems' rounds run beside the same load. It is not a child the meters reap
-    before it ends, so its CPU is never counted as a system's. Yields its pid.
+    Both systems' rounds run beside the same load. They are not children the meters reap
+    before they end, so their CPU is never counted as a system's (a round's window counts
+    it among the other processes' cores). Yields their pids.
     """
-    if not enabled:
-        yield None
-        return
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    spinners = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for _ in range(max(int(count), 0))
+    ]
     try:
-        yield spinner.pid
+        yield [spinner.pid for spinner in spinners]
     finally:
-        spinner.kill()
-        spinner.wait(timeout=10)
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait(timeout=10)
 
 
 def fmt(value: Any) -> str:
