@@ -276,6 +276,12 @@ def _add_worker(commands: Commands[parsing.Parser]) -> None:
         help="with --fused: claim up to N items per transaction and send their requests "
              "together (boundary after_batch); a crash leaves all N to recovery",
     )
+    worker.add_argument(
+        "--concurrency", type=int, default=1,
+        help="with --loop: keep N items in flight, one per thread, each with its own claim, "
+             "barrier and completion transactions (owner NAME.K); a crash leaves all N to "
+             "recovery, a refused transaction one",
+    )
     worker.set_defaults(handler=_worker)
 
 
