@@ -121,7 +121,7 @@ class Window:
             tick = os.sysconf("SC_CLK_TCK")
             busy_s = (busy - start.busy_ticks) / tick
             total_s = (total - start.total_ticks) / tick
-            figures["idle_cores"] = round((total_s - busy_s) / seconds, 2)
+            figures["idle_cores"] = round(max(total_s - busy_s, 0.0) / seconds, 2)
             # The CPU the round's processes did not use: the rest of the machine's load.
             figures["other_cores"] = (None if ours is None
                                       else round(max(busy_s - ours, 0.0) / seconds, 2))
