@@ -291,3 +291,14 @@ def test_window_reads_each_share_at_the_last_completion() -> None:
     assert figures["window_all_cpu_seconds"] == 4.75
     assert (figures["load_mean"], figures["load_max"]) == (2.0, 3.0)
     assert window.figures(None) == {"window_seconds": None}
+
+
+def test_a_round_shorter_than_the_minimum_is_run_again_sized_from_its_own_rate() -> None:
+    sizes: list[int] = []
+
+    def run(config: Config, workflows: int) -> rounds.RunResult:
+        sizes.append(workflows)  # 100 wf/s whatever the size: 300 end in 3 s
+        return rounds.RunResult(config, workflows, workflows / 100.0, workflows, 0, {}, {}, {})
+
+    result = throughput._measured(run, Config("lab", 1), 300, 10.0)
+    assert sizes == [300, 1200] and result.workflows == 1200

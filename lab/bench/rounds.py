@@ -38,7 +38,7 @@ IDLE_EXIT_SECONDS = 0.25
 # The lab's best configuration, as DBOS gets its own: a looping worker that fuses each
 # completion with the next claim, and an idempotent claim with its start barrier, and
 # reports no boundary lines (DBOS's workers print nothing per workflow either).
-LAB_WORKER_FLAGS = ("--loop", "--fused")
+LAB_WORKER_FLAGS = ("--loop", "--fused", "--quiet")
 DBOS_VERSION_TAG = "bench"
 # One workflow in flight per process, as a ``lab worker`` runs one item at a time. DBOS
 # dequeues on a timer, not when a slot frees, so a short interval is its best setting here.
