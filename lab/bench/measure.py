@@ -414,11 +414,12 @@ def server_pid(admin_dsn: str) -> int | None:
     return None if facts is None or facts[2] <= 1 else facts[2]
 
 
-def server_cpu(postmaster: int | None) -> float | None:
+def server_cpu(postmaster: int | None, children: Sequence[int] | None = None) -> float | None:
     """CPU seconds a local PostgreSQL server has used so far, all its processes counted.
 
     The postmaster, every live child (backends, WAL writer, checkpointer, autovacuum)
-    and every child it already reaped (a closed session's backend).
+    and every child it already reaped (a closed session's backend). ``children``: the
+    live children found earlier (``child_pids``), to spare a scan of every process.
     """
     if postmaster is None:
         return None
@@ -426,7 +427,7 @@ def server_cpu(postmaster: int | None) -> float | None:
     if own is None:
         return None
     total = own[0] + own[1]
-    for pid in child_pids(postmaster):
+    for pid in child_pids(postmaster) if children is None else children:
         facts = process_cpu(pid)
         if facts is not None:
             total += facts[0] + facts[1]
