@@ -277,6 +277,12 @@ def _add_worker(commands: Commands[parsing.Parser]) -> None:
         help="with --fused: claim up to N items per transaction and send their requests "
              "together (boundary after_batch); a crash leaves all N to recovery",
     )
+    worker.add_argument(
+        "--concurrency", type=int, default=1,
+        help="with --loop: keep N items in flight, one per thread, each with its own claim, "
+             "barrier and completion transactions (owner NAME.K); a crash leaves all N to "
+             "recovery, a refused transaction one",
+    )
     worker.set_defaults(handler=_worker)
 
 
@@ -457,10 +463,18 @@ def _add_bench(commands: Commands[parsing.Parser]) -> None:
     throughput = bench_commands.add_parser(
         "throughput", help="workflows/s through worker processes"
     )
-    throughput.add_argument("--workflows", type=int, default=1000, help="workflows per round")
+    throughput.add_argument("--workflows", type=int, default=1000,
+                            help="workflows in each configuration's first short round, which "
+                                 "sizes its measured rounds to last --min-seconds")
+    throughput.add_argument("--min-seconds", type=float, default=10.0,
+                            help="the shortest measured round, seconds (release to last "
+                                 "completion)")
     throughput.add_argument("--workers", type=int, default=2, help="worker processes")
     throughput.add_argument("--batch", type=int, default=1,
-                            help="workflows in flight per lab worker (its --batch)")
+                            help="workflows per shared transaction per lab worker (its --batch)")
+    throughput.add_argument("--concurrency", type=int, default=1,
+                            help="workflows in flight per lab worker, each with its own "
+                                 "transactions (its --concurrency)")
     throughput.add_argument("--peer", choices=["dbos"], default=None,
                             help="also measure this peer in the same rounds")
     throughput.add_argument("--repeat", type=int, default=1, help="rounds per configuration")
@@ -468,13 +482,16 @@ def _add_bench(commands: Commands[parsing.Parser]) -> None:
                             help="each system over its own configurations, best against best")
     throughput.add_argument("--lab-processes", default="2,4", help="sweep: lab worker processes")
     throughput.add_argument("--lab-batch", default="1,32", help="sweep: lab worker --batch values")
+    throughput.add_argument("--lab-concurrency", default="1",
+                            help="sweep: lab worker --concurrency values")
     throughput.add_argument("--dbos-processes", default="2,4", help="sweep: DBOS processes")
     throughput.add_argument("--dbos-concurrency", default="1,8,16",
                             help="sweep: DBOS worker_concurrency values")
     throughput.add_argument("--dbos-poll", default="0.005,0.05",
                             help="sweep: DBOS queue polling intervals, seconds")
-    throughput.add_argument("--noise", action="store_true",
-                            help="run a fixed busy process beside both systems' rounds")
+    throughput.add_argument("--noise", default="0",
+                            help="busy processes beside both systems' rounds; the sweep takes "
+                                 "a comma-separated list, each level a sitting of its own")
     claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
     claim.add_argument("--history", type=int, action="append", default=[], metavar="N",
                        help="finished workflows before measuring (repeatable; "

@@ -92,6 +92,8 @@ TOOL_STAGES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES if b.path == TOO
 # The most workflows a looping worker's step may have in flight (``lab worker --batch``,
 # one open tool connection each); ``lab bench`` and ``lab chaos`` pass it on to their workers.
 MAX_BATCH = 64
+#: The most workflows a `lab worker --concurrency` keeps in flight (one thread each).
+MAX_CONCURRENCY = 64
 
 
 def boundary(name: str) -> Boundary:

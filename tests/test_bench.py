@@ -8,8 +8,9 @@ from datetime import timedelta
 import pytest
 
 from lab import cli, harness
-from lab.bench import claim, measure, suite, throughput
+from lab.bench import claim, measure, rounds, suite, throughput
 from lab.bench.throughput import Config
+from lab.bench.window import Sample, Window
 
 
 def test_percentile_interpolates_between_ranks_like_numpy() -> None:
@@ -213,6 +214,11 @@ def test_compare_names_best_against_best_and_equal_process_ratios() -> None:
     ["bench", "throughput", "--workflows", "0"],
     ["bench", "throughput", "--sweep", "--peer", "dbos", "--dbos-concurrency", "x"],
     ["bench", "throughput", "--sweep", "--peer", "dbos", "--dbos-poll", "0"],
+    ["bench", "throughput", "--noise", "-1"],
+    ["bench", "throughput", "--noise", "1,4"],
+    ["bench", "throughput", "--concurrency", "0"],
+    ["bench", "throughput", "--concurrency", "65"],
+    ["bench", "throughput", "--min-seconds", "-1"],
 ])
 def test_bad_bench_arguments_exit_2_before_any_server_starts(argv, capsys) -> None:
     assert cli.main([*argv, "--lab-postgres", "dsn"]) == 2
@@ -225,8 +231,74 @@ def test_a_lab_round_counts_its_worker_processes_cpu(lab_dsn: str) -> None:
     own (a worker forked from the fork server was counted as 0.000 ms/workflow)."""
     scratch = measure.Scratch.create(lab_dsn)
     try:
-        result = throughput.lab_round(scratch, 20, throughput.Config("lab", 1))
+        result = rounds.lab_round(scratch, 20, throughput.Config("lab", 1))
     finally:
         scratch.drop()
     assert result.succeeded == 20
     assert (result.cpu["drain_worker_cpu_seconds"] or 0) > 0, result.cpu
+    # The window, release to last completion, is measured and its CPU counted in it.
+    assert (result.seconds or 0) > 0 and result.cpu["window_workers_cpu_seconds"] > 0
+
+
+def test_sweep_names_concurrency_and_batch_apart() -> None:
+    configs = throughput.sweep_configs([2], [2], [8], [0.005], lab_batch=[1, 8],
+                                       lab_concurrency=[1, 8])
+    assert [c.label for c in configs] == [
+        "lab p2", "lab p2 b8", "lab p2 c8", "dbos p2 c8 poll 5ms"]
+    assert [(c.in_flight, c.blast_radius) for c in configs] == [(1, 1), (8, 8), (8, 1), (8, 1)]
+
+
+def test_blast_radius_compares_at_equal_processes_and_in_flight_work() -> None:
+    medians: dict[Config, float | None] = {
+        Config("lab", 2, 8): 300.0, Config("lab", 2, 1, batch=8): 600.0,
+        Config("dbos", 2, 8, 0.005): 100.0, Config("dbos", 2, 8, 0.05): 50.0,
+        Config("lab", 2): 90.0,
+    }
+    tables = throughput.blast_radius(medians)
+    assert tables["one_per_transaction"] == [
+        {"processes": 2, "in_flight": 1, "lab_concurrency": 90.0, "dbos": None,
+         "lab_over_dbos": None},
+        {"processes": 2, "in_flight": 8, "lab_concurrency": 300.0, "dbos": 100.0,
+         "lab_over_dbos": 3.0}]
+    assert tables["whole_batch_per_transaction"] == [
+        {"processes": 2, "in_flight": 8, "lab_batch": 600.0, "lab_concurrency": 300.0,
+         "dbos": 100.0, "batch_over_concurrency": 2.0, "batch_over_dbos": 6.0}]
+
+
+def test_round_size_lasts_the_minimum_at_the_probes_rate() -> None:
+    probe = rounds.RunResult(Config("lab", 1), 100, 2.0, 100, 0, {}, {}, {})
+    assert rounds.round_size(probe, 100, 10.0) == 600  # 50 wf/s x 10 s, a fifth more
+    slow = rounds.RunResult(Config("lab", 1), 100, 20.0, 100, 0, {}, {}, {})
+    assert rounds.round_size(slow, 100, 10.0) == 100
+
+
+def test_window_reads_each_share_at_the_last_completion() -> None:
+    """CPU after the last completion (idle polls, exit) is interpolated away."""
+    window = Window(postmaster=None)
+    window.samples = [
+        Sample(at=100.0, load=1.0, busy_ticks=0, total_ticks=0, workers=1.0, server=10.0,
+               own=5.0),
+        Sample(at=101.0, load=3.0, busy_ticks=100, total_ticks=200, workers=2.0, server=12.0,
+               own=5.5),
+        Sample(at=102.0, load=5.0, busy_ticks=200, total_ticks=400, workers=4.0, server=12.0,
+               own=6.0),
+    ]
+    figures = window.figures(101.5)
+    assert figures["window_seconds"] == 1.5
+    assert figures["window_workers_cpu_seconds"] == 2.0  # 1.0 -> 3.0 halfway to 4.0
+    assert figures["window_server_cpu_seconds"] == 2.0
+    assert figures["window_bench_cpu_seconds"] == 0.75
+    assert figures["window_all_cpu_seconds"] == 4.75
+    assert (figures["load_mean"], figures["load_max"]) == (2.0, 3.0)
+    assert window.figures(None) == {"window_seconds": None}
+
+
+def test_a_round_shorter_than_the_minimum_is_run_again_sized_from_its_own_rate() -> None:
+    sizes: list[int] = []
+
+    def run(config: Config, workflows: int) -> rounds.RunResult:
+        sizes.append(workflows)  # 100 wf/s whatever the size: 300 end in 3 s
+        return rounds.RunResult(config, workflows, workflows / 100.0, workflows, 0, {}, {}, {})
+
+    result = throughput._measured(run, Config("lab", 1), 300, 10.0)
+    assert sizes == [300, 1200] and result.workflows == 1200

@@ -291,3 +291,77 @@ def test_a_sigkill_with_a_non_idempotent_batch_in_flight_needs_no_person_when_ab
     assert [w.state for w in finals] == ["succeeded"] * BATCH
     assert lab.effects() == BATCH
     assert violations == [], [v.to_json() for v in violations]
+
+
+def _concurrent_worker(lab: harness.Harness, rig: harness.Rig, name: str, slots: int,
+                       *extra: str) -> harness.WorkerProcess:
+    """A looping fused worker process with ``slots`` workflows in flight, each its own."""
+    return lab.spawn_worker(rig, name, "--loop", "--fused", "--concurrency", str(slots),
+                            "--idle-exit", "1", *extra)
+
+
+def _claim_transactions(lab: harness.Harness, ids: list[str]) -> int:
+    """How many distinct transactions committed the claims of ``ids`` (their events' xmin)."""
+    rows = lab.store.execute(
+        "SELECT count(DISTINCT xmin::text) AS n FROM events "
+        "WHERE kind = 'claimed' AND workflow_id = ANY(%s)", (ids,))
+    return int(rows[0]["n"])
+
+
+def test_a_sigkill_with_a_concurrency_worker_in_flight_loses_each_workflow_alone(
+    lab: harness.Harness, observe: Observe
+) -> None:
+    """A worker with --concurrency 4 SIGKILLed while its 4 non-idempotent requests are held
+    in a tool with the fenced lookup had claimed them in 4 transactions, one per slot (a
+    --batch 4 worker claims them in one); each lookup answers absent, all 4 are requeued
+    with that proof, none waits for a person, the held requests are refused at the ledger,
+    and a restarted --concurrency worker performs each effect once."""
+    rig = lab.credit_tool(idempotent=False, fenced_lookup=True)
+    ids = [lab.approved(idempotent=False).id for _ in range(BATCH)]
+    holds = [rig.service.hold_next(seconds=120) for _ in range(BATCH)]
+    crashed = _concurrent_worker(lab, rig, "held-slots", BATCH)
+    try:
+        for hold in holds:
+            hold.wait_held(timeout=60)
+        lab.mark("tool", f"{BATCH} requests held, one per slot")
+        crashed.kill()
+        lab.mark("held-slots", "SIGKILL with every slot's workflow in flight")
+        owners = sorted({claim.owner for claim in lab.claims() if claim.workflow_id in ids})
+        transactions = _claim_transactions(lab, ids)
+        lab.wait_until(lambda: all(lab.state(i).state == "unknown" or lab.store.lease_expired(i)
+                                   for i in ids),
+                       within=30, what="every slot's claim to be unknown or its lease over")
+        lab.store.recover_expired()
+        reasons = _reconcile(rig, ids)
+        requeued = [lab.state(i).state for i in ids]
+    finally:
+        for hold in holds:
+            hold.release()
+    for hold in holds:
+        hold.wait_finished(timeout=30)
+    _concurrent_worker(lab, rig, "restarted-slots", BATCH).finish()
+    finals = [lab.state(i) for i in ids]
+    violations = _violations(lab)
+    observe({
+        "concurrency": BATCH,
+        "tool": "non-idempotent, fenced lookup",
+        "requests_in_flight_at_kill": BATCH,
+        "claim_transactions": transactions,
+        "slot_owners": len(owners),
+        "reviews": len(reasons),
+        "requeued_with_proof": requeued.count("ready"),
+        "late_requests_refused": rig.service.fenced,
+        "completed_after_restart": sum(1 for w in finals if w.state == "succeeded"),
+        "effects": lab.effects(),
+        "violations": len(violations),
+    }, facts=("concurrency", "tool", "requests_in_flight_at_kill", "claim_transactions",
+              "slot_owners", "reviews", "requeued_with_proof", "late_requests_refused",
+              "completed_after_restart", "effects", "violations"))
+    assert transactions == BATCH, "the slots shared a claim transaction"
+    assert owners == [f"held-slots.{slot}" for slot in range(BATCH)]
+    assert reasons == [], reasons
+    assert requeued == ["ready"] * BATCH
+    assert rig.service.fenced == BATCH
+    assert [w.state for w in finals] == ["succeeded"] * BATCH
+    assert lab.effects() == BATCH
+    assert violations == [], [v.to_json() for v in violations]

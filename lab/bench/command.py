@@ -60,17 +60,20 @@ class ThroughputOptions:
 
     output_dir: str = OUTPUT_DIR
     workflows: int = 1000
+    min_seconds: float = 10.0
     workers: int = 2
     batch: int = 1
+    concurrency: int = 1
     peer: str | None = None
     repeat: int = 1
     sweep: bool = False
     lab_processes: str = "2,4"
     lab_batch: str = "1,32"
+    lab_concurrency: str = "1"
     dbos_processes: str = "2,4"
     dbos_concurrency: str = "1,8,16"
     dbos_poll: str = "0.005,0.05"
-    noise: bool = False
+    noise: str = "0"
     lab_postgres: str = providers.AUTO
 
 
@@ -131,11 +134,20 @@ def _floats(text: str) -> list[float]:
 
 def _validate(options: ThroughputOptions) -> None:
     """Refuse bad arguments before a server is provisioned for nothing."""
-    counts = [options.workflows, options.workers, options.repeat, options.batch]
+    counts = [options.workflows, options.workers, options.repeat, options.batch,
+              options.concurrency]
+    noise = _ints(options.noise)
+    if not noise or any(level < 0 for level in noise):
+        raise errors.UsageError("--noise: counts of busy processes, 0 or more")
+    if not options.sweep and len(noise) > 1:
+        raise errors.UsageError("--noise takes a list only with --sweep")
+    if options.min_seconds < 0:
+        raise errors.UsageError("--min-seconds must not be negative")
     if options.sweep:
         if options.peer != "dbos":
             raise errors.UsageError("--sweep compares with a peer: add --peer dbos")
         counts += [*_ints(options.lab_processes), *_ints(options.lab_batch),
+                   *_ints(options.lab_concurrency),
                    *_ints(options.dbos_processes),
                    *_ints(options.dbos_concurrency)]
         if not all(poll > 0 for poll in _floats(options.dbos_poll)):
@@ -145,6 +157,10 @@ def _validate(options: ThroughputOptions) -> None:
     batches = [options.batch, *(_ints(options.lab_batch) if options.sweep else [])]
     if max(batches) > protocol.MAX_BATCH:
         raise errors.UsageError(f"a lab batch is at most {protocol.MAX_BATCH}")
+    threads = [options.concurrency, *(_ints(options.lab_concurrency) if options.sweep else [])]
+    if max(threads) > protocol.MAX_CONCURRENCY:
+        raise errors.UsageError(f"a lab worker's concurrency is at most "
+                                f"{protocol.MAX_CONCURRENCY}")
 
 
 def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
@@ -156,12 +172,15 @@ def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
             dbos_processes=_ints(options.dbos_processes),
             dbos_concurrency=_ints(options.dbos_concurrency),
             dbos_poll=_floats(options.dbos_poll),
-            noise=options.noise,
+            noise=_ints(options.noise),
+            lab_concurrency=_ints(options.lab_concurrency),
+            min_seconds=options.min_seconds,
         )
     if isinstance(options, ThroughputOptions):
         return "throughput", throughput.throughput(
             dsn, options.workflows, options.workers, options.peer, options.repeat,
-            noise=options.noise, batch=options.batch,
+            noise=_ints(options.noise)[0], batch=options.batch,
+            concurrency=options.concurrency, min_seconds=options.min_seconds,
         )
     if isinstance(options, ClaimOptions):
         sizes = list(options.history) or list(claim.DEFAULT_HISTORY)
@@ -203,17 +222,21 @@ def _print(name: str, report: Mapping[str, Any], out: Console) -> None:
 
 
 def _print_sweep(report: Mapping[str, Any], out: Console) -> None:
-    out.print(throughput.sweep_table(report))
-    ceiling = report["ceiling"]
-    out.print(f"machine ceiling: {fmt(ceiling['commits_per_second'])} one-row INSERT commits/s "
-              f"(before {fmt(ceiling['before']['commits_per_second'])}, after "
-              f"{fmt(ceiling['after']['commits_per_second'])}), one session; share = wf/s x "
-              "xacts/wf / ceiling (above 1 when concurrent commits share WAL flushes)")
-    comparison = report["comparison"]
-    out.print(f"best lab: {comparison['best_lab']} at {fmt(comparison['best_lab_wf_s'])} wf/s; "
-              f"best DBOS: {comparison['best_dbos']} at {fmt(comparison['best_dbos_wf_s'])} wf/s")
-    out.print(f"best against best (lab / DBOS): {fmt(comparison['best_against_best'])} "
-              f"(goal >= {report['goal_best_against_best']})")
-    for count, pair in comparison["at_equal_processes"].items():
-        out.print(f"at {count} processes: {pair['lab']} / {pair['dbos']} = {fmt(pair['ratio'])}")
-
+    for sitting in report["sittings"]:
+        out.print(throughput.sweep_table(report, sitting))
+        ceiling = sitting["ceiling"]
+        out.print(f"machine ceiling: {fmt(ceiling['commits_per_second'])} one-row INSERT "
+                  f"commits/s (before {fmt(ceiling['before']['commits_per_second'])}, after "
+                  f"{fmt(ceiling['after']['commits_per_second'])}), one session; share = wf/s "
+                  "x xacts/wf / ceiling (above 1 when concurrent commits share WAL flushes)")
+        comparison = sitting["comparison"]
+        out.print(f"best lab: {comparison['best_lab']} at {fmt(comparison['best_lab_wf_s'])} "
+                  f"wf/s; best DBOS: {comparison['best_dbos']} at "
+                  f"{fmt(comparison['best_dbos_wf_s'])} wf/s")
+        out.print(f"best against best (lab / DBOS): {fmt(comparison['best_against_best'])} "
+                  f"(goal >= {sitting['goal_best_against_best']})")
+        for count, pair in comparison["at_equal_processes"].items():
+            out.print(f"at {count} processes: {pair['lab']} / {pair['dbos']} = "
+                      f"{fmt(pair['ratio'])}")
+        for table in throughput.blast_radius_tables(sitting):
+            out.print(table)

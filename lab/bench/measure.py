@@ -414,11 +414,12 @@ def server_pid(admin_dsn: str) -> int | None:
     return None if facts is None or facts[2] <= 1 else facts[2]
 
 
-def server_cpu(postmaster: int | None) -> float | None:
+def server_cpu(postmaster: int | None, children: Sequence[int] | None = None) -> float | None:
     """CPU seconds a local PostgreSQL server has used so far, all its processes counted.
 
     The postmaster, every live child (backends, WAL writer, checkpointer, autovacuum)
-    and every child it already reaped (a closed session's backend).
+    and every child it already reaped (a closed session's backend). ``children``: the
+    live children found earlier (``child_pids``), to spare a scan of every process.
     """
     if postmaster is None:
         return None
@@ -426,7 +427,7 @@ def server_cpu(postmaster: int | None) -> float | None:
     if own is None:
         return None
     total = own[0] + own[1]
-    for pid in child_pids(postmaster):
+    for pid in child_pids(postmaster) if children is None else children:
         facts = process_cpu(pid)
         if facts is not None:
             total += facts[0] + facts[1]
@@ -486,24 +487,27 @@ class CpuMeter:
 
 
 @contextlib.contextmanager
-def noise(enabled: bool) -> Iterator[int | None]:
-    """A fixed busy neighbour for the whole measurement: one process spinning on a core.
+def noise(count: int) -> Iterator[list[int]]:
+    """``count`` busy neighbours for the whole measurement: processes spinning on a core.
 
-    Both systems' rounds run beside the same load. It is not a child the meters reap
-    before it ends, so its CPU is never counted as a system's. Yields its pid.
+    Both systems' rounds run beside the same load. They are not children the meters reap
+    before they end, so their CPU is never counted as a system's (a round's window counts
+    it among the other processes' cores). Yields their pids.
     """
-    if not enabled:
-        yield None
-        return
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    spinners = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for _ in range(max(int(count), 0))
+    ]
     try:
-        yield spinner.pid
+        yield [spinner.pid for spinner in spinners]
     finally:
-        spinner.kill()
-        spinner.wait(timeout=10)
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait(timeout=10)
 
 
 def fmt(value: Any) -> str:

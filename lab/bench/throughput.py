@@ -16,404 +16,69 @@ measured before and after) with each system's share of it.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import itertools
 import statistics
-import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-from psycopg import sql
 from rich.table import Table
 
-from lab import errors, protocol
+from lab import errors
 from lab.bench import measure
 from lab.bench.measure import fmt, ratio, rnd
-from lab.peers import dbos_peer
-from lab.pg import edge
-from lab.runtime import plan, processes, store, tool
+from lab.bench.rounds import (
+    DBOS_POLL_SECONDS,
+    DBOS_WORKER_CONCURRENCY,
+    IDLE_EXIT_SECONDS,
+    Config,
+    Run,
+    RunResult,
+    round_size,
+    runner,
+    scratch_databases,
+)
 
-# Workers leave the loop after this much idleness; short, since idle polls are pure overhead.
-IDLE_EXIT_SECONDS = 0.25
+__all__ = ["Config", "RunResult", "compare", "sweep", "sweep_configs", "sweep_order",
+           "throughput"]
+
 GOAL_RATIO_VS_DBOS = 2.0
-GOAL_RATIO_VS_DBOS_NOISE = 1.5  # beside the fixed busy neighbour of ``--noise``
+GOAL_RATIO_VS_DBOS_NOISE = 1.5  # beside the busy neighbours of ``--noise``
 GOAL_XACTS_PER_WORKFLOW = 6.0
 GOAL_WAL_SYNCS_PER_WORKFLOW = 2.5
 GOAL_ALL_CPU_MS_PER_WORKFLOW = 3.0
-# The lab's best configuration, as DBOS gets its own: a looping worker that fuses each
-# completion with the next claim, and an idempotent claim with its start barrier, and
-# reports no boundary lines (DBOS's workers print nothing per workflow either).
-LAB_WORKER_FLAGS = ("--loop", "--fused")
-DBOS_VERSION_TAG = "bench"
-# One workflow in flight per process, as a ``lab worker`` runs one item at a time. DBOS
-# dequeues on a timer, not when a slot frees, so a short interval is its best setting here.
-DBOS_WORKER_CONCURRENCY = 1
-DBOS_POLL_SECONDS = 0.005
+# Each measured round lasts at least this long: its size comes from a short probe round.
+MIN_ROUND_SECONDS = 10.0
 SWEEP_LAB_PROCESSES = (2, 4)
 SWEEP_LAB_BATCH = (1, 32)
+SWEEP_LAB_CONCURRENCY = (1,)
 SWEEP_DBOS_PROCESSES = (2, 4)
 SWEEP_DBOS_CONCURRENCY = (1, 8, 16)
 SWEEP_DBOS_POLL = (0.005, 0.05)
 CEILING_SECONDS = 2.0
 
 
-@dataclass(frozen=True)
-class Config:
-    """One system's configuration: worker processes and, for DBOS, its queue settings."""
-
-    system: str
-    processes: int
-    #: Workflows in flight per process: DBOS's ``worker_concurrency``, the lab's ``--batch``.
-    concurrency: int | None = None
-    poll: float | None = None
-
-    @property
-    def label(self) -> str:
-        """A short name: ``lab p4``, ``lab p4 b16`` or ``dbos p4 c16 poll 5ms``."""
-        if self.system == "lab":
-            batch = self.concurrency or 1
-            return f"lab p{self.processes}" + (f" b{batch}" if batch > 1 else "")
-        return f"dbos p{self.processes} c{self.concurrency} poll {(self.poll or 0) * 1000:g}ms"
-
-    def to_json(self) -> dict[str, Any]:
-        """The configuration as a JSON object."""
-        if self.system == "lab":
-            return {"system": self.system, "processes": self.processes,
-                    "batch": self.concurrency or 1}
-        return {"system": self.system, "processes": self.processes,
-                "worker_concurrency": self.concurrency, "polling_interval_sec": self.poll}
+# A measured round shorter than the minimum (the probe's rate understated the drain's) is
+# run again, sized from its own rate, at most this many times in all.
+MAX_ROUND_ATTEMPTS = 3
 
 
-@dataclass
-class RunResult:
-    """One drain of N workflows by one configuration."""
-
-    config: Config
-    workflows: int
-    seconds: float | None
-    succeeded: int
-    http_calls: int
-    xacts: dict[str, Any]
-    latency_ready: dict[str, float | None]
-    latency_claim: dict[str, float | None]
-    cpu: dict[str, float | None] = field(default_factory=dict)
-
-    @property
-    def system(self) -> str:
-        """``lab`` or ``dbos``."""
-        return self.config.system
-
-    @property
-    def per_second(self) -> float | None:
-        """Workflows per second from first claim to last completion."""
-        return ratio(float(self.succeeded), self.seconds) if self.succeeded else None
-
-    def to_json(self) -> dict[str, Any]:
-        """The run as a JSON object, with per-workflow figures."""
-        n = self.workflows or 1
-        wal, cpu = self.cpu.get("wal_syncs"), self.cpu.get("worker_cpu_seconds")
-
-        def per_workflow_ms(key: str) -> float | None:
-            value = self.cpu.get(key)
-            return None if value is None else round(value * 1000 / n, 3)
-
-        return {
-            "system": self.system,
-            "config": self.config.to_json(),
-            "label": self.config.label,
-            "workflows": self.workflows,
-            "workers": self.config.processes,
-            "succeeded": self.succeeded,
-            "seconds": rnd(self.seconds, 4),
-            "workflows_per_second": rnd(self.per_second, 2),
-            "http_calls": self.http_calls,
-            "http_calls_per_workflow": round(self.http_calls / n, 3),
-            "xacts": self.xacts,
-            "xacts_per_workflow_raw": {
-                key: round(self.xacts[key] / n, 3) for key in ("total", "system", "tool")
-            },
-            "wal_syncs_per_workflow_raw": None if wal is None else round(wal / n, 3),
-            "worker_cpu_ms_per_workflow_raw": None if cpu is None else round(cpu * 1000 / n, 3),
-            # The drain alone (from release to the last exit), every process of the run.
-            "cpu_ms_per_workflow": {
-                "workers": per_workflow_ms("drain_worker_cpu_seconds"),
-                "bench_and_tool": per_workflow_ms("bench_cpu_seconds"),
-                "postgres": per_workflow_ms("server_cpu_seconds"),
-                "all": per_workflow_ms("all_cpu_seconds"),
-            },
-            "latency_ready_to_done": self.latency_ready,
-            "latency_claim_to_done": self.latency_claim,
-            "cpu": self.cpu,
-        }
+def _measured(run: Run, config: Config, size: int, min_seconds: float) -> RunResult:
+    """One measured round of at least ``min_seconds``: a round that ended sooner is run
+    again, sized from its own rate (``MAX_ROUND_ATTEMPTS`` in all; the last one counts)."""
+    for _ in range(MAX_ROUND_ATTEMPTS - 1):
+        result = run(config, size)
+        if result.seconds is None or result.seconds >= min_seconds:
+            return result
+        size = round_size(result, size, min_seconds)
+    return run(config, size)
 
 
-# -- one round of each system ---------------------------------------------------------------------
-
-
-def _release_together(children: list[processes.WorkerProcess], meter: measure.CpuMeter) -> None:
-    """Start lab's and DBOS's workers the same way: all ready, the meter started, all go."""
-    for child in children:
-        child.wait_for(protocol.READY, timeout=60)
-    meter.released([child.pid for child in children])
-    for child in children:
-        child.release()
-
-
-def _approved_backlog(dsn: str, schema: str, count: int) -> None:
-    """Create and approve ``count`` sample workflows through the store's API."""
-    sample = measure.sample_plan()
-    with store.Store.open(dsn, schema, max_connections=4, application_name="lab-bench") as db:
-
-        def one(index: int) -> None:
-            created = db.create(measure.PROPOSER, f"bench-{index}", sample)
-            db.approve(measure.APPROVER, created.id, created.fingerprint, timedelta(hours=1))
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-            for _ in pool.map(one, range(count)):
-                pass
-
-
-def _costs(
-    scratch: measure.Scratch,
-    meter: measure.CpuMeter,
-    before: Mapping[str, int],
-    wal_before: int | None,
-    system_db: str,
-    calls: int,
-    own: Mapping[str, int] | None = None,
-) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """CPU, WAL syncs and transactions one round cost, split between system and tool.
-
-    ``own`` names the benchmark's own polling transactions to leave out.
-    """
-    cpu = meter.read()
-    after = measure.xact_snapshot(scratch.admin_dsn, scratch.databases())
-    cpu["wal_syncs"] = measure.difference(measure.wal_syncs(scratch.admin_dsn), wal_before)
-    delta = measure.xact_delta(before, after, own)
-    xacts = measure.split_transactions(
-        delta, system_db=system_db, tool_db=scratch.tool_db, tool_calls=calls
-    )
-    return cpu, xacts
-
-
-def _result(
-    config: Config,
-    workflows: int,
-    rows: Sequence[Mapping[str, Any]],
-    calls: int,
-    xacts: dict[str, Any],
-    cpu: dict[str, float | None],
-) -> RunResult:
-    ready = [float(row["ready"]) for row in rows]
-    claim = [float(row["claim"]) for row in rows]
-    span = max((float(row["since_start"]) for row in rows), default=None)
-    return RunResult(
-        config=config, workflows=workflows, seconds=span, succeeded=len(rows), http_calls=calls,
-        xacts=xacts, latency_ready=measure.latency_summary(ready),
-        latency_claim=measure.latency_summary(claim), cpu=cpu,
-    )
-
-
-_LAB_TIMES = """
-    WITH claimed AS (
-        SELECT workflow_id, max(created_at) AS at FROM events
-         WHERE kind = 'claimed' GROUP BY workflow_id
-    ), start AS (SELECT min(at) AS t0 FROM claimed)
-    SELECT extract(epoch FROM w.updated_at - greatest(w.ready_at, start.t0)) AS ready,
-           extract(epoch FROM w.updated_at - c.at) AS claim,
-           extract(epoch FROM w.updated_at - start.t0) AS since_start
-      FROM workflows w JOIN claimed c ON c.workflow_id = w.id CROSS JOIN start
-     WHERE w.state = 'succeeded'
-"""
-
-
-def lab_round(
-    scratch: measure.Scratch, workflows: int, config: Config, postmaster: int | None = None
-) -> RunResult:
-    """Drain ``workflows`` approved workflows with ``config.processes`` ``lab worker``s."""
-    schema = measure.new_schema("bench_lab")
-    store.create_schema(scratch.store_dsn, schema)
-    if scratch.tool_dsn != scratch.store_dsn:
-        store.create_schema(scratch.tool_dsn, schema)
-    _approved_backlog(scratch.store_dsn, schema, workflows)
-    before = measure.xact_snapshot(scratch.admin_dsn, scratch.databases())
-    wal_before = measure.wal_syncs(scratch.admin_dsn)
-    service = tool.ToolService(scratch.tool_dsn, schema, idempotent=True).start()
-    children: list[processes.WorkerProcess] = []
-    meter = measure.CpuMeter(postmaster)
-    try:
-        for index in range(config.processes):
-            children.append(
-                processes.spawn_worker(
-                    scratch.store_dsn, schema, service.endpoint, service.token, f"bench-{index}",
-                    *LAB_WORKER_FLAGS, "--batch", str(config.concurrency or 1),
-                    "--idle-exit", str(IDLE_EXIT_SECONDS), "--start-gate",
-                    # Exec'd, as DBOS's are: the meter counts this process's reaped
-                    # children, and a forked worker is the fork server's child.
-                    fork=False,
-                )
-            )
-        _release_together(children, meter)
-        for child in children:
-            child.finish(timeout=60 + workflows * 0.5)
-        calls = service.calls + service.lookups
-    finally:
-        for child in children:
-            child.cleanup()
-        service.stop()
-    cpu, xacts = _costs(scratch, meter, before, wal_before, scratch.store_db, calls)
-    with store.Store.open(scratch.store_dsn, schema, max_connections=1) as db:
-        rows = db.execute(_LAB_TIMES)
-    edge.drop_schema(scratch.store_dsn, schema)
-    if scratch.tool_dsn != scratch.store_dsn:
-        edge.drop_schema(scratch.tool_dsn, schema)
-    return _result(config, workflows, rows, calls, xacts, cpu)
-
-
-def _dbos_child(
-    scratch: measure.Scratch, dbos_schema: str, role: str, name: str, config: Config,
-    service: tool.ToolService | None = None,
-) -> processes.WorkerProcess:
-    env = dbos_peer.child_env(scratch.dbos_dsn, dbos_schema,
-                              service.endpoint if service else "", service.token if service else "")
-    argv = dbos_peer.argv(role, "--name", name, "--app-version", DBOS_VERSION_TAG,
-                          "--concurrency", str(config.concurrency or DBOS_WORKER_CONCURRENCY),
-                          "--poll", str(config.poll or DBOS_POLL_SECONDS))
-    return processes.WorkerProcess(argv, env, name)
-
-
-def dbos_prepare(scratch: measure.Scratch, dbos_schema: str, config: Config) -> None:
-    """Create and migrate DBOS's system tables and (re)register the queue for ``config``."""
-    child = _dbos_child(scratch, dbos_schema, "prepare", "dbos-prepare", config)
-    try:
-        child.finish(timeout=120)
-    finally:
-        child.cleanup()
-
-
-def _enqueue(scratch: measure.Scratch, dbos_schema: str, tag: str, workflows: int) -> None:
-    dbos = dbos_peer.module()
-    sample = measure.sample_plan()
-    client = dbos.DBOSClient(system_database_url=scratch.dbos_url(),
-                             dbos_system_schema=dbos_schema, application_name=dbos_peer.APP)
-    try:
-        for index in range(workflows):
-            work = dbos_peer.Work(
-                effect_key=plan.effect_key(measure.PROPOSER.tenant, f"bench-{tag}-{index}"),
-                fingerprint=sample.fingerprint(), plan=sample.to_json(),
-            )
-            client.enqueue({"workflow_name": dbos_peer.WORKFLOW, "queue_name": dbos_peer.QUEUE,
-                            "workflow_id": f"{tag}-{index}", "app_version": DBOS_VERSION_TAG},
-                           work.to_json())
-    finally:
-        client.destroy()
-
-
-def dbos_round(
-    scratch: measure.Scratch, dbos_schema: str, workflows: int, config: Config,
-    postmaster: int | None = None,
-) -> RunResult:
-    """Drain ``workflows`` DBOS workflows (one step calling the tool) with ``config``."""
-    schema = measure.new_schema("bench_dbos")
-    store.create_schema(scratch.tool_dsn, schema)
-    dbos_prepare(scratch, dbos_schema, config)
-    tag = uuid.uuid4().hex[:8]
-    _enqueue(scratch, dbos_schema, tag, workflows)
-    status = sql.Identifier(dbos_schema, "workflow_status")
-    before = measure.xact_snapshot(scratch.admin_dsn, scratch.databases())
-    wal_before = measure.wal_syncs(scratch.admin_dsn)
-    service = tool.ToolService(scratch.tool_dsn, schema, idempotent=True).start()
-    children: list[processes.WorkerProcess] = []
-    meter = measure.CpuMeter(postmaster)
-    polls = 0
-    remaining = sql.SQL(
-        "SELECT count(*) AS n FROM {} WHERE workflow_uuid LIKE %s "
-        "AND status IN ('ENQUEUED', 'PENDING')"
-    ).format(status)
-    try:
-        for index in range(config.processes):
-            children.append(
-                _dbos_child(scratch, dbos_schema, "worker", f"dbos-{tag}-{index}", config, service)
-            )
-        _release_together(children, meter)
-        for child in children:
-            child.wait_for(protocol.LAUNCHED, timeout=60)
-        deadline = time.monotonic() + 60 + workflows * 0.5
-        with edge.session(scratch.dbos_dsn, "watch DBOS drain its queue") as conn:
-            while True:
-                polls += 1
-                row = conn.execute(remaining, (f"{tag}-%",)).fetchone()
-                if row is not None and row["n"] == 0:
-                    break
-                if time.monotonic() > deadline:
-                    raise errors.CheckFailed("DBOS workers did not drain the queue in time")
-                time.sleep(0.05)
-        for child in children:
-            child.release()
-        for child in children:
-            child.finish(timeout=60)
-        calls = service.calls + service.lookups
-    finally:
-        for child in children:
-            child.cleanup()
-        service.stop()
-    cpu, xacts = _costs(
-        scratch, meter, before, wal_before, scratch.dbos_db, calls, own={scratch.dbos_db: polls}
-    )
-    rows = edge.rows(
-        scratch.dbos_dsn,
-        sql.SQL(
-            """
-            WITH runs AS (
-                SELECT created_at, started_at_epoch_ms AS started,
-                       coalesce(completed_at, updated_at) AS done
-                  FROM {} WHERE workflow_uuid LIKE %s AND status = 'SUCCESS'
-            ), start AS (SELECT min(started) AS t0 FROM runs)
-            SELECT (done - greatest(created_at, t0)) / 1000.0 AS ready,
-                   (done - started) / 1000.0 AS claim,
-                   (done - t0) / 1000.0 AS since_start
-              FROM runs CROSS JOIN start
-            """
-        ).format(status),
-        (f"{tag}-%",),
-        action="read DBOS's workflow times",
-    )
-    edge.drop_schema(scratch.tool_dsn, schema)
-    return _result(config, workflows, rows, calls, xacts, cpu)
-
-
-# -- the benchmark --------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _scratch(admin_dsn: str, peer: bool) -> Iterator[tuple[measure.Scratch, str]]:
-    """Scratch databases (and DBOS's schema) for one benchmark, removed afterwards."""
-    scratch = measure.Scratch.create(admin_dsn)
-    dbos_schema = "dbos" if scratch.separate else measure.new_schema("lab_bench_dbos")
-    try:
-        if peer:
-            dbos_peer.module()
-        yield scratch, dbos_schema
-    finally:
-        if scratch.separate:
-            scratch.drop()
-        elif peer:
-            edge.drop_schema(admin_dsn, dbos_schema)
-
-
-def _runner(scratch: measure.Scratch, dbos_schema: str) -> Any:
-    postmaster = measure.server_pid(scratch.admin_dsn)
-
-    def run(config: Config, workflows: int) -> RunResult:
-        if config.system == "lab":
-            return lab_round(scratch, workflows, config, postmaster)
-        return dbos_round(scratch, dbos_schema, workflows, config, postmaster)
-
-    return run
+def _sized(run: Run, configs: Sequence[Config], probe: int, min_seconds: float
+           ) -> tuple[dict[Config, int], dict[Config, RunResult]]:
+    """Each configuration's round size, from a short probe round of ``probe`` workflows."""
+    probes = {config: run(config, probe) for config in configs}
+    return ({config: round_size(result, probe, min_seconds)
+             for config, result in probes.items()}, probes)
 
 
 def _check(workflows: int, repeat: int, *counts: int) -> None:
@@ -423,25 +88,32 @@ def _check(workflows: int, repeat: int, *counts: int) -> None:
 
 def throughput(
     admin_dsn: str, workflows: int, workers: int, peer: str | None, repeat: int,
-    *, noise: bool = False, batch: int = 1,
+    *, noise: int = 0, batch: int = 1, concurrency: int = 1,
+    min_seconds: float = MIN_ROUND_SECONDS,
 ) -> dict[str, Any]:
-    """Drain backlogs with the lab (``batch`` in flight per worker) and the peer at
-    ``workers`` processes, alternating."""
-    _check(workflows, repeat, workers, batch)
-    configs = [Config("lab", workers, batch)]
+    """Drain backlogs with the lab (``concurrency`` x ``batch`` in flight per worker) and
+    the peer at ``workers`` processes, alternating, beside ``noise`` busy processes.
+
+    ``workflows`` sizes a first short round of each system; the measured rounds are sized
+    from its rate to last at least ``min_seconds``."""
+    _check(workflows, repeat, workers, batch, concurrency)
+    configs = [Config("lab", workers, concurrency, batch=batch)]
     if peer == "dbos":
         configs.append(Config("dbos", workers, DBOS_WORKER_CONCURRENCY, DBOS_POLL_SECONDS))
-    with measure.noise(noise), _scratch(admin_dsn, peer is not None) as (scratch, dbos_schema):
-        run = _runner(scratch, dbos_schema)
+    with measure.noise(noise), scratch_databases(admin_dsn, peer is not None) as (
+        scratch, dbos_schema
+    ):
+        run = runner(scratch, dbos_schema)
         # An empty run of each system measures its fixed cost: start, idle polls, exit.
         empty = {config.system: run(config, 0) for config in configs}
-        rounds = [[run(config, workflows) for config in order]
+        sizes, _ = _sized(run, configs, workflows, min_seconds)
+        rounds = [[_measured(run, config, sizes[config], min_seconds) for config in order]
                   for order in measure.alternating_order(repeat, configs)]
         separate = scratch.separate
     by_system: dict[str, list[RunResult]] = {c.system: [] for c in configs}
     for result in itertools.chain.from_iterable(rounds):
         by_system[result.system].append(result)
-    summary = {system: _summary(results, empty[system], workflows)
+    summary = {system: _summary(results, empty[system])
                for system, results in by_system.items()}
     pair_ratios: list[float] = []
     if peer:
@@ -452,8 +124,11 @@ def throughput(
                 pair_ratios.append(value)
     return {
         "workflows": workflows,
+        "round_workflows": {r.system: r.workflows for r in rounds[-1]},
+        "min_round_seconds": min_seconds,
         "workers": workers,
         "lab_batch": batch,
+        "lab_concurrency": concurrency,
         "repeat": repeat,
         "peer": peer,
         "noise": noise,
@@ -470,9 +145,10 @@ def throughput(
     }
 
 
-def _summary(results: Sequence[RunResult], empty: RunResult, workflows: int) -> dict[str, Any]:
+def _summary(results: Sequence[RunResult], empty: RunResult) -> dict[str, Any]:
     rates = [r.per_second for r in results if r.per_second is not None]
-    marginal = [measure.marginal_per_workflow(r.xacts, empty.xacts, workflows) for r in results]
+    marginal = [measure.marginal_per_workflow(r.xacts, empty.xacts, r.workflows)
+                for r in results]
     return {
         "workflows_per_second_median": rnd(statistics.median(rates), 2) if rates else None,
         "xacts_per_workflow_marginal_median": {
@@ -480,18 +156,20 @@ def _summary(results: Sequence[RunResult], empty: RunResult, workflows: int) -> 
             for key in ("total", "system", "tool")
         },
         "http_calls_per_workflow_median": round(
-            statistics.median(r.http_calls / workflows for r in results), 3
+            statistics.median(r.http_calls / max(r.workflows, 1) for r in results), 3
         ),
         "worker_cpu_ms_per_workflow_marginal_median": _median_marginal(
-            results, empty, "worker_cpu_seconds", workflows, scale=1000.0
+            results, empty, "worker_cpu_seconds", scale=1000.0
         ),
         "wal_syncs_per_workflow_marginal_median": _median_marginal(
-            results, empty, "wal_syncs", workflows
+            results, empty, "wal_syncs"
         ),
         "machine_busy_share_median": _median_present(
             r.cpu.get("machine_busy_share") for r in results
         ),
-        "all_succeeded": all(r.succeeded == workflows for r in results),
+        "load_mean_median": _median_present(r.cpu.get("load_mean") for r in results),
+        "other_cores_median": _median_present(r.cpu.get("other_cores") for r in results),
+        "all_succeeded": all(r.succeeded == r.workflows for r in results),
     }
 
 
@@ -499,9 +177,14 @@ def sweep_configs(
     lab_processes: Sequence[int], dbos_processes: Sequence[int],
     dbos_concurrency: Sequence[int], dbos_poll: Sequence[float],
     lab_batch: Sequence[int] = (1,),
+    lab_concurrency: Sequence[int] = (1,),
 ) -> list[Config]:
-    """Every configuration of the sweep: each system by the product of its knobs."""
-    configs = [Config("lab", p, b) for p, b in itertools.product(lab_processes, lab_batch)]
+    """Every configuration of the sweep: each system by the product of its knobs (the
+    lab's ``--batch`` values with one workflow per slot, its ``--concurrency`` values
+    unbatched), each configuration once."""
+    lab = [Config("lab", p, 1, batch=b) for p, b in itertools.product(lab_processes, lab_batch)]
+    lab += [Config("lab", p, c) for p, c in itertools.product(lab_processes, lab_concurrency)]
+    configs = list(dict.fromkeys(lab))
     configs += [Config("dbos", p, c, poll) for p, c, poll
                 in itertools.product(dbos_processes, dbos_concurrency, dbos_poll)]
     return configs
@@ -546,20 +229,54 @@ def sweep(
     dbos_processes: Sequence[int] = SWEEP_DBOS_PROCESSES,
     dbos_concurrency: Sequence[int] = SWEEP_DBOS_CONCURRENCY,
     dbos_poll: Sequence[float] = SWEEP_DBOS_POLL,
-    noise: bool = False,
+    noise: Sequence[int] = (0,),
     lab_batch: Sequence[int] = SWEEP_LAB_BATCH,
+    lab_concurrency: Sequence[int] = SWEEP_LAB_CONCURRENCY,
+    min_seconds: float = MIN_ROUND_SECONDS,
 ) -> dict[str, Any]:
-    """Each system over its own configuration space, alternating; best against best."""
-    _check(workflows, repeat, *lab_processes, *dbos_processes, *dbos_concurrency, *lab_batch)
+    """Each system over its own configuration space, alternating, at each ``noise`` level
+    (busy processes beside both systems) in one sitting; best against best, and each
+    blast radius at equal work in flight per process.
+
+    ``workflows`` is the size of each configuration's first short round, which sizes its
+    measured rounds to last at least ``min_seconds``."""
+    _check(workflows, repeat, *lab_processes, *dbos_processes, *dbos_concurrency, *lab_batch,
+           *lab_concurrency)
     if any(poll <= 0 for poll in dbos_poll):
         raise errors.UsageError("DBOS polling intervals must be positive")
+    if not noise or any(level < 0 for level in noise):
+        raise errors.UsageError("--noise levels are counts of busy processes, 0 or more")
     configs = sweep_configs(lab_processes, dbos_processes, dbos_concurrency, dbos_poll,
-                            lab_batch)
+                            lab_batch, lab_concurrency)
+    sittings = [_sitting(admin_dsn, configs, workflows, repeat, min_seconds, level)
+                for level in noise]
+    return {
+        "workflows": workflows,
+        "repeat": repeat,
+        "min_round_seconds": min_seconds,
+        "noise_levels": list(noise),
+        "sittings": sittings,
+        "goals_per_workflow": {"wal_syncs": GOAL_WAL_SYNCS_PER_WORKFLOW,
+                               "all_cpu_ms": GOAL_ALL_CPU_MS_PER_WORKFLOW},
+        "note": "rates and CPU are over each round's window, from release to the last "
+                "completion; transactions and WAL syncs per workflow are raw (fixed start-up "
+                "cost included); the ceiling is one session's commits/s, and concurrent "
+                "sessions share WAL flushes (group commit), so a share above 1 is possible; "
+                "load, other processes' cores and idle cores are sampled through each round",
+    }
+
+
+def _sitting(
+    admin_dsn: str, configs: Sequence[Config], workflows: int, repeat: int,
+    min_seconds: float, noise: int,
+) -> dict[str, Any]:
+    """Every configuration beside ``noise`` busy processes: probes, then sized rounds."""
     with measure.noise(noise):
         ceiling_before = measure.ceiling(admin_dsn, CEILING_SECONDS)
-        with _scratch(admin_dsn, True) as (scratch, dbos_schema):
-            run = _runner(scratch, dbos_schema)
-            results = [run(config, workflows)
+        with scratch_databases(admin_dsn, True) as (scratch, dbos_schema):
+            run = runner(scratch, dbos_schema)
+            sizes, probes = _sized(run, configs, workflows, min_seconds)
+            results = [_measured(run, config, sizes[config], min_seconds)
                        for order in sweep_order(configs, repeat) for config in order]
         ceiling_after = measure.ceiling(admin_dsn, CEILING_SECONDS)
     # The most the server did alone: other load on the machine only ever lowers it.
@@ -574,7 +291,12 @@ def sweep(
         xacts = _median_present(f["xacts_per_workflow_raw"]["total"] for f in figures)
         per_config.append({
             **config.to_json(), "label": config.label,
+            "in_flight": config.in_flight, "blast_radius": config.blast_radius,
+            "round_workflows": max((r.workflows for r in mine), default=sizes[config]),
+            "probe_workflows_per_second": probes[config].to_json()["workflows_per_second"],
             "workflows_per_second_median": rnd(medians[config], 2),
+            "window_seconds_min": min((f["seconds"] for f in figures if f["seconds"]),
+                                      default=None),
             "xacts_per_workflow_median": xacts,
             "wal_syncs_per_workflow_median": _median_present(
                 f["wal_syncs_per_workflow_raw"] for f in figures),
@@ -583,37 +305,62 @@ def sweep(
             "cpu_ms_per_workflow_median": {
                 share: _median_present(f["cpu_ms_per_workflow"][share] for f in figures)
                 for share in ("workers", "bench_and_tool", "postgres", "all")},
+            **{key: _median_present(f[key] for f in figures)
+               for key in ("load_mean", "load_max", "other_cores", "idle_cores")},
             "share_of_ceiling_commits": rnd(
                 ratio(None if medians[config] is None or xacts is None
                       else medians[config] * xacts, ceiling), 3),  # type: ignore[operator]
-            "all_succeeded": all(r.succeeded == workflows for r in mine),
+            "all_succeeded": all(r.succeeded == r.workflows for r in mine),
         })
     return {
-        "workflows": workflows,
-        "repeat": repeat,
+        "noise": noise,
         "configs": per_config,
         "rounds": [r.to_json() for r in results],
         "ceiling": {"before": ceiling_before, "after": ceiling_after,
                     "commits_per_second": ceiling},
         "comparison": compare(medians),
-        "noise": noise,
+        "blast_radius": blast_radius(medians),
         "goal_best_against_best": GOAL_RATIO_VS_DBOS_NOISE if noise else GOAL_RATIO_VS_DBOS,
-        "goals_per_workflow": {"wal_syncs": GOAL_WAL_SYNCS_PER_WORKFLOW,
-                               "all_cpu_ms": GOAL_ALL_CPU_MS_PER_WORKFLOW},
-        "note": "transactions, WAL syncs and CPU per workflow are raw (fixed start-up cost "
-                "included); the ceiling is one session's commits/s, and concurrent sessions "
-                "share WAL flushes (group commit), so a share above 1 is possible; absolute "
-                "figures depend on the machine's other load",
     }
 
 
+def blast_radius(medians: Mapping[Config, float | None]) -> dict[str, list[dict[str, Any]]]:
+    """At equal processes and equal work in flight per process: the lab's ``--concurrency``
+    (one workflow per transaction) against DBOS's ``worker_concurrency``, and the lab's
+    ``--batch`` (the whole batch per transaction) against both."""
+    def rate(system: str, processes: int, in_flight: int, batched: bool) -> float | None:
+        found = [v for c, v in medians.items() if v is not None and c.system == system
+                 and c.processes == processes and c.in_flight == in_flight
+                 and (c.batch > 1) == batched]
+        return max(found) if found else None
+
+    keys = sorted({(c.processes, c.in_flight) for c in medians})
+    one: list[dict[str, Any]] = []
+    shared: list[dict[str, Any]] = []
+    for processes, in_flight in keys:
+        lab = rate("lab", processes, in_flight, False)
+        dbos = rate("dbos", processes, in_flight, False)
+        if lab is not None or dbos is not None:
+            one.append({"processes": processes, "in_flight": in_flight,
+                        "lab_concurrency": rnd(lab, 2), "dbos": rnd(dbos, 2),
+                        "lab_over_dbos": rnd(ratio(lab, dbos), 3)})
+        batch = rate("lab", processes, in_flight, True)
+        if batch is not None:
+            shared.append({"processes": processes, "in_flight": in_flight,
+                           "lab_batch": rnd(batch, 2), "lab_concurrency": rnd(lab, 2),
+                           "dbos": rnd(dbos, 2),
+                           "batch_over_concurrency": rnd(ratio(batch, lab), 3),
+                           "batch_over_dbos": rnd(ratio(batch, dbos), 3)})
+    return {"one_per_transaction": one, "whole_batch_per_transaction": shared}
+
+
 def _median_marginal(
-    results: Sequence[RunResult], empty: RunResult, key: str, workflows: int, scale: float = 1.0
+    results: Sequence[RunResult], empty: RunResult, key: str, scale: float = 1.0
 ) -> float | None:
     base = empty.cpu.get(key)
     values = [
-        (value - base) * scale / workflows
-        for value in (r.cpu.get(key) for r in results)
+        (value - base) * scale / max(r.workflows, 1)
+        for r, value in ((r, r.cpu.get(key)) for r in results)
         if value is not None and base is not None
     ]
     return round(statistics.median(values), 3) if values else None
@@ -627,44 +374,93 @@ def _median_present(values: Iterator[float | None] | Sequence[float | None]) -> 
 # -- tables -------------------------------------------------------------------------------------
 
 
+def _beside(row: Mapping[str, Any]) -> str:
+    """What else the machine did through a figure's window: load mean (max), other
+    processes' cores, idle cores."""
+    return (f"{fmt(row.get('load_mean'))} ({fmt(row.get('load_max'))}) / "
+            f"{fmt(row.get('other_cores'))} / {fmt(row.get('idle_cores'))}")
+
+
+BESIDE = "load mean (max) / other cores / idle cores"
+
+
 def throughput_table(report: Mapping[str, Any]) -> Table:
     """Every round of ``throughput``."""
-    table = Table(title=f"throughput: {report['workflows']} workflows, {report['workers']} workers"
-                  " (xacts: raw per workflow, system = workflow store or DBOS tables)")
-    for column in ("round", "system", "wf/s", "xacts/wf", "system", "tool", "HTTP/wf",
-                   "ready→done p50 / p99 ms", "claim→done p50 / p99 ms", "busy"):
+    table = Table(title=f"throughput: {report['workers']} workers, rounds of "
+                  f"{report['round_workflows']} workflows, beside {report['noise']} busy "
+                  "process(es) (rates and CPU over release → last completion; xacts: raw per "
+                  "workflow, system = workflow store or DBOS tables)")
+    for column in ("round", "system", "wf/s", "window s", "xacts/wf", "system", "tool",
+                   "HTTP/wf", "all CPU ms/wf", "ready→done p50 / p99 ms",
+                   "claim→done p50 / p99 ms", BESIDE):
         table.add_column(column, justify="right")
     for number, round_results in enumerate(report["rounds"], start=1):
         for run in round_results:
             raw = run["xacts_per_workflow_raw"]
             ready, claim = run["latency_ready_to_done"], run["latency_claim_to_done"]
             table.add_row(
-                str(number), run["system"], fmt(run["workflows_per_second"]),
-                fmt(raw["total"]), fmt(raw["system"]), fmt(raw["tool"]),
-                fmt(run["http_calls_per_workflow"]),
+                str(number), run["label"], fmt(run["workflows_per_second"]),
+                fmt(run["seconds"]), fmt(raw["total"]), fmt(raw["system"]), fmt(raw["tool"]),
+                fmt(run["http_calls_per_workflow"]), fmt(run["cpu_ms_per_workflow"]["all"]),
                 f"{fmt(ready['p50_ms'])} / {fmt(ready['p99_ms'])}",
-                f"{fmt(claim['p50_ms'])} / {fmt(claim['p99_ms'])}",
-                fmt(run["cpu"].get("machine_busy_share")),
+                f"{fmt(claim['p50_ms'])} / {fmt(claim['p99_ms'])}", _beside(run),
             )
     return table
 
 
-def sweep_table(report: Mapping[str, Any]) -> Table:
-    """One row per configuration of the sweep."""
-    noise = " beside a busy neighbour (--noise)" if report.get("noise") else ""
-    table = Table(title=f"sweep: {report['workflows']} workflows per round, "
-                  f"{report['repeat']} round(s) per configuration (medians){noise}; CPU of "
-                  "the drain: workers / bench+tool / PostgreSQL / all processes")
-    for column in ("configuration", "wf/s", "xacts/wf", "WAL syncs/wf", "worker CPU ms/wf",
-                   "CPU ms/wf w / t / pg", "all CPU ms/wf", "share of ceiling", "all ok"):
+def sweep_table(report: Mapping[str, Any], sitting: Mapping[str, Any]) -> Table:
+    """One row per configuration of one sitting of the sweep."""
+    table = Table(title=f"sweep beside {sitting['noise']} busy process(es): "
+                  f"{report['repeat']} round(s) of at least {fmt(report['min_round_seconds'])} s "
+                  "per configuration (medians; rates and CPU over release → last completion); "
+                  "CPU of the window: workers / bench+tool / PostgreSQL / all processes")
+    for column in ("configuration", "in flight", "wf/s", "workflows", "xacts/wf",
+                   "WAL syncs/wf", "CPU ms/wf w / t / pg", "all CPU ms/wf", "share of ceiling",
+                   BESIDE, "all ok"):
         table.add_column(column, justify="right")
-    for row in report["configs"]:
+    for row in sitting["configs"]:
         cpu = row["cpu_ms_per_workflow_median"]
-        table.add_row(row["label"], fmt(row["workflows_per_second_median"]),
+        table.add_row(row["label"], str(row["in_flight"]),
+                      fmt(row["workflows_per_second_median"]), str(row["round_workflows"]),
                       fmt(row["xacts_per_workflow_median"]),
                       fmt(row["wal_syncs_per_workflow_median"]),
-                      fmt(row["worker_cpu_ms_per_workflow_median"]),
                       f"{fmt(cpu['workers'])} / {fmt(cpu['bench_and_tool'])} / "
                       f"{fmt(cpu['postgres'])}", fmt(cpu["all"]),
-                      fmt(row["share_of_ceiling_commits"]), str(row["all_succeeded"]))
+                      fmt(row["share_of_ceiling_commits"]), _beside(row),
+                      str(row["all_succeeded"]))
     return table
+
+
+def blast_radius_tables(sitting: Mapping[str, Any]) -> list[Table]:
+    """Two tables per sitting: one workflow per transaction, and the whole batch."""
+    loads = {(row["processes"], row["in_flight"], row["system"], row["batch"] > 1
+              if row["system"] == "lab" else False): row for row in sitting["configs"]}
+
+    def beside(processes: int, in_flight: int, system: str, batched: bool) -> str:
+        row = loads.get((processes, in_flight, system, batched))
+        return "-" if row is None else f"{fmt(row['load_mean'])} / {fmt(row['other_cores'])}"
+
+    noise = sitting["noise"]
+    one = Table(title=f"blast radius 1 (each workflow its own transactions), beside {noise} "
+                "busy process(es): wf/s at equal processes and in-flight work per process "
+                "[load mean / other cores]")
+    for column in ("processes", "in flight", "lab --concurrency", "DBOS worker_concurrency",
+                   "lab / DBOS"):
+        one.add_column(column, justify="right")
+    for row in sitting["blast_radius"]["one_per_transaction"]:
+        p, n = row["processes"], row["in_flight"]
+        one.add_row(str(p), str(n),
+                    f"{fmt(row['lab_concurrency'])} [{beside(p, n, 'lab', False)}]",
+                    f"{fmt(row['dbos'])} [{beside(p, n, 'dbos', False)}]",
+                    fmt(row["lab_over_dbos"]))
+    whole = Table(title=f"blast radius = in flight (the batch shares its transactions), beside "
+                  f"{noise} busy process(es): wf/s [load mean / other cores]")
+    for column in ("processes", "in flight", "lab --batch", "lab --concurrency", "DBOS",
+                   "batch / concurrency", "batch / DBOS"):
+        whole.add_column(column, justify="right")
+    for row in sitting["blast_radius"]["whole_batch_per_transaction"]:
+        p, n = row["processes"], row["in_flight"]
+        whole.add_row(str(p), str(n), f"{fmt(row['lab_batch'])} [{beside(p, n, 'lab', True)}]",
+                      fmt(row["lab_concurrency"]), fmt(row["dbos"]),
+                      fmt(row["batch_over_concurrency"]), fmt(row["batch_over_dbos"]))
+    return [one, whole]

@@ -74,16 +74,44 @@ class WorkerOptions:
     fused: bool = False
     batch: int = 1
     quiet: bool = False
+    concurrency: int = 1
+
+
+# One line at a time on stdout, from every slot and heartbeat thread (and nothing after a
+# self-kill decision: the hook holds it while it kills).
+_SAY = threading.Lock()
+
+
+def _say(line: str) -> None:
+    with _SAY:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def _usage(options: WorkerOptions) -> str | None:
+    """Why these flags cannot run together, or None."""
+    if not 1 <= options.batch <= protocol.MAX_BATCH:
+        return f"--batch must be between 1 and {protocol.MAX_BATCH}"
+    if options.batch > 1 and not (options.fused and options.loop):
+        return "--batch needs --loop and --fused"
+    if not 1 <= options.concurrency <= protocol.MAX_CONCURRENCY:
+        return f"--concurrency must be between 1 and {protocol.MAX_CONCURRENCY}"
+    if options.concurrency > 1:
+        if not options.loop:
+            return "--concurrency needs --loop"
+        if options.batch > 1:
+            return "--concurrency and --batch are alternatives (own or shared transactions)"
+        if options.max_items > 0:
+            return "--max-items counts one loop's items: not with --concurrency"
+    return None
 
 
 def worker_main(options: WorkerOptions) -> int:
-    """Body of ``lab worker``: optionally reconcile one workflow, then run one item."""
-    if not 1 <= options.batch <= protocol.MAX_BATCH:
-        print(f"lab worker: --batch must be between 1 and {protocol.MAX_BATCH}",
-              file=sys.stderr)
-        return 2
-    if options.batch > 1 and not (options.fused and options.loop):
-        print("lab worker: --batch needs --loop and --fused", file=sys.stderr)
+    """Body of ``lab worker``: optionally reconcile one workflow, then run one item (or,
+    with ``--loop``, items until idle, in ``--concurrency`` slots)."""
+    refusal = _usage(options)
+    if refusal is not None:
+        print(f"lab worker: {refusal}", file=sys.stderr)
         return 2
     egress.install()
     dsn = os.environ.get(protocol.DSN_ENV, "")
@@ -95,16 +123,16 @@ def worker_main(options: WorkerOptions) -> int:
         )
         return 2
     crash_at = options.crash_at
-    # The heartbeat thread reports too: one line at a time.
-    say = threading.Lock()
 
     def wait_for_newline() -> None:
         sys.stdin.readline()
 
     def hook(stage: str, claim: store.Workflow) -> None:
-        with say:
+        # Heartbeat threads and slots report too: one line at a time.
+        with _SAY:
             if not options.quiet:
-                print(protocol.stage_line(stage, claim.id, claim.fence), flush=True)
+                sys.stdout.write(protocol.stage_line(stage, claim.id, claim.fence) + "\n")
+                sys.stdout.flush()
             if crash_at == stage:
                 # Stop dead at the boundary: no other thread runs another line.
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -112,44 +140,94 @@ def worker_main(options: WorkerOptions) -> int:
             wait_for_newline()
 
     try:
-        with _open_store(dsn, options.schema, options.name) as db, toolclient.ToolClient(
-            options.tool, token
-        ) as client:
-            runner = worker.Worker(
-                db=db,
-                client=client,
-                name=options.name,
-                lease=timedelta(seconds=options.lease),
-                heartbeat_every=timedelta(seconds=options.heartbeat),
-                backoff=timedelta(seconds=options.backoff),
-                hook=hook,
-                fused=options.fused,
-                batch=options.batch,
-            )
+        with _open_store(dsn, options.schema, options.name,
+                         connections=_connections(options.concurrency)) as db, \
+                toolclient.ToolClient(options.tool, token) as client:
+            runners = [
+                worker.Worker(
+                    db=db,
+                    client=client,
+                    name=_slot_name(options.name, slot, options.concurrency),
+                    lease=timedelta(seconds=options.lease),
+                    heartbeat_every=timedelta(seconds=options.heartbeat),
+                    backoff=timedelta(seconds=options.backoff),
+                    hook=hook,
+                    fused=options.fused,
+                    batch=options.batch,
+                )
+                for slot in range(options.concurrency)
+            ]
             if options.start_gate:
-                print(protocol.READY, flush=True)
+                _say(protocol.READY)
                 wait_for_newline()
             if options.reconcile:
-                runner.reconcile(options.reconcile)
-            if options.loop:
-                _loop(runner, idle_exit=options.idle_exit, max_items=options.max_items,
+                runners[0].reconcile(options.reconcile)
+            if options.loop and len(runners) > 1:
+                _slots(runners, idle_exit=options.idle_exit, quiet=options.quiet)
+            elif options.loop:
+                _loop(runners[0], idle_exit=options.idle_exit, max_items=options.max_items,
                       quiet=options.quiet)
             else:
-                runner.run_one()
+                runners[0].run_one()
     except errors.LabError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(protocol.DONE, flush=True)
+    _say(protocol.DONE)
     return 0
 
 
-def _open_store(dsn: str, schema: str, name: str) -> store.Store:
+# A slot holds a connection only inside a transaction (the tool's request is made without
+# one), so a few serve many slots; their heartbeat threads share them too.
+MAX_SLOT_CONNECTIONS = 8
+
+
+def _connections(concurrency: int) -> int:
+    """The pool's size for ``concurrency`` slots: two for one, at most a few more."""
+    return 2 if concurrency <= 1 else min(concurrency + 1, MAX_SLOT_CONNECTIONS)
+
+
+def _slot_name(name: str, slot: int, concurrency: int) -> str:
+    """Each slot claims under its own owner name (``NAME.K``); a lone slot under ``NAME``."""
+    return name if concurrency <= 1 else f"{name}.{slot}"
+
+
+def _slots(runners: list[worker.Worker], *, idle_exit: float, quiet: bool) -> None:
+    """``lab worker --concurrency N``: N loops in threads, each its own workflow in flight
+    with its own claim, barrier and completion transactions (a transaction carries one
+    workflow's claim or completion, never a shared batch); together until each is idle.
+
+    A slot that gives up (the database away past ``DB_PATIENCE_S``) ends; the first such
+    error is raised once every slot has ended. A crash (``--crash-at``) kills the process
+    with every slot's workflow in flight: each is left to recovery, as one worker's is.
+    """
+    failures: list[errors.LabError] = []
+
+    def run(runner: worker.Worker) -> None:
+        try:
+            _loop(runner, idle_exit=idle_exit, max_items=0, quiet=quiet)
+        except errors.LabError as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(runner,), name=f"slot-{runner.name}",
+                                daemon=True) for runner in runners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        # Each loop ends by itself (idle, or the database's patience spent): no deadline
+        # here that a slow drain could hit.
+        thread.join()
+    if failures:
+        raise failures[0]
+
+
+def _open_store(dsn: str, schema: str, name: str, *, connections: int = 2) -> store.Store:
     """Connect, riding out a database that is away (restarting) with jittered backoff."""
     patience = backoff.Backoff(patience=DB_PATIENCE_S)
     while True:
         try:
             return store.Store.open(
-                dsn, schema, max_connections=2, application_name=f"{WORKER_APP_PREFIX}{name}"
+                dsn, schema, max_connections=connections,
+                application_name=f"{WORKER_APP_PREFIX}{name}",
             )
         except errors.StoreError:
             if patience.exhausted:
@@ -176,20 +254,20 @@ def _loop(
             items = _items(runner, left=max_items - done if max_items > 0 else None)
             lost.reset()
         except errors.StoreError as exc:
-            print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
+            _say(f"{protocol.SKIP} {type(exc).__name__}")
             if lost.exhausted:
                 raise
             time.sleep(lost.failed())
             idle_since = time.monotonic()
             continue
         except (errors.Stale, errors.ManualReview, errors.ToolError) as exc:
-            print(f"{protocol.SKIP} {type(exc).__name__}", flush=True)
+            _say(f"{protocol.SKIP} {type(exc).__name__}")
             items = []
             idle_since = time.monotonic()
         for item in items:
             done += 1
             if not quiet:
-                print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
+                _say(f"{protocol.ITEM} {item.id} {item.state} {item.fence}")
             idle_since = time.monotonic()
         if items or runner.pending:
             continue
@@ -199,7 +277,7 @@ def _loop(
     # ``max_items`` ran: a fused worker still owes the last one's completion.
     for item in runner.flush():
         if not quiet:
-            print(f"{protocol.ITEM} {item.id} {item.state} {item.fence}", flush=True)
+            _say(f"{protocol.ITEM} {item.id} {item.state} {item.fence}")
 
 
 def _items(runner: worker.Worker, *, left: int | None) -> list[store.Workflow]:
