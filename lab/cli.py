@@ -251,6 +251,9 @@ def _add_worker(commands: Commands[parsing.Parser]) -> None:
                         help="wait for a stdin newline at this boundary")
     worker.add_argument("--crash-at", choices=protocol.PROCESS_STAGES, default=None,
                         help="SIGKILL itself the moment it reaches this boundary")
+    worker.add_argument("--armed-by-stdin", action="store_true",
+                        help="--crash-at and --pause act only once a stdin line armed them "
+                             "(answered with BOOK_ARMED switches; after --start-gate's line)")
     worker.add_argument("--start-gate", action="store_true", help="wait for a stdin newline")
     worker.add_argument("--reconcile", default=None, help="reconcile this unknown workflow first")
     worker.add_argument("--lease", type=float, default=3.0, help="lease seconds")

@@ -31,6 +31,8 @@ OBSERVATION = "BOOK_OBSERVATION"  # an experiment's observation, printed by the 
 REQUEST = "BOOK_REQUEST"  # BOOK_REQUEST call|lookup: the tool process received one request
 FAILED = "BOOK_FAILED"  # BOOK_FAILED <error type>: a peer's program failed (peer chapters)
 ARMED = "BOOK_ARMED"  # BOOK_ARMED <fault>: the tool process armed a fault asked for on stdin
+# What a worker started with ``--armed-by-stdin`` says once a stdin line armed its switches.
+ARMED_SWITCHES = "switches"
 
 # -- environment of child processes ---------------------------------------------------
 

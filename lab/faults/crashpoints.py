@@ -25,7 +25,15 @@ and ``lab.faults.invariants`` judges the schema's whole history. Faults:
                     any other); these cells run one at a time, after the others
 
 ``after_heartbeat`` is reached with the tool holding the request (a slow
-tool), so the worker's heartbeats run; reconciler boundaries are reached by a
+tool), so the worker's heartbeats run. Heartbeats start with the claim, before the
+request is sent, and under load one can come first: so the worker's switch at this
+boundary (``--crash-at`` or ``--pause``) is armed through its stdin
+(``lab worker --armed-by-stdin``) only once the tool reported ``after_request``. The
+order is then certain: the tool holds the request until the script releases it, the
+worker's call is blocked on it meanwhile, and its heartbeat thread keeps beating
+(lease 1 s, beat 0.1 s), so the first heartbeat the armed switch acts on (the first
+stage line after the worker's ``BOOK_ARMED``) is one with the request in the tool.
+Reconciler boundaries are reached by a
 ``lab worker --reconcile`` process after a prelude worker left the workflow
 ``unknown`` with its effect committed (its reply lost). A cell that cannot
 happen is recorded as not applicable with the reason, never left out, so
@@ -103,6 +111,7 @@ KILL_WORKER = "kill_worker"  # harness SIGKILL of the process (fault)
 WORKER_KILLED_ITSELF = "worker_killed_itself"  # wait for its self-kill (fault)
 WORKER_EXIT = "worker_exit"  # wait for the process to exit
 RELEASE_WORKER = "release_worker"
+ARM_WORKER = "arm_worker"  # arm the process's switches (--armed-by-stdin), wait for its answer
 RELEASE_TOOL = "release_tool"
 DROP_NEXT_REPLY = "drop_next_reply"  # (fault)
 KILL_TOOL = "kill_tool"  # harness SIGKILL of the tool process (fault)
@@ -184,7 +193,9 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
         return borrowed
     reconciler = reach == RECONCILING
     slow_tool = ("--pause", protocol.AFTER_REQUEST)
-    fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S))
+    # The heartbeat switch is armed only once the tool holds the request (see above).
+    fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S), "--armed-by-stdin")
+    held = ((TOOL_STAGE, protocol.AFTER_REQUEST), (ARM_WORKER,))
     pause = ("--pause", boundary)
     if fault == WORKER_SIGKILL:
         if reach == IN_TOOL:
@@ -192,7 +203,7 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
                 (TOOL_STAGE, boundary), (KILL_WORKER,), (RELEASE_TOOL,)))
         if reach == SLOW_TOOL:
             return Script(False, ("--crash-at", boundary, *fast_beats), slow_tool, (
-                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_KILLED_ITSELF,), (RELEASE_TOOL,)))
+                *held, (WORKER_KILLED_ITSELF,), (RELEASE_TOOL,)))
         return Script(reconciler, ("--crash-at", boundary), (), ((WORKER_KILLED_ITSELF,),))
     if fault == REPLY_LOST:
         if reach == BEFORE_CALL:
@@ -203,8 +214,8 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
                 (TOOL_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (WORKER_EXIT,)))
         if reach == SLOW_TOOL:
             return Script(False, (*pause, *fast_beats), slow_tool, (
-                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
-                (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+                *held, (WORKER_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_TOOL,),
+                (RELEASE_WORKER,), (WORKER_EXIT,)))
         if boundary == protocol.AFTER_TOOL:
             return NotApplicable("the reply has already arrived at this boundary")
         return NotApplicable("no effect reply follows this boundary")
@@ -214,8 +225,8 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
                 (TOOL_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_TOOL,), (WORKER_EXIT,)))
         if reach == SLOW_TOOL:
             return Script(False, (*pause, *fast_beats), slow_tool, (
-                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
-                (RESTART_POSTGRES,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
+                *held, (WORKER_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_TOOL,),
+                (RELEASE_WORKER,), (WORKER_EXIT,)))
         return Script(reconciler, pause, (), (
             (WORKER_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_WORKER,), (WORKER_EXIT,)))
     # TOOL_RESTART
@@ -224,7 +235,7 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
             (TOOL_DIED,), (WORKER_EXIT,), (RESTART_TOOL,)))
     if reach == SLOW_TOOL:
         return Script(False, (*pause, *fast_beats), slow_tool, (
-            (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary), (KILL_TOOL,),
+            *held, (WORKER_STAGE, boundary), (KILL_TOOL,),
             (RELEASE_WORKER,), (WORKER_EXIT,), (RESTART_TOOL,)))
     return Script(reconciler, pause, (), (
         (WORKER_STAGE, boundary), (KILL_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,),
@@ -478,6 +489,10 @@ def _play(
             exits.append(_exit_code(subject))
         elif verb == RELEASE_WORKER:
             subject.release()
+        elif verb == ARM_WORKER:
+            subject.send(ARM_WORKER)
+            subject.wait_for(f"{protocol.ARMED} {protocol.ARMED_SWITCHES}",
+                             timeout=CELL_TIMEOUT_S)
         elif verb == RELEASE_TOOL:
             tools.current.release()
         elif verb == DROP_NEXT_REPLY:

@@ -5,7 +5,10 @@ The child speaks a line protocol on stdout (the words are in ``lab.protocol``):
 each named boundary, ``BOOK_DONE`` at the end. A newline on stdin releases a
 pause. SIGKILL ends it mid-window, which is the point: no cleanup code runs,
 exactly as in a real crash. ``--crash-at BOUNDARY`` is the self-kill switch:
-the child SIGKILLs itself the moment it reports that boundary.
+the child SIGKILLs itself the moment it reports that boundary. With
+``--armed-by-stdin`` both switches act only once a line on stdin armed them (the
+child answers ``BOOK_ARMED switches``): the experiment decides when a boundary that
+recurs (a heartbeat) may stop the process, so the order it needs is created, not hoped for.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class WorkerOptions:
     fused: bool = False
     batch: int = 1
     quiet: bool = False
+    armed_by_stdin: bool = False
 
 
 def worker_main(options: WorkerOptions) -> int:
@@ -97,18 +101,30 @@ def worker_main(options: WorkerOptions) -> int:
     crash_at = options.crash_at
     # The heartbeat thread reports too: one line at a time.
     say = threading.Lock()
+    # The switches (--crash-at, --pause) act from the start, or once stdin armed them.
+    armed = threading.Event()
+    if not options.armed_by_stdin:
+        armed.set()
 
     def wait_for_newline() -> None:
         sys.stdin.readline()
 
+    def arm() -> None:
+        wait_for_newline()
+        # Under the lock that orders stage lines: every line after BOOK_ARMED was acted on.
+        with say:
+            armed.set()
+            print(f"{protocol.ARMED} {protocol.ARMED_SWITCHES}", flush=True)
+
     def hook(stage: str, claim: store.Workflow) -> None:
         with say:
+            acting = armed.is_set()
             if not options.quiet:
                 print(protocol.stage_line(stage, claim.id, claim.fence), flush=True)
-            if crash_at == stage:
+            if acting and crash_at == stage:
                 # Stop dead at the boundary: no other thread runs another line.
                 os.kill(os.getpid(), signal.SIGKILL)
-        if options.pause == stage:
+        if acting and options.pause == stage:
             wait_for_newline()
 
     try:
@@ -129,6 +145,9 @@ def worker_main(options: WorkerOptions) -> int:
             if options.start_gate:
                 print(protocol.READY, flush=True)
                 wait_for_newline()
+            if options.armed_by_stdin:
+                # After the start gate: one reader of stdin at a time.
+                threading.Thread(target=arm, name="arm", daemon=True).start()
             if options.reconcile:
                 runner.reconcile(options.reconcile)
             if options.loop:
