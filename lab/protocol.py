@@ -38,6 +38,10 @@ ARMED_SWITCHES = "switches"
 
 DSN_ENV = "BOOK_LAB_DSN"
 TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret
+# Every process of one run carries it (lab.leftovers finds what a run left behind by it).
+RUN_MARKER_ENV = "LAB_RUN_MARKER"
+# The file in an embedded cluster's directory that names the run which made it.
+RUN_MARKER_FILE = "lab-run-marker"
 
 # -- named durable boundaries -----------------------------------------------------------
 

@@ -23,7 +23,6 @@ import platform
 import re
 import resource
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,7 +33,7 @@ from typing import Any, TypeVar
 
 from psycopg import sql
 
-from lab import errors, names
+from lab import errors, load, names
 from lab.pg import cluster, edge
 from lab.runtime import plan, store
 
@@ -492,18 +491,8 @@ def noise(enabled: bool) -> Iterator[int | None]:
     Both systems' rounds run beside the same load. It is not a child the meters reap
     before it ends, so its CPU is never counted as a system's. Yields its pid.
     """
-    if not enabled:
-        yield None
-        return
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield spinner.pid
-    finally:
-        spinner.kill()
-        spinner.wait(timeout=10)
+    with load.busy(1 if enabled else 0) as pids:  # the same spinner as --beside-load
+        yield pids[0] if pids else None
 
 
 def fmt(value: Any) -> str:

@@ -67,9 +67,10 @@ ISOLATION: tuple[str, ...] = (
     COMMIT_ENV,
     TREE_ENV,
 )
-# Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off.
+# Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off; the
+# run's marker (``lab.leftovers``), set by the runner or the plugin.
 _RUNTIME_ADDED = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
-                  "PYTEST_CURRENT_TEST", "PYTEST_VERSION")
+                  "PYTEST_CURRENT_TEST", "PYTEST_VERSION", "LAB_RUN_MARKER")
 
 
 def allowed_names() -> tuple[str, ...]:

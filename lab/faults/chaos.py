@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lab import errors, protocol
+from lab import budget, errors, protocol
 from lab.faults import audit, clocksteps, diagnostics, diskfull, invariants, proxy
 from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
 from lab.pg import edge, embedded
@@ -208,8 +208,9 @@ class Chaos:
                 "--clock-step-every needs an embedded server under libfaketime this run "
                 "started (a given DSN's server clock cannot be stepped)"
             )
-        self.dsn = dsn
-        self._restart = restart
+        self.dsn, self._restart, self._server = dsn, restart, server
+        # Set while the restarter has the postmaster down on purpose (see _require_server).
+        self._restarting = threading.Event()
         self.settings = settings
         self.keep_schemas = keep_schemas
         self._log = log or (lambda message: None)
@@ -435,6 +436,8 @@ class Chaos:
         next_count = now
         while True:
             self._check_faults()
+            if self.disk is None:  # a disk fault's strike revives the server it kills
+                self._require_server()
             now = time.monotonic()
             if now >= next_count:
                 # Work may settle before the database was ever killed: with restarts
@@ -476,7 +479,11 @@ class Chaos:
                 spread(self._restart_rng, self.settings.restart_every_ms)
             ):
                 at = time.monotonic() - self._began
-                down = self._restart()
+                self._restarting.set()
+                try:
+                    down = self._restart()
+                finally:
+                    self._restarting.clear()
                 self.counts.restarts.append({"at_s": round(at, 2), "down_s": round(down, 3)})
                 self._log(f"PostgreSQL SIGKILLed and restarted ({down:.2f}s down)")
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
@@ -702,6 +709,7 @@ class Chaos:
         deadline = time.monotonic() + self.settings.drain_timeout
         while True:
             while time.monotonic() < deadline:
+                self._require_server()
                 for population in self.populations:
                     self._recover(population)
                 if self._open_total(refresh=True) == 0:
@@ -738,9 +746,12 @@ class Chaos:
         patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
         while True:
             try:
-                return invariants.load(self.dsn, population.schema, open_result=self.keys.open,
-                                       acknowledged=population.acknowledged)
+                with budget.waiting(f"the history of {population.schema} (invariants)"):
+                    return invariants.load(self.dsn, population.schema,
+                                           open_result=self.keys.open,
+                                           acknowledged=population.acknowledged)
             except errors.StoreError:
+                self._require_server()
                 if patience.exhausted:
                     raise
                 time.sleep(patience.failed())
@@ -750,11 +761,30 @@ class Chaos:
         patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
         while True:
             try:
-                return audit.run(self.dsn, population.schema, expected_workflows=population.size)
+                with budget.waiting(f"the SQL audit of {population.schema}"):
+                    return audit.run(self.dsn, population.schema,
+                                     expected_workflows=population.size)
             except errors.StoreError:
+                self._require_server()
                 if patience.exhausted:
                     raise
                 time.sleep(patience.failed())
+
+    def _require_server(self) -> None:
+        """Fail at once, with the reason, when this run's postmaster died outside a fault
+        that revives it (a restart in progress, a disk strike): ``alive`` reaps it, and
+        no retry loop waits on a server nothing will bring back."""
+        server = self._server
+        if server is None or self._restarting.is_set() or server.alive():
+            return
+        if self._restarting.is_set():  # a restart began between the two looks
+            return
+        postmaster = server.cluster.postmaster
+        code = postmaster.returncode if postmaster is not None else None
+        raise errors.CheckFailed(
+            f"PostgreSQL's postmaster died (exit code {code}) outside any fault of this run "
+            f"that revives it: chaos stops here; server log: "
+            f"{server.cluster.log_tail()[-300:]!r}")
 
     def _report(self, durability: dict[str, str]) -> dict[str, Any]:
         """The run's report: every population's history checked by the invariants and by

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO
 
-from lab import errors, protocol
+from lab import budget, errors, protocol
 from lab.runtime import backoff, egress, forkserver, sealing, store, tool, worker
 
 # Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
@@ -305,7 +305,8 @@ class WorkerProcess:
             if remaining <= 0:
                 raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s; {self.tail()}")
             try:
-                line = self.lines.get(timeout=remaining)
+                with budget.waiting(f"{self.name} to say {prefix!r}"):
+                    line = self.lines.get(timeout=remaining)
             except queue.Empty:
                 continue
             if line is None:
