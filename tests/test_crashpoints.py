@@ -15,7 +15,7 @@ import pytest
 
 from lab import errors, protocol, pytest_plugin
 from lab.book import crashpoints as crashpoint_chapter
-from lab.faults import crashmatrix, crashpoints
+from lab.faults import crashmatrix, crashpoints, crashscripts
 
 LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {
@@ -272,7 +272,7 @@ def test_a_heartbeat_before_the_request_does_not_stop_the_worker_early(
     """With heartbeats every 10 ms the worker beats before its request leaves (what load
     did to the 100 ms beat): the disarmed crash switch lets it pass, and the cell still
     kills it at a heartbeat with the request in the tool: one call, one effect, a person."""
-    monkeypatch.setattr(crashpoints, "SLOW_TOOL_HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(crashscripts, "SLOW_TOOL_HEARTBEAT_S", 0.01)
     cell = f"{protocol.AFTER_HEARTBEAT}/{crashpoints.WORKER_SIGKILL}/{crashpoints.NON_IDEMPOTENT}"
     matrix = crashpoints.run(lab_dsn, seed=3, jobs=1, only=[cell])
     pytest_plugin.reached_database(request.node)
