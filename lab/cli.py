@@ -67,7 +67,6 @@ def _plancheck(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from lab.runtime import processes
-
     return processes.worker_main(options_from(processes.WorkerOptions, args))
 
 
@@ -252,12 +251,13 @@ def _add_worker(commands: Commands[parsing.Parser]) -> None:
                         help="wait for a stdin newline at this boundary")
     worker.add_argument("--crash-at", choices=protocol.PROCESS_STAGES, default=None,
                         help="SIGKILL itself the moment it reaches this boundary")
+    worker.add_argument("--armed-by-stdin", action="store_true",
+                        help="--crash-at and --pause act once a stdin line armed them")
     worker.add_argument("--start-gate", action="store_true", help="wait for a stdin newline")
     worker.add_argument("--reconcile", default=None, help="reconcile this unknown workflow first")
     worker.add_argument("--lease", type=float, default=3.0, help="lease seconds")
-    worker.add_argument(
-        "--loop", action="store_true", help="keep running items until idle for --idle-exit"
-    )
+    worker.add_argument("--loop", action="store_true",
+                        help="keep running items until idle for --idle-exit")
     worker.add_argument("--idle-exit", type=float, default=2.0, help="seconds idle before exit")
     worker.add_argument("--max-items", type=int, default=0, help="stop after N items (0: none)")
     worker.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat seconds")
@@ -295,6 +295,8 @@ def _add_run(commands: Commands[parsing.Parser]) -> None:
     run.add_argument("--hermetic", action="store_true",
                      help="run the committed revision in a fresh clone on the locked "
                           "environment, isolated (the only publishable kind of run)")
+    run.add_argument("--beside-load", type=int, default=0, metavar="N",
+                     help="run beside N busy-loop processes (signed as --lab-beside-load)")
     run.add_argument("--commit", default=None, metavar="REV",
                      help="with --hermetic: the revision to run (default HEAD)")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest arguments")

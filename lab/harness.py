@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from lab import errors, names, protocol
+from lab import budget, errors, names, protocol
 from lab.runtime import backoff, processes, proposal, store, tool, toolclient, toolfaults, worker
 from lab.runtime import plan as plans
 from lab.runtime.plan import Plan
@@ -397,10 +397,11 @@ class Harness:
     ) -> None:
         """Poll ``condition`` every 20 ms; fail the experiment if it is not true in time."""
         deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if condition():
-                return
-            time.sleep(0.02)
+        with budget.waiting(what):
+            while time.monotonic() < deadline:
+                if condition():
+                    return
+                time.sleep(0.02)
         raise AssertionError(f"bounded wait: {what} did not become true within {within}s")
 
     def recover_by_elapsed_lease(self, workflow_id: str) -> int:

@@ -31,11 +31,17 @@ OBSERVATION = "BOOK_OBSERVATION"  # an experiment's observation, printed by the 
 REQUEST = "BOOK_REQUEST"  # BOOK_REQUEST call|lookup: the tool process received one request
 FAILED = "BOOK_FAILED"  # BOOK_FAILED <error type>: a peer's program failed (peer chapters)
 ARMED = "BOOK_ARMED"  # BOOK_ARMED <fault>: the tool process armed a fault asked for on stdin
+# What a worker started with ``--armed-by-stdin`` says once a stdin line armed its switches.
+ARMED_SWITCHES = "switches"
 
 # -- environment of child processes ---------------------------------------------------
 
 DSN_ENV = "BOOK_LAB_DSN"
 TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret
+# Every process of one run carries it (lab.leftovers finds what a run left behind by it).
+RUN_MARKER_ENV = "LAB_RUN_MARKER"
+# The file in an embedded cluster's directory that names the run which made it.
+RUN_MARKER_FILE = "lab-run-marker"
 
 # -- named durable boundaries -----------------------------------------------------------
 

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +35,7 @@ from urllib.parse import quote
 
 import pytest
 
-from lab import errors, names, protocol, recorder, redact
+from lab import budget, conditions, errors, leftovers, names, protocol, recorder, redact
 from lab.evidence import observations
 from lab.pg import providers
 from lab.runtime import egress
@@ -73,6 +74,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="keep a failed test's schema for inspection instead of dropping it",
     )
+    group.addoption("--lab-beside-load", type=int, default=0, metavar="N",
+                    help="run beside N busy-loop processes (default 0)")
     parser.addini("lab_postgres", "default for --lab-postgres", default=providers.AUTO)
     recorder.addoption(parser)
 
@@ -113,6 +116,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_PROBLEM_KEY] = f"{looking} starts no PostgreSQL"
         return
     egress.install()
+    if not config.pluginmanager.is_registered(conditions):  # budgets and load
+        config.pluginmanager.register(conditions, "lab.conditions")
+    os.environ.setdefault(protocol.RUN_MARKER_ENV, leftovers.new_marker())
     dsn: str | None = None
     database: dict[str, Any] | None = None
     problem: str | None = None
@@ -566,6 +572,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     try:
         return (yield)
     finally:
+        budget.disarm()
         launcher = sys.modules.get("lab.pg.cluster")
         after = launcher.restarts() if launcher is not None else 0
         if after > before:

@@ -29,12 +29,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
 
-from lab import errors, files, sandbox
+from lab import errors, files, leftovers, protocol, sandbox
 from lab.evidence import compiler, dsse, gate, hermetic, provenance, seal, summary, wheels
 from lab.evidence import tree as source_tree
 from lab.pg import cluster, providers
@@ -60,6 +60,11 @@ class RunOptions:
     hermetic: bool = False
     commit: str | None = None
     pytest_args: tuple[str, ...] = ()
+    beside_load: int = 0
+
+
+# How long an interrupted pytest gets to tear its experiments down (servers, mounts).
+INTERRUPT_GRACE_S = 60.0
 
 
 def pytest_command(options: RunOptions, python: str | None = None) -> list[str]:
@@ -75,6 +80,8 @@ def pytest_command(options: RunOptions, python: str | None = None) -> list[str]:
     command += ["--lab-evidence", str(options.evidence)]
     if options.numprocesses:
         command += ["-n", str(options.numprocesses)]
+    if options.beside_load:
+        command += ["--lab-beside-load", str(options.beside_load)]
     extra = list(options.pytest_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -107,8 +114,37 @@ def run_main(options: RunOptions, console: Console | None = None) -> int:
     for name in compiler.RUN_FILES:
         (directory / name).unlink(missing_ok=True)
     # pytest's own progress streams straight to the terminal.
-    completed = subprocess.run(command, check=False)
-    return _summarise(directory, completed.returncode, out)
+    returncode = run_marked(command, out)
+    return _summarise(directory, returncode, out)
+
+
+def run_marked(command: Sequence[str], out: Console, cwd: Path | None = None,
+               env: Mapping[str, str] | None = None,
+               wrap: Callable[[Sequence[str], dict[str, str]], list[str]] | None = None) -> int:
+    """Run pytest with a fresh run marker; afterwards (passed, failed, interrupted) end
+    whatever of the run is left (``lab.leftovers``), saying what it was. An interrupt
+    reaches pytest too (same process group): it gets ``INTERRUPT_GRACE_S`` to tear its
+    experiments down before it is killed. ``wrap`` turns the command and its marked
+    environment into the command line that runs it (the hermetic run's sandbox)."""
+    marker = leftovers.new_marker()
+    marked = {**(env if env is not None else os.environ), protocol.RUN_MARKER_ENV: marker}
+    argv = wrap(command, marked) if wrap is not None else list(command)
+    child = subprocess.Popen(argv, cwd=cwd, env=marked)
+    try:
+        try:
+            returncode = child.wait()
+        except KeyboardInterrupt:
+            try:
+                child.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
+    finally:
+        left = leftovers.sweep(marker)
+        if left:
+            out.print(f"[red]left behind by the run, now ended: {left.describe()}[/red]")
+    return 1 if left and returncode == 0 else returncode
 
 
 def requested_database(arguments: Sequence[str]) -> tuple[str, str | None, bool]:
@@ -423,11 +459,11 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
         command = pytest_command(run_options, python=str(python))
         out.print(f"[dim]$ {' '.join(command)}  (in the exported tree, in a bubblewrap "
                   f"sandbox, {len(env)} fixed variables)[/dim]")
-        completed = subprocess.run(sandbox.command(layout, env, command), cwd=tree,
-                                   check=False)
+        returncode = run_marked(command, out, cwd=tree, env=env,
+                                wrap=lambda argv, marked: sandbox.command(layout, marked, argv))
         if (directory / compiler.REPORT_FILE).is_file():
             _seal(directory, key_file)
-    return _summarise(directory, completed.returncode, out)
+    return _summarise(directory, returncode, out)
 
 
 def _read_only_paths(dependencies: Path, env: Mapping[str, str]) -> tuple[Path, ...]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lab import errors
-from lab.faults import chaos
+from lab.faults import chaos, chaos_population
 from lab.pg import edge
 
 
@@ -46,8 +46,8 @@ def test_a_failed_cleanup_is_reported_after_the_verdict(
         dropped.append(schema)
         raise errors.StoreError("PostgreSQL could not drop the schema (SQLSTATE 57P01)")
 
-    monkeypatch.setattr(chaos, "CLEANUP_PATIENCE_S", 0.3)
-    monkeypatch.setattr(chaos.edge, "drop_schema", refuse)
+    monkeypatch.setattr(chaos_population, "CLEANUP_PATIENCE_S", 0.3)
+    monkeypatch.setattr(chaos_population.edge, "drop_schema", refuse)
     settings = chaos.Settings(workflows=12, workers=2, duration=5.0, kill_every_ms=0,
                               terminate_every_ms=0, drop_replies=0, reject_429=0, seed=3)
     try:

@@ -16,7 +16,7 @@ import pytest
 from lab import errors, protocol, pytest_plugin
 from lab.book import crashpoints as crashpoint_chapter
 from lab.evidence import crashmatrix
-from lab.faults import crashpoints
+from lab.faults import crashpoints, crashscripts
 
 LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {
@@ -252,3 +252,32 @@ def test_without_a_restartable_server_the_postgres_column_is_left_out_with_the_r
         {"name": crashpoints.POSTGRES_RESTART, "why": crashpoints.NO_RESTART}]
     assert "postgres_restart" in "\n".join(
         crashpoint_chapter.render_markdown(matrix, signed_note="unsigned"))
+
+
+def test_a_recurring_boundary_is_armed_only_once_the_tool_holds_the_request():
+    """Every cell at ``after_heartbeat`` (a boundary that recurs from the claim on) arms the
+    worker's switch through its stdin, and only after the tool reported the request: the
+    order the cell needs is created by the script, not left to the scheduler."""
+    for fault in crashpoints.FAULT_NAMES:
+        for kind in crashpoints.KINDS:
+            found = crashpoints.script(protocol.AFTER_HEARTBEAT, fault, kind)
+            assert isinstance(found, crashpoints.Script)
+            assert "--armed-by-stdin" in found.worker_flags
+            verbs = [step[0] for step in found.steps]
+            assert verbs[:2] == [crashpoints.TOOL_STAGE, crashpoints.ARM_WORKER], verbs
+
+
+def test_a_heartbeat_before_the_request_does_not_stop_the_worker_early(
+    request, lab_dsn, monkeypatch
+):
+    """With heartbeats every 10 ms the worker beats before its request leaves (what load
+    did to the 100 ms beat): the disarmed crash switch lets it pass, and the cell still
+    kills it at a heartbeat with the request in the tool: one call, one effect, a person."""
+    monkeypatch.setattr(crashscripts, "SLOW_TOOL_HEARTBEAT_S", 0.01)
+    cell = f"{protocol.AFTER_HEARTBEAT}/{crashpoints.WORKER_SIGKILL}/{crashpoints.NON_IDEMPOTENT}"
+    matrix = crashpoints.run(lab_dsn, seed=3, jobs=1, only=[cell])
+    pytest_plugin.reached_database(request.node)
+    (found,) = matrix["cells"]
+    assert (found["status"], found["effects"], found["tool_calls"], found["why"]) == (
+        crashpoints.PERSON, 1, 1, "non_idempotent_dispatched"), found
+    assert found["process_exits"] == [-9]

@@ -132,8 +132,10 @@ def test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant
         terminate_every_ms=2000.0, restart_every_ms=4000.0, partition_every_ms=2000.0,
         partition_for_ms=800.0, durable=True, min_restarts=2, seed=11, drain_timeout=90.0,
     )
+    # With the server itself: a postmaster that dies outside a restart fails the round at
+    # once, with the reason, instead of leaving its retry loops waiting on it.
     report = chaos.run(killable_postgres.provisioned.dsn, settings,
-                       restart=killable_postgres.crash_restart)
+                       restart=killable_postgres.crash_restart, server=killable_postgres.server)
     reached_database()
     database = report["database"]
     observe({

@@ -23,7 +23,6 @@ import platform
 import re
 import resource
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,7 +33,7 @@ from typing import Any, TypeVar
 
 from psycopg import sql
 
-from lab import errors, names
+from lab import errors, load, names
 from lab.pg import cluster, edge
 from lab.runtime import plan, store
 
@@ -494,20 +493,8 @@ def noise(count: int) -> Iterator[list[int]]:
     before they end, so their CPU is never counted as a system's (a round's window counts
     it among the other processes' cores). Yields their pids.
     """
-    spinners = [
-        subprocess.Popen(
-            [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        for _ in range(max(int(count), 0))
-    ]
-    try:
-        yield [spinner.pid for spinner in spinners]
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-        for spinner in spinners:
-            spinner.wait(timeout=10)
+    with load.busy(max(int(count), 0)) as pids:  # the same spinners as --beside-load
+        yield pids
 
 
 def fmt(value: Any) -> str:

@@ -67,10 +67,11 @@ ISOLATION: tuple[str, ...] = (
     COMMIT_ENV,
     TREE_ENV,
 )
-# Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off;
-# PWD, which the sandbox (bwrap --chdir) sets to the exported tree.
+# Names pytest-xdist and execnet set in their workers, and the run's own DSN hand-off; the
+# run's marker (``lab.leftovers``), set by the runner or the plugin; PWD, which the sandbox
+# (bwrap --chdir) sets to the exported tree.
 _RUNTIME_ADDED = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
-                  "PYTEST_CURRENT_TEST", "PYTEST_VERSION", "PWD")
+                  "PYTEST_CURRENT_TEST", "PYTEST_VERSION", "LAB_RUN_MARKER", "PWD")
 
 
 def allowed_names() -> tuple[str, ...]:

@@ -12,6 +12,10 @@ compares a run against it, exactly. Two commands keep it honest:
   (undeclared, declared but absent, miscounted).
 
 ``gate.count_problem`` is the one exact-count rule, shared by ``check`` and the gate.
+
+Each experiment has a wall-clock budget (``budget_s``): the manifest's default, or the
+entry's own. The plugin enforces it (``lab.budget``): on expiry the experiment fails
+naming what it waited for, and its fixtures kill its processes and stop its server.
 """
 
 from __future__ import annotations
@@ -44,10 +48,14 @@ _EXPERIMENTS_ENV = "LAB_MANIFEST_EXPERIMENTS"
 DEFAULT_ABOUT = (
     "The experiments a run must contain to be evidence. Deleting or renaming one makes the "
     "gate fail. results: how many pytest results the experiment produces (exactly); seed: "
-    "one of the 26 experiments of the seed lab. Written by `lab manifest sync`."
+    "one of the 26 experiments of the seed lab. budget_s: the wall-clock seconds an "
+    "experiment's setup and body may take (the default above, or its own); past it the "
+    "experiment fails naming what it waited for. Written by `lab manifest sync`."
 )
 
 Key = tuple[str, str]
+# An experiment's wall-clock budget when the manifest names none (setup and body, seconds).
+DEFAULT_BUDGET_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,8 @@ class Entry:
     seed: bool = False
     # None: the experiment needs the database when it requests the database fixture.
     database: bool | None = None
+    # None: the manifest's default budget.
+    budget_s: float | None = None
 
     @property
     def key(self) -> Key:
@@ -78,6 +88,14 @@ class Manifest:
 
     about: str
     entries: tuple[Entry, ...]
+    budget_s: float = DEFAULT_BUDGET_S
+
+    def budget(self, key: Key) -> float:
+        """The wall-clock budget of the experiment ``key``: its own, else the default."""
+        for entry in self.entries:
+            if entry.key == key and entry.budget_s is not None:
+                return entry.budget_s
+        return self.budget_s
 
 
 def parse(text: str, source: str = MANIFEST_FILE) -> Manifest:
@@ -88,12 +106,13 @@ def parse(text: str, source: str = MANIFEST_FILE) -> Manifest:
         raise errors.InputError(f"{source}: not JSON: {exc}") from exc
     if not isinstance(raw, dict) or not isinstance(raw.get("experiments"), list):
         raise errors.InputError(f"{source}: must be an object with an 'experiments' list")
-    unknown = set(raw) - {"about", "experiments"}
+    unknown = set(raw) - {"about", "experiments", "budget_s"}
     if unknown:
         raise errors.InputError(f"{source}: unknown keys {sorted(unknown)}")
     about = raw.get("about", DEFAULT_ABOUT)
     if not isinstance(about, str):
         raise errors.InputError(f"{source}: 'about' must be a string")
+    budget_s = _budget(raw.get("budget_s", DEFAULT_BUDGET_S), source, "the default budget_s")
     entries: list[Entry] = []
     seen: set[Key] = set()
     for item in raw["experiments"]:
@@ -102,13 +121,20 @@ def parse(text: str, source: str = MANIFEST_FILE) -> Manifest:
             raise errors.InputError(f"{source}: {entry.label} is declared twice")
         seen.add(entry.key)
         entries.append(entry)
-    return Manifest(about, tuple(entries))
+    return Manifest(about, tuple(entries), budget_s)
+
+
+def _budget(value: Any, source: str, what: str) -> float:
+    """A budget in seconds: a positive number of at most a day."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
+        raise errors.InputError(f"{source}: {what} must be seconds in (0, 86400]")
+    return float(value)
 
 
 def _entry(item: Any, source: str) -> Entry:
     if not isinstance(item, dict):
         raise errors.InputError(f"{source}: every experiment must be an object")
-    unknown = set(item) - {"chapter", "name", "results", "seed", "database"}
+    unknown = set(item) - {"chapter", "name", "results", "seed", "database", "budget_s"}
     if unknown:
         raise errors.InputError(f"{source}: unknown keys {sorted(unknown)} in {item!r}")
     chapter, name = item.get("chapter"), item.get("name")
@@ -123,7 +149,9 @@ def _entry(item: Any, source: str) -> Entry:
         raise errors.InputError(f"{source}: seed must be true or false in {item!r}")
     if database is not None and not isinstance(database, bool):
         raise errors.InputError(f"{source}: database must be true or false in {item!r}")
-    return Entry(chapter, name, results, seed, database)
+    budget_s = None if item.get("budget_s") is None else _budget(
+        item["budget_s"], source, f"budget_s of {chapter}/{name}")
+    return Entry(chapter, name, results, seed, database, budget_s)
 
 
 def load(path: Path) -> Manifest:
@@ -139,7 +167,8 @@ def load(path: Path) -> Manifest:
 
 def render(manifest: Manifest) -> str:
     """The manifest as its file holds it: one line per experiment, for readable diffs."""
-    lines = ["{", f"  \"about\": {json.dumps(manifest.about)},", '  "experiments": [']
+    lines = ["{", f"  \"about\": {json.dumps(manifest.about)},",
+             f"  \"budget_s\": {json.dumps(_seconds(manifest.budget_s))},", '  "experiments": [']
     for index, entry in enumerate(manifest.entries):
         fields: dict[str, Any] = {
             "chapter": entry.chapter,
@@ -149,10 +178,17 @@ def render(manifest: Manifest) -> str:
         }
         if entry.database is not None:
             fields["database"] = entry.database
+        if entry.budget_s is not None:
+            fields["budget_s"] = _seconds(entry.budget_s)
         comma = "," if index < len(manifest.entries) - 1 else ""
         lines.append(f"    {json.dumps(fields)}{comma}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float) -> int | float:
+    """Whole seconds as an integer in the file (``300``, not ``300.0``)."""
+    return int(value) if value == int(value) else value
 
 
 # --------------------------------------------------------------------------- comparing
@@ -187,7 +223,7 @@ def synced(manifest: Manifest, found: Mapping[Key, int]) -> Manifest:
             entries.append(dataclasses.replace(previous, results=count))
         else:
             entries.append(Entry(key[0], key[1], count))
-    return Manifest(manifest.about, tuple(entries))
+    return Manifest(manifest.about, tuple(entries), manifest.budget_s)
 
 
 def diff(before: str, after: str, path: Path) -> str:

@@ -56,127 +56,28 @@ runs with one seed are alike, not identical.
 
 from __future__ import annotations
 
-import queue
 import random
 import secrets
-import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-from lab import errors, protocol
-from lab.faults import audit, clocksteps, diagnostics, diskfull, invariants, proxy
-from lab.faults.chaos_settings import LEASE_S, Counts, Settings, interval, split, spread
+from lab import errors
+from lab.faults import chaos_report, clocksteps, diagnostics, diskfull, proxy
+from lab.faults.chaos_population import Population
+from lab.faults.chaos_settings import Counts, Settings, interval, split, spread
 from lab.pg import edge, embedded
-from lab.runtime import backoff, plan, processes, sealing, store, tool, toolclient, worker
+from lab.runtime import processes, sealing
 
 __all__ = ["Chaos", "Settings", "run", "split"]
 
 RECOVER_EVERY_S = 0.1
 WARM_UP_TIMEOUT_S = 60.0
-# How long cleanup retries a database that is still coming back before it reports failure.
-CLEANUP_PATIENCE_S = 30.0
-APPROVAL_TTL = timedelta(hours=6)  # far beyond any run: expiry is not a fault of this run
-TENANTS = ("tenant-a", "tenant-b")
 # The links a network fault can cut (each through its own proxy).
 WORKERS_POSTGRES = "workers-postgres"
 TOOL_POSTGRES = "tool-postgres"
 WORKERS_TOOL = "workers-tool"
-
-
-class _Population:
-    """One schema: its tool service, its workers, and an in-process reconciler.
-
-    ``ledger_dsn`` is how the tool reaches its ledger (through a proxy when the
-    run has network faults); the controller's own store connects directly.
-    """
-
-    def __init__(
-        self, dsn: str, token: str, keys: sealing.KeyCatalog, idempotent: bool, size: int,
-        slots: int, ledger_dsn: str | None = None, fenced_lookup: bool | None = None,
-    ):
-        self.label = "idempotent" if idempotent else "non_idempotent"
-        self.code = "i" if idempotent else "n"
-        self.schema = f"chaos_{token}_{self.code}"
-        self.idempotent = idempotent
-        self.size = size
-        self.slots: list[processes.WorkerProcess | None] = [None] * slots
-        self.generation = 0
-        self.dsn = dsn
-        self.ledger_dsn = ledger_dsn or dsn
-        self.fenced_lookup = fenced_lookup
-        self.keys = keys
-        self.tool_proxy: proxy.Proxy | None = None
-        self.acknowledged: list[invariants.Acknowledged] = []
-        self.service: tool.ToolService | None = None
-        self.db: store.Store | None = None
-        self.client: toolclient.ToolClient | None = None
-        self.reconciler: worker.Worker | None = None
-        self.open = {"ready": size, "running": 0, "unreviewed_unknown": 0}
-
-    def start(self) -> None:
-        self.db = store.Store.open(
-            self.dsn, self.schema, create=True, application_name="lab-chaos", keys=self.keys
-        )
-        self.service = tool.ToolService(
-            self.ledger_dsn, self.schema, idempotent=self.idempotent,
-            fenced_lookup=self.fenced_lookup,
-        ).start()
-        self.client = toolclient.ToolClient(self.service.endpoint, self.service.token)
-        self.reconciler = worker.Worker(
-            db=self.db, client=self.client, name="chaos-recoverer",
-            lease=timedelta(seconds=LEASE_S),
-        )
-
-    @property
-    def worker_endpoint(self) -> str:
-        """Where this population's workers reach the tool (its proxy, when there is one)."""
-        assert self.service is not None
-        if self.tool_proxy is not None:
-            return f"http://127.0.0.1:{self.tool_proxy.port}"
-        return self.service.endpoint
-
-    def close(self, drop: bool) -> list[str]:
-        """Stop everything; drop the schema when asked. Returns what could not be done."""
-        problems: list[str] = []
-        for child in self.slots:
-            if child is not None:
-                child.cleanup()
-        if self.client is not None:
-            self.client.close()
-        if self.tool_proxy is not None:
-            self.tool_proxy.stop()
-        if self.service is not None:
-            self.service.stop()
-        if self.db is not None:
-            self.db.close()
-        if drop:
-            # The database may just be coming back from a restart: retry for a while.
-            patience = backoff.Backoff(base=0.1, cap=2.0, patience=CLEANUP_PATIENCE_S)
-            while True:
-                try:
-                    edge.drop_schema(self.dsn, self.schema)
-                    break
-                except errors.StoreError as exc:
-                    if patience.exhausted:
-                        problems.append(f"schema {self.schema} was not dropped: {exc}")
-                        break
-                    time.sleep(patience.failed())
-        return problems
-
-    def refresh(self) -> dict[str, int]:
-        """Count what is still open: due or delayed ready work, running, unreviewed unknown.
-
-        A database that cannot be reached (restarting, partitioned) leaves the last
-        counts in place: raises ``errors.StoreError`` for the caller to count.
-        """
-        assert self.db is not None
-        self.open = self.db.open_counts()
-        return self.open
 
 
 class Chaos:
@@ -208,8 +109,8 @@ class Chaos:
                 "--clock-step-every needs an embedded server under libfaketime this run "
                 "started (a given DSN's server clock cannot be stepped)"
             )
-        self.dsn = dsn
-        self._restart = restart
+        self.dsn, self._restart = dsn, restart
+        self._restarting = threading.Event()  # the restarter has the server down on purpose
         self.settings = settings
         self.keep_schemas = keep_schemas
         self._log = log or (lambda message: None)
@@ -229,6 +130,7 @@ class Chaos:
         self.counts = Counts()
         # One key catalog for the run: every process seals results the checker can open.
         self.keys = sealing.load_catalog()
+        self.check = chaos_report.Check(dsn, self.keys, server, self._restarting)  # the verdict
         # Network faults: one proxy per link, each its own fault target.
         self.proxies: dict[str, proxy.Proxy] = {}
         if settings.proxied:
@@ -237,7 +139,7 @@ class Chaos:
                 self.proxies[link] = proxy.Proxy(host, port, link).start()
         self.worker_dsn = self._via(WORKERS_POSTGRES)
         self.populations = [
-            _Population(dsn, self.token, self.keys, idempotent, size, slots,
+            Population(dsn, self.token, self.keys, idempotent, size, slots,
                         ledger_dsn=self._via(TOOL_POSTGRES),
                         fenced_lookup=True if settings.non_idempotent_fenced else None)
             for idempotent, size, slots in split(settings)
@@ -311,7 +213,7 @@ class Chaos:
             self._heal()
             self._drain(recoverer)
             check_began = time.monotonic()
-            report = self._report(durability)
+            report = chaos_report.report(self.check, self, durability)
             ended = time.monotonic()
             report["timing"] = {
                 "wall_s": round(ended - began, 2),
@@ -387,22 +289,7 @@ class Chaos:
 
     def _create_workflows(self) -> None:
         for population in self.populations:
-            assert population.db is not None
-            for index in range(population.size):
-                tenant = self._plans.choice(TENANTS)
-                proposer = store.Actor(tenant, f"employee-{tenant}", "proposer")
-                approver = store.Actor(tenant, f"manager-{tenant}", "approver")
-                proposed = plan.Plan(
-                    version=plan.SUPPORTED_PLAN_VERSION,
-                    action=plan.ACTION,
-                    account=self._plans.choice(plan.ACCOUNTS),
-                    amount_minor=self._plans.randint(plan.MIN_AMOUNT_MINOR, plan.MAX_AMOUNT_MINOR),
-                    currency=plan.CURRENCY,
-                    idempotent=population.idempotent,
-                )
-                created = population.db.create(proposer, f"chaos-{population.code}-{index}",
-                                               proposed)
-                population.db.approve(approver, created.id, created.fingerprint, APPROVAL_TTL)
+            population.create_workflows(self._plans)
 
     # -- fault phase -------------------------------------------------------------------
 
@@ -419,7 +306,7 @@ class Chaos:
             self._check_faults()
             self._maintain()
             for population, _, child in self._live():
-                self._read_lines(child, population)
+                population.read_lines(child, self.counts, self._items_done)
             if any(self._items_done.values()) or self._open_total(refresh=True) == 0:
                 return
             time.sleep(0.05)
@@ -435,6 +322,8 @@ class Chaos:
         next_count = now
         while True:
             self._check_faults()
+            if self.disk is None:  # a disk fault's strike revives the server it kills
+                self.check.require_server()
             now = time.monotonic()
             if now >= next_count:
                 # Work may settle before the database was ever killed: with restarts
@@ -476,7 +365,11 @@ class Chaos:
                 spread(self._restart_rng, self.settings.restart_every_ms)
             ):
                 at = time.monotonic() - self._began
-                down = self._restart()
+                self._restarting.set()
+                try:
+                    down = self._restart()
+                finally:
+                    self._restarting.clear()
                 self.counts.restarts.append({"at_s": round(at, 2), "down_s": round(down, 3)})
                 self._log(f"PostgreSQL SIGKILLed and restarted ({down:.2f}s down)")
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
@@ -510,7 +403,7 @@ class Chaos:
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
             self._restart_failure = exc
 
-    def _live(self) -> list[tuple[_Population, int, processes.WorkerProcess]]:
+    def _live(self) -> list[tuple[Population, int, processes.WorkerProcess]]:
         return [
             (population, slot, child)
             for population in self.populations
@@ -530,7 +423,7 @@ class Chaos:
         """
         live = []
         for entry in self._live():
-            self._read_lines(entry[2], entry[0])
+            entry[0].read_lines(entry[2], self.counts, self._items_done)
             if self._items_done.get(entry[2].name, 0) > 0:
                 live.append(entry)
         if not live:
@@ -542,22 +435,13 @@ class Chaos:
 
     def _terminate_one(self) -> None:
         """``pg_terminate_backend`` on a random backend of a live worker of this run."""
-        db = self.populations[0].db
-        assert db is not None
+        assert self.populations[0].db is not None
         # A reaped worker's backend may linger for a moment: it is not a target.
         live = {child.name for _, _, child in self._live()}
-        prefix = f"{processes.WORKER_APP_PREFIX}{self.token}"
-        try:
-            pids = [pid for pid, name in diagnostics.backends(db, prefix)
-                    if name[len(processes.WORKER_APP_PREFIX):] in live]
-            if not pids:
-                self.counts.termination_misses += 1
-                return
-            done = diagnostics.terminate_backend(db, self._term_rng.choice(pids))
-        except errors.StoreError:  # the database is away: nothing to terminate now
+        done = diagnostics.terminate_one(self.populations[0].db, self.token, live,
+                                         self._term_rng)
+        if done is None:  # the database is away: nothing to terminate now
             self.counts.unreachable_reads += 1
-            self.counts.termination_misses += 1
-            return
         if done:
             self.counts.backend_terminations += 1
         else:
@@ -572,59 +456,12 @@ class Chaos:
                 if population.slots[slot] is None and population.open["ready"] > 0:
                     self._spawn(population, slot)
 
-    def _spawn(self, population: _Population, slot: int) -> None:
-        assert population.service is not None
-        population.generation += 1
-        name = f"{self.token}{population.code}{slot}-{population.generation}"
-        s = self.settings
-        population.slots[slot] = processes.spawn_worker(
-            self.worker_dsn, population.schema, population.worker_endpoint,
-            population.service.token,
-            name, "--loop", "--fused", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
-            "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
-            "--batch", str(s.batch), keys=self.keys,
-        )
+    def _spawn(self, population: Population, slot: int) -> None:
+        population.spawn(slot, self.worker_dsn, self.token, self.settings, self.keys)
         self.counts.worker_starts += 1
 
-    def _reap(self, population: _Population, slot: int) -> None:
-        child = population.slots[slot]
-        assert child is not None
-        population.slots[slot] = None
-        code = child.cleanup()  # SIGKILLs it if it still runs: -SIGKILL either way
-        if code == -signal.SIGKILL:
-            cause = "sigkill"
-        elif code == 0:
-            cause = "idle_exit"
-        else:
-            last = (child.stderr.strip().splitlines() or ["?"])[-1]
-            cause = f"exit_{code}:{last.split(':')[0]}"
-        self.counts.worker_exits[cause] += 1
-        self._read_lines(child, population)
-        self._items_done.pop(child.name, None)
-
-    def _read_lines(
-        self, child: processes.WorkerProcess, population: _Population | None = None
-    ) -> None:
-        """Count the items a worker reported so far (its stdout, read without blocking).
-
-        ``BOOK_ITEM id state fence`` is printed after the item's transaction committed:
-        each is kept as an acknowledged outcome for the ``lost_after_restart`` check.
-        """
-        if population is None:
-            population = next(p for p in self.populations if child in p.slots)
-        while True:
-            try:
-                line = child.lines.get_nowait()
-            except queue.Empty:
-                return
-            if line and line.startswith(f"{protocol.ITEM} "):
-                _, workflow_id, state, fence = line.split()[:4]
-                population.acknowledged.append(
-                    invariants.Acknowledged(workflow_id, state, int(fence)))
-                self.counts.worker_items[state] += 1
-                self._items_done[child.name] = self._items_done.get(child.name, 0) + 1
-            elif line and line.startswith(f"{protocol.SKIP} "):
-                self.counts.worker_items[f"skip:{line.split()[1]}"] += 1
+    def _reap(self, population: Population, slot: int) -> None:
+        population.reap(slot, self.counts, self._items_done)
 
     # -- recovery ----------------------------------------------------------------------
 
@@ -646,7 +483,7 @@ class Chaos:
                 raise failure
             raise errors.CheckFailed(f"the chaos {what} failed: {failure!r}") from failure
 
-    def _recover(self, population: _Population) -> None:
+    def _recover(self, population: Population) -> None:
         """Expired leases become unknown; unreviewed unknowns are reconciled by lookup;
         work in review that the database proves was never dispatched leaves review."""
         assert population.db is not None and population.reconciler is not None
@@ -702,6 +539,7 @@ class Chaos:
         deadline = time.monotonic() + self.settings.drain_timeout
         while True:
             while time.monotonic() < deadline:
+                self.check.require_server()
                 for population in self.populations:
                     self._recover(population)
                 if self._open_total(refresh=True) == 0:
@@ -732,158 +570,6 @@ class Chaos:
             # Recovery queued work again after the workers left: drain once more.
 
     # -- the check and the report ----------------------------------------------------------
-
-    def _load(self, population: _Population) -> invariants.History:
-        """The population's history, waiting out a database that is still coming back."""
-        patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
-        while True:
-            try:
-                return invariants.load(self.dsn, population.schema, open_result=self.keys.open,
-                                       acknowledged=population.acknowledged)
-            except errors.StoreError:
-                if patience.exhausted:
-                    raise
-                time.sleep(patience.failed())
-
-    def _audit(self, population: _Population) -> list[audit.Finding]:
-        """The independent SQL audit of one population, waiting out a database coming back."""
-        patience = backoff.Backoff(base=0.1, cap=2.0, patience=60.0)
-        while True:
-            try:
-                return audit.run(self.dsn, population.schema, expected_workflows=population.size)
-            except errors.StoreError:
-                if patience.exhausted:
-                    raise
-                time.sleep(patience.failed())
-
-    def _report(self, durability: dict[str, str]) -> dict[str, Any]:
-        """The run's report: every population's history checked by the invariants and by
-        the independent SQL audit, with what was asked for, the faults and the recovery."""
-        s = self.settings
-        tally = _Tally()
-        for population in self.populations:
-            self._tally(population, tally)
-        c = self.counts
-        comparison = audit.compare(tally.findings,
-                                   [(v.kind, v.effect_key) for v in tally.found])
-        return {
-            "audit": {**comparison, "findings": [vars(f) for f in tally.findings[:20]]},
-            "checkers_agree": comparison["agree"],
-            "run": s.describe(max_attempts=store.DEFAULT_MAX_ATTEMPTS,
-                              proxied_links=sorted(self.proxies)),
-            "database": {
-                "durable_mode_requested": s.durable,
-                "durability": durability,
-                "restarts": c.restarts,
-                "restart_count": len(c.restarts),
-                "down_s": round(sum(r["down_s"] for r in c.restarts), 3),
-                "unreachable_reads": c.unreachable_reads,
-            },
-            "states": dict(sorted(tally.states.items())),
-            "effects": tally.effects,
-            "faults": self._faults_report(tally),
-            "tool": {"calls": tally.calls, "lookups": tally.lookups},
-            "workers": {
-                "starts": c.worker_starts,
-                "exits": dict(sorted(c.worker_exits.items())),
-                "items_reported": dict(sorted(c.worker_items.items())),
-                "killed_in_drain": c.drain_kills,
-            },
-            "recovery": {
-                "leases_expired": c.leases_expired,
-                "reconciled": dict(sorted(c.reconciled.items())),
-                "undispatched_out_of_review": dict(sorted(c.undispatched.items())),
-                "retried_next_pass": dict(sorted(c.recoverer_errors.items())),
-            },
-            "manual_reviews": sum(tally.reviews.values()),
-            "manual_review_reasons": dict(sorted(tally.reviews.items())),
-            "events": dict(sorted(tally.events.items())),
-            "populations": tally.populations,
-            "violations": tally.violations,
-            "violation_count": len(tally.violations),
-            "violations_by_kind": invariants.count_by_kind(tally.found),
-        }
-
-    def _tally(self, population: _Population, tally: _Tally) -> None:
-        """Check one population's history, add its row and its counts to ``tally``."""
-        assert population.service is not None
-        history = self._load(population)
-        found = invariants.check(history)
-        tally.violations += [{"schema": population.schema, **v.to_json()} for v in found]
-        tally.found += found
-        tally.findings += self._audit(population)
-        states = Counter(wf.state for wf in history.workflows)
-        reviews = Counter(wf.review_reason for wf in history.workflows if wf.state == "unknown")
-        events = Counter(e.kind for e in history.events)
-        service = population.service
-        tally.populations.append({
-            "label": population.label,
-            "schema": population.schema,
-            "workflows": len(history.workflows),
-            "worker_processes": len(population.slots),
-            "states": dict(sorted(states.items())),
-            "effects": len(history.effects),
-            "tool_calls": service.calls,
-            "dropped_replies": service.dropped,
-            "rejected_429": service.rejected,
-            "lookups": service.lookups,
-            # Keys a fenced lookup answered "absent" for, and requests refused after that.
-            "keys_closed_by_lookup": len(history.absences),
-            "late_writes_refused": service.fenced,
-            "manual_reviews": dict(sorted(reviews.items())),
-            "events": dict(sorted(events.items())),
-            "violations": len(found),
-        })
-        tally.states += states
-        tally.reviews += reviews
-        tally.events += events
-        tally.effects += len(history.effects)
-        tally.dropped += service.dropped
-        tally.rejected += service.rejected
-        tally.calls += service.calls
-        tally.lookups += service.lookups
-        tally.closed += len(history.absences)
-        tally.refused_late += service.fenced
-
-    def _faults_report(self, tally: _Tally) -> dict[str, Any]:
-        """The report's ``faults``: what was injected, and what the tool refused or lost."""
-        c = self.counts
-        return {
-            "kills": c.kills,
-            "kill_timer_without_target": c.kill_misses,
-            "backend_terminations": c.backend_terminations,
-            "termination_timer_without_backend": c.termination_misses,
-            "dropped_replies": tally.dropped,
-            "rejected_429": tally.rejected,
-            "keys_closed_by_lookup": tally.closed,
-            "late_writes_refused": tally.refused_late,
-            "postgres_restarts": len(c.restarts),
-            "partitions": len(self.partitions.log),
-            "partition_log": self.partitions.log,
-            "proxy_resets": sum(p.resets for p in self.proxies.values()),
-            "disk_full": self.disk.report() if self.disk is not None else {"count": 0},
-            "clock_steps": self.clock.report() if self.clock is not None else {"count": 0},
-        }
-
-
-@dataclass
-class _Tally:
-    """What the report adds up over the populations."""
-
-    populations: list[dict[str, Any]] = field(default_factory=list)
-    violations: list[dict[str, str]] = field(default_factory=list)
-    found: list[invariants.Violation] = field(default_factory=list)
-    findings: list[audit.Finding] = field(default_factory=list)
-    states: Counter[str] = field(default_factory=Counter)
-    reviews: Counter[str] = field(default_factory=Counter)
-    events: Counter[str] = field(default_factory=Counter)
-    effects: int = 0
-    dropped: int = 0
-    rejected: int = 0
-    calls: int = 0
-    lookups: int = 0
-    closed: int = 0
-    refused_late: int = 0
 
 def run(
     dsn: str,

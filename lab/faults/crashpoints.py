@@ -24,12 +24,7 @@ and ``lab.faults.invariants`` judges the schema's whole history. Faults:
                     a server this run started; left out, with the reason, for
                     any other); these cells run one at a time, after the others
 
-``after_heartbeat`` is reached with the tool holding the request (a slow
-tool), so the worker's heartbeats run; reconciler boundaries are reached by a
-``lab worker --reconcile`` process after a prelude worker left the workflow
-``unknown`` with its effect committed (its reply lost). A cell that cannot
-happen is recorded as not applicable with the reason, never left out, so
-every boundary has a cell for every fault and tool kind (a test enforces it).
+How each cell is driven (its script) is ``lab.faults.crashscripts``'s.
 
 Each cell is independent (own schema, tool process and workers), so cells run
 in parallel (``--jobs``). The seed picks each cell's plan and the order cells
@@ -57,240 +52,78 @@ from typing import Any
 from lab import errors, protocol
 from lab.evidence import crashmatrix
 from lab.faults import invariants
+from lab.faults.crashscripts import (  # the scripts, also named here for callers
+    AFTER_REPLY,
+    APPROVAL_TTL,
+    APPROVER,
+    ARM_WORKER,
+    AUTOMATIC,
+    BACKOFF_S,
+    BATCH,
+    BATCH_FLAGS,
+    BATCH_SIZE,
+    BEFORE_CALL,
+    CELL_TIMEOUT_S,
+    DROP_NEXT_REPLY,
+    FAULT_NAMES,
+    FAULT_STEPS,
+    FAULTS,
+    FORMAT,
+    FUSED_FLAGS,
+    HEARTBEAT_S,
+    IDEMPOTENT,
+    IN_TOOL,
+    KILL_TOOL,
+    KILL_WORKER,
+    KINDS,
+    LEASE_S,
+    NO_RESTART,
+    NON_IDEMPOTENT,
+    NOT_APPLICABLE,
+    NOT_REACHED,
+    PERSON,
+    POSTGRES_RESTART,
+    PROPOSER,
+    REACH,
+    RECONCILING,
+    RELEASE_TOOL,
+    RELEASE_WORKER,
+    REPLY_LOST,
+    RESTART_POSTGRES,
+    RESTART_TOOL,
+    SLOW_TOOL,
+    SLOW_TOOL_HEARTBEAT_S,
+    TOOL_DIED,
+    TOOL_RESTART,
+    TOOL_STAGE,
+    VIOLATION,
+    WORKER_EXIT,
+    WORKER_KILLED_ITSELF,
+    WORKER_SIGKILL,
+    WORKER_STAGE,
+    NotApplicable,
+    Script,
+    cell_id,
+    cells,
+    missing_cells,
+    script,
+)
 from lab.pg import edge, providers
 from lab.runtime import plan, processes, sealing, store, toolclient, worker
 from lab.runtime import toolprocess as toolprocesses
 
-WORKER_SIGKILL = "worker_sigkill"
-REPLY_LOST = "reply_lost"
-TOOL_RESTART = "tool_restart"
-POSTGRES_RESTART = "postgres_restart"
-FAULTS: tuple[tuple[str, str], ...] = (
-    (WORKER_SIGKILL, "the process at the boundary is SIGKILLed"),
-    (REPLY_LOST, "the next effect reply after the boundary is lost (effect committed)"),
-    (TOOL_RESTART, "the tool process is SIGKILLed at the boundary, then restarted"),
-    (POSTGRES_RESTART, "the PostgreSQL postmaster is SIGKILLed at the boundary and restarted "
-                       "on the same data (WAL recovery)"),
-)
-FAULT_NAMES: tuple[str, ...] = tuple(name for name, _ in FAULTS)
-NO_RESTART = (
-    "this run's PostgreSQL cannot be crash-restarted (only an embedded server the run "
-    "started itself can): the column is left out"
-)
-IDEMPOTENT = "idempotent"
-NON_IDEMPOTENT = "non_idempotent"
-KINDS: tuple[str, ...] = (IDEMPOTENT, NON_IDEMPOTENT)
-
-FORMAT = crashmatrix.FORMAT
-AUTOMATIC = crashmatrix.AUTOMATIC
-PERSON = crashmatrix.PERSON
-VIOLATION = crashmatrix.VIOLATION
-NOT_REACHED = crashmatrix.NOT_REACHED
-NOT_APPLICABLE = crashmatrix.NOT_APPLICABLE
-
-LEASE_S = 1.0
-HEARTBEAT_S = 0.25
-SLOW_TOOL_HEARTBEAT_S = 0.1
-BACKOFF_S = 0.05
-CELL_TIMEOUT_S = 60.0
-APPROVAL_TTL = timedelta(hours=1)
-PROPOSER = store.Actor("tenant-a", "employee-a", "proposer")
-APPROVER = store.Actor("tenant-a", "manager-a", "approver")
-
-# Steps of a cell's script. The ones marked as faults start the recovery clock.
-WORKER_STAGE = "worker_stage"  # wait for the process to report the boundary
-TOOL_STAGE = "tool_stage"  # wait for the tool to report the boundary
-KILL_WORKER = "kill_worker"  # harness SIGKILL of the process (fault)
-WORKER_KILLED_ITSELF = "worker_killed_itself"  # wait for its self-kill (fault)
-WORKER_EXIT = "worker_exit"  # wait for the process to exit
-RELEASE_WORKER = "release_worker"
-RELEASE_TOOL = "release_tool"
-DROP_NEXT_REPLY = "drop_next_reply"  # (fault)
-KILL_TOOL = "kill_tool"  # harness SIGKILL of the tool process (fault)
-TOOL_DIED = "tool_died"  # wait for the tool's self-kill (fault)
-RESTART_TOOL = "restart_tool"
-RESTART_POSTGRES = "restart_postgres"  # SIGKILL the postmaster, restart it (fault)
-FAULT_STEPS = frozenset({KILL_WORKER, WORKER_KILLED_ITSELF, DROP_NEXT_REPLY, KILL_TOOL, TOOL_DIED,
-                         RESTART_POSTGRES})
-
-
-@dataclass(frozen=True)
-class Script:
-    """How one cell is driven: the process's flags, the tool's flags, the harness's steps."""
-
-    reconciler: bool
-    worker_flags: tuple[str, ...]
-    tool_flags: tuple[str, ...]
-    steps: tuple[tuple[str, ...], ...]
-    workflows: int = 1  # a batch's cells approve several; each must settle
-
-
-@dataclass(frozen=True)
-class NotApplicable:
-    """A cell that cannot happen, and why."""
-
-    reason: str
-
-
-# How the harness gets a process to each boundary. A boundary added to ``lab.protocol``
-# has no entry here until someone decides how its cells run: ``script`` raises
-# ``KeyError`` for it and the coverage test fails.
-BEFORE_CALL = "before_call"  # worker path, before the effect request is sent
-IN_TOOL = "in_tool"  # inside the tool's request handling
-AFTER_REPLY = "after_reply"  # worker path, the effect reply already in hand
-SLOW_TOOL = "slow_tool"  # worker's heartbeat thread, while the tool holds the request
-RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknown workflow
-BATCH = "batch"  # a ``--batch`` worker's step over several workflows, before any request
-REACH: dict[str, str] = {
-    protocol.AFTER_CLAIM: BEFORE_CALL,
-    protocol.AFTER_BARRIER: BEFORE_CALL,
-    protocol.AFTER_CLAIM_BARRIER: BEFORE_CALL,
-    protocol.AFTER_BATCH: BATCH,
-    protocol.AFTER_REQUEST: IN_TOOL,
-    protocol.AFTER_EFFECT: IN_TOOL,
-    protocol.AFTER_TOOL: AFTER_REPLY,
-    protocol.AFTER_COMPLETE: AFTER_REPLY,
-    protocol.AFTER_HEARTBEAT: SLOW_TOOL,
-    protocol.AFTER_LOOKUP: RECONCILING,
-    protocol.AFTER_SETTLE: RECONCILING,
-}
-
-
-# Only a looping ``--fused`` worker commits a claim with its start barrier; one item is
-# enough to reach the boundary (and ``--max-items`` stops it retrying a dead tool).
-FUSED_FLAGS = ("--loop", "--fused", "--max-items", "1", "--idle-exit", "1")
-# A batch's cells: one step claims all of them (with barriers when idempotent) and has them
-# in flight together, so the fault meets every workflow of the batch at once.
-BATCH_SIZE = 3
-BATCH_FLAGS = ("--loop", "--fused", "--batch", str(BATCH_SIZE), "--max-items", str(BATCH_SIZE),
-               "--idle-exit", "1")
-
-
-def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
-    """The script of the cell (``boundary``, ``fault``, ``kind``), or why there is none.
-
-    Raises ``KeyError`` for a boundary, fault or kind this module does not know:
-    a boundary added to ``lab.protocol`` without a cell here fails the coverage test.
-    """
-    reach = REACH[boundary]
-    if fault not in FAULT_NAMES or kind not in KINDS:
-        raise KeyError(f"{fault}/{kind}")
-    if boundary == protocol.AFTER_LOOKUP and kind == NON_IDEMPOTENT:
-        return NotApplicable(
-            "a non-idempotent tool has no authoritative lookup: the reconciler never asks, "
-            "it records a review"
-        )
-    borrowed = _borrowed(boundary, fault, kind)
-    if borrowed is not None:
-        return borrowed
-    reconciler = reach == RECONCILING
-    slow_tool = ("--pause", protocol.AFTER_REQUEST)
-    fast_beats = ("--heartbeat", str(SLOW_TOOL_HEARTBEAT_S))
-    pause = ("--pause", boundary)
-    if fault == WORKER_SIGKILL:
-        if reach == IN_TOOL:
-            return Script(False, (), ("--pause", boundary), (
-                (TOOL_STAGE, boundary), (KILL_WORKER,), (RELEASE_TOOL,)))
-        if reach == SLOW_TOOL:
-            return Script(False, ("--crash-at", boundary, *fast_beats), slow_tool, (
-                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_KILLED_ITSELF,), (RELEASE_TOOL,)))
-        return Script(reconciler, ("--crash-at", boundary), (), ((WORKER_KILLED_ITSELF,),))
-    if fault == REPLY_LOST:
-        if reach == BEFORE_CALL:
-            return Script(False, pause, (), (
-                (WORKER_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_WORKER,), (WORKER_EXIT,)))
-        if reach == IN_TOOL:
-            return Script(False, (), ("--pause", boundary), (
-                (TOOL_STAGE, boundary), (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (WORKER_EXIT,)))
-        if reach == SLOW_TOOL:
-            return Script(False, (*pause, *fast_beats), slow_tool, (
-                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
-                (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
-        if boundary == protocol.AFTER_TOOL:
-            return NotApplicable("the reply has already arrived at this boundary")
-        return NotApplicable("no effect reply follows this boundary")
-    if fault == POSTGRES_RESTART:
-        if reach == IN_TOOL:
-            return Script(False, (), ("--pause", boundary), (
-                (TOOL_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_TOOL,), (WORKER_EXIT,)))
-        if reach == SLOW_TOOL:
-            return Script(False, (*pause, *fast_beats), slow_tool, (
-                (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary),
-                (RESTART_POSTGRES,), (RELEASE_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,)))
-        return Script(reconciler, pause, (), (
-            (WORKER_STAGE, boundary), (RESTART_POSTGRES,), (RELEASE_WORKER,), (WORKER_EXIT,)))
-    # TOOL_RESTART
-    if reach == IN_TOOL:
-        return Script(False, (), ("--die-at", boundary), (
-            (TOOL_DIED,), (WORKER_EXIT,), (RESTART_TOOL,)))
-    if reach == SLOW_TOOL:
-        return Script(False, (*pause, *fast_beats), slow_tool, (
-            (TOOL_STAGE, protocol.AFTER_REQUEST), (WORKER_STAGE, boundary), (KILL_TOOL,),
-            (RELEASE_WORKER,), (WORKER_EXIT,), (RESTART_TOOL,)))
-    return Script(reconciler, pause, (), (
-        (WORKER_STAGE, boundary), (KILL_TOOL,), (RELEASE_WORKER,), (WORKER_EXIT,),
-        (RESTART_TOOL,)))
-
-
-def _borrowed(boundary: str, fault: str, kind: str) -> Script | NotApplicable | None:
-    """The cells of the looping worker's own boundaries, borrowed from the plain ones
-    they stand in for (None for any other boundary)."""
-    if boundary == protocol.AFTER_BATCH:
-        # Before any barrier of a non-idempotent batch and before any request of either
-        # kind, as after a claim: the same scripts, with the batch's worker and workflows.
-        found = script(protocol.AFTER_CLAIM, fault, kind)
-        if isinstance(found, NotApplicable):
-            return found
-        return Script(found.reconciler,
-                      (*BATCH_FLAGS, *_renamed(found.worker_flags, protocol.AFTER_CLAIM,
-                                               boundary)),
-                      found.tool_flags,
-                      tuple(_renamed(step, protocol.AFTER_CLAIM, boundary)
-                            for step in found.steps),
-                      workflows=BATCH_SIZE)
-    if boundary == protocol.AFTER_CLAIM_BARRIER:
-        if kind == NON_IDEMPOTENT:
-            return NotApplicable(
-                "a non-idempotent claim is never fused with its start barrier: they commit "
-                "apart (after_claim, after_barrier), so a crash between keeps the proof that "
-                "nothing was dispatched"
-            )
-        found = script(protocol.AFTER_BARRIER, fault, kind)
-        if isinstance(found, NotApplicable):
-            return found
-        flags = _renamed(found.worker_flags, protocol.AFTER_BARRIER, boundary)
-        steps = tuple(_renamed(step, protocol.AFTER_BARRIER, boundary) for step in found.steps)
-        return Script(found.reconciler, (*FUSED_FLAGS, *flags), found.tool_flags, steps)
-    return None
-
-
-def _renamed(words: tuple[str, ...], old: str, new: str) -> tuple[str, ...]:
-    """``words`` with the boundary ``old`` named ``new`` (a script borrowed from another)."""
-    return tuple(new if word == old else word for word in words)
-
-
-def missing_cells() -> list[str]:
-    """Cells of the matrix with neither a script nor a reason they cannot happen."""
-    missing = []
-    for boundary, fault, kind in cells():
-        try:
-            found = script(boundary, fault, kind)
-        except KeyError:
-            missing.append(cell_id(boundary, fault, kind))
-            continue
-        if isinstance(found, NotApplicable) and not found.reason.strip():
-            missing.append(cell_id(boundary, fault, kind))
-    return missing
-
-
-def cells() -> list[tuple[str, str, str]]:
-    """Every (boundary, fault, kind) of the matrix, in table order."""
-    return [(b, f, k) for b in protocol.NAMES for f in FAULT_NAMES for k in KINDS]
-
-
-def cell_id(boundary: str, fault: str, kind: str) -> str:
-    """The cell's name in the JSON and on the command line."""
-    return f"{boundary}/{fault}/{kind}"
+__all__ = [  # the scripts' names too: callers read them here
+    "AFTER_REPLY", "APPROVAL_TTL", "APPROVER", "ARM_WORKER", "AUTOMATIC", "BACKOFF_S", "BATCH",
+    "BATCH_FLAGS", "BATCH_SIZE", "BEFORE_CALL", "CELL_TIMEOUT_S", "DROP_NEXT_REPLY", "FAULTS",
+    "FAULT_NAMES", "FAULT_STEPS", "FORMAT", "FUSED_FLAGS", "HEARTBEAT_S", "IDEMPOTENT", "IN_TOOL",
+    "KILL_TOOL", "KILL_WORKER", "KINDS", "LEASE_S", "NON_IDEMPOTENT", "NOT_APPLICABLE",
+    "NOT_REACHED", "NO_RESTART", "PERSON", "POSTGRES_RESTART", "PROPOSER", "REACH", "RECONCILING",
+    "RELEASE_TOOL", "RELEASE_WORKER", "REPLY_LOST", "RESTART_POSTGRES", "RESTART_TOOL",
+    "SLOW_TOOL", "SLOW_TOOL_HEARTBEAT_S", "TOOL_DIED", "TOOL_RESTART", "TOOL_STAGE", "VIOLATION",
+    "WORKER_EXIT", "WORKER_KILLED_ITSELF", "WORKER_SIGKILL", "WORKER_STAGE", "CrashpointsOptions",
+    "NotApplicable", "Script", "assemble", "cell_id", "cells", "cli_main", "missing_cells",
+    "print_summary", "run", "script",
+]
 
 
 # --------------------------------------------------------------------------- running
@@ -479,6 +312,10 @@ def _play(
             exits.append(_exit_code(subject))
         elif verb == RELEASE_WORKER:
             subject.release()
+        elif verb == ARM_WORKER:
+            subject.send(ARM_WORKER)
+            subject.wait_for(f"{protocol.ARMED} {protocol.ARMED_SWITCHES}",
+                             timeout=CELL_TIMEOUT_S)
         elif verb == RELEASE_TOOL:
             tools.current.release()
         elif verb == DROP_NEXT_REPLY:

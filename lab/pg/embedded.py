@@ -32,7 +32,7 @@ from pathlib import Path
 import psycopg
 from psycopg import conninfo, sql
 
-from lab import errors
+from lab import errors, protocol
 from lab.pg.binaries import (
     CACHE_ENV,
     DISK_DIR,
@@ -248,6 +248,9 @@ def _start_cluster(
     # A durable cluster keeps its WAL on disk: in RAM, fsync would promise nothing.
     parent = DISK_DIR if durable else run_parent()
     base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir=parent))
+    marker = os.environ.get(protocol.RUN_MARKER_ENV)
+    if marker:  # which run made it, should it outlive the run (lab.leftovers)
+        (base / protocol.RUN_MARKER_FILE).write_text(marker, encoding="utf-8")
     runner.give(base)
     try:
         cluster = Embedded(runner, base, durable, options.volume, options.faketime)

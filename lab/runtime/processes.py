@@ -5,7 +5,10 @@ The child speaks a line protocol on stdout (the words are in ``lab.protocol``):
 each named boundary, ``BOOK_DONE`` at the end. A newline on stdin releases a
 pause. SIGKILL ends it mid-window, which is the point: no cleanup code runs,
 exactly as in a real crash. ``--crash-at BOUNDARY`` is the self-kill switch:
-the child SIGKILLs itself the moment it reports that boundary.
+the child SIGKILLs itself the moment it reports that boundary. With
+``--armed-by-stdin`` both switches act only once a line on stdin armed them (the
+child answers ``BOOK_ARMED switches``): the experiment decides when a boundary that
+recurs (a heartbeat) may stop the process, so the order it needs is created, not hoped for.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO
 
-from lab import errors, protocol
+from lab import budget, errors, protocol
 from lab.runtime import backoff, egress, forkserver, sealing, store, toolclient, worker
 
 # Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
@@ -75,6 +78,7 @@ class WorkerOptions:
     batch: int = 1
     quiet: bool = False
     concurrency: int = 1
+    armed_by_stdin: bool = False
 
 
 # One line at a time on stdout, from every slot and heartbeat thread (and nothing after a
@@ -123,20 +127,33 @@ def worker_main(options: WorkerOptions) -> int:
         )
         return 2
     crash_at = options.crash_at
+    # The switches (--crash-at, --pause) act from the start, or once stdin armed them.
+    armed = threading.Event()
+    if not options.armed_by_stdin:
+        armed.set()
 
     def wait_for_newline() -> None:
         sys.stdin.readline()
 
+    def arm() -> None:
+        wait_for_newline()
+        # Under the lock that orders stage lines: every line after BOOK_ARMED was acted on.
+        with _SAY:
+            armed.set()
+            sys.stdout.write(f"{protocol.ARMED} {protocol.ARMED_SWITCHES}\n")
+            sys.stdout.flush()
+
     def hook(stage: str, claim: store.Workflow) -> None:
         # Heartbeat threads and slots report too: one line at a time.
         with _SAY:
+            acting = armed.is_set()
             if not options.quiet:
                 sys.stdout.write(protocol.stage_line(stage, claim.id, claim.fence) + "\n")
                 sys.stdout.flush()
-            if crash_at == stage:
+            if acting and crash_at == stage:
                 # Stop dead at the boundary: no other thread runs another line.
                 os.kill(os.getpid(), signal.SIGKILL)
-        if options.pause == stage:
+        if acting and options.pause == stage:
             wait_for_newline()
 
     try:
@@ -160,6 +177,9 @@ def worker_main(options: WorkerOptions) -> int:
             if options.start_gate:
                 _say(protocol.READY)
                 wait_for_newline()
+            if options.armed_by_stdin:
+                # After the start gate: one reader of stdin at a time.
+                threading.Thread(target=arm, name="arm", daemon=True).start()
             if options.reconcile:
                 runners[0].reconcile(options.reconcile)
             if options.loop and len(runners) > 1:
@@ -364,7 +384,8 @@ class WorkerProcess:
             if remaining <= 0:
                 raise TimeoutError(f"{self.name}: no {prefix!r} within {timeout}s; {self.tail()}")
             try:
-                line = self.lines.get(timeout=remaining)
+                with budget.waiting(f"{self.name} to say {prefix!r}"):
+                    line = self.lines.get(timeout=remaining)
             except queue.Empty:
                 continue
             if line is None:
