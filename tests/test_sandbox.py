@@ -169,3 +169,16 @@ def test_a_run_that_held_a_key_or_changed_its_rows_is_not_sealed(tmp_path: Path)
     report_path.write_bytes(compiler.dumps_report(report))
     with pytest.raises(errors.EvidenceError, match="sealing"):
         seal.seal(forged, dsse.load_signer({}), {})
+
+
+def test_the_book_prints_the_trusted_base() -> None:
+    """The book's provenance names what a sealed run trusted, digests included; a run that
+    was not sandboxed has no such line."""
+    from lab.book import pages
+
+    base = sandbox.trusted_base(Path(sys.base_prefix) / "bin" / "python3", None)
+    base["packages"] = {"bubblewrap": "0.8.0-2+deb12u1"}
+    text = "\n".join(pages.trusted_base_lines({"trusted_base": base}))
+    assert "Trusted base" in text and base["interpreter"]["sha256"] in text
+    assert "bubblewrap" in text and base["kernel"] in text
+    assert pages.trusted_base_lines({}) == []

@@ -379,6 +379,7 @@ def provenance(evidence: Evidence) -> list[str]:
         f"- Verified: the signature {verified}; every source file matches its signed digest.",
         f"- Versions: {escape.md(versions)}.",
         f"- Command: {escape.code(' '.join(report['command']))}.",
+        *trusted_base_lines(report),
         "- Evidence files: copies under `evidence/`, their digests below.",
         "",
         "<details><summary>sha256 of every evidence file</summary>",
@@ -395,6 +396,35 @@ def _link(nodeid: str, evidence: Evidence) -> str | None:
         if nodeid in row["tests"] and row["chapter"] in evidence.titles:
             return f"{row['chapter']}.html#{anchor(row)}"
     return None
+
+
+def trusted_base_lines(report: Report) -> list[str]:
+    """What a sandboxed run trusted of the machine (``trusted_base``, recorded by the
+    parent that sealed it), or nothing for a run that was not sandboxed."""
+    base: Any = report.get("trusted_base")
+    if not isinstance(base, dict):
+        return []
+    interpreter: Any = base.get("interpreter") or {}
+    sandbox: Any = base.get("sandbox") or {}
+    packages: Any = base.get("packages") or {}
+    binaries: Any = base.get("postgresql_binaries") or {}
+    lines = [
+        "- Trusted base (what the sandboxed run had to trust of the machine): kernel "
+        f"{escape.code(str(base.get('kernel')))}, {escape.md(str(base.get('distribution')))}; "
+        f"sandbox {escape.code(str(sandbox.get('tool')))} sha256 "
+        f"{escape.code(str(sandbox.get('sha256')))}; interpreter "
+        f"{escape.code(str(interpreter.get('path')))} sha256 "
+        f"{escape.code(str(interpreter.get('sha256')))}.",
+    ]
+    if isinstance(packages, dict) and packages:
+        listed = ", ".join(f"{escape.code(str(n))} {escape.md(str(v))}"
+                           for n, v in sorted(packages.items()))
+        lines.append(f"  Distribution packages: {listed}.")
+    if isinstance(binaries, dict) and binaries:
+        listed = ", ".join(f"{escape.code(str(n))} sha256 {escape.code(str(v))}"
+                           for n, v in sorted(binaries.items()))
+        lines.append(f"  PostgreSQL programs: {listed}.")
+    return lines
 
 
 def _run_kind_note(report: Report) -> str:
