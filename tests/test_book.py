@@ -568,6 +568,9 @@ def test_refuses_stale_evidence(
         path.write_text(path.read_text() + "\n# changed after the run\n")
     else:
         (chapter / "test_new.py").write_text("def test_new():\n    pass\n")
+        # Added means added to the tree: the sources are the files git tracks (the tree
+        # id), and an untracked file is part of no commit the evidence could describe.
+        labtree.git(copy, "add", "experiments/ch01_pure/test_new.py")
     monkeypatch.chdir(copy)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(Path("evidence"), out), out)
