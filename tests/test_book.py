@@ -32,6 +32,7 @@ from conftest import KeyFiles, resign
 from lab import cli, escape
 from lab.book import builder, drawing, figures, model_chapter
 from lab.evidence import bundle, compiler, crashmatrix, dsse, gate, trust, verification
+from lab.evidence import tree as source_tree
 from lab.model import signed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -568,6 +569,9 @@ def test_refuses_stale_evidence(
         path.write_text(path.read_text() + "\n# changed after the run\n")
     else:
         (chapter / "test_new.py").write_text("def test_new():\n    pass\n")
+        # Added means added to the tree: the sources are the files git tracks (the tree
+        # id), and an untracked file is part of no commit the evidence could describe.
+        labtree.git(copy, "add", "experiments/ch01_pure/test_new.py")
     monkeypatch.chdir(copy)
     out = tmp_path / "book"
     line = _refused(capsys, _build_args(Path("evidence"), out), out)
@@ -888,7 +892,11 @@ def _rename(root: Path, directory: Path, chapter: str, name: str, param: str) ->
             e if (e["chapter"], e["name"]) != ("ch01_x", "test_a") else renamed
             for e in data["expected"]
         ]
+        # The rows in the order the verifier folds tests.jsonl to (by node id), and the
+        # tree id the tree's files make now that its manifest names the new experiment.
+        data["tests"].sort(key=lambda test: test["nodeid"])
         data["sources"] = compiler.source_digests(root)
+        data["tree"] = source_tree.tracked(root).tree
         data["selection"]["manifest"]["sha256"] = data["sources"]["experiments/manifest.json"]
 
     def record(line: dict[str, Any]) -> None:
@@ -956,14 +964,21 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
                 test["claim"] = claim
                 test["observations"] = [observation]
                 test["observation_kinds"] = [kinds]
+        # The experiment's claim is its first test's and each observation has a row of its
+        # own: the rows say what the forged records fold to.
         for row in data["experiments"]:
-            row["claim"] = f"| {image} |"
+            if row["tests"] == [SMALL_NODE]:
+                row["claim"] = claim
+        for item in data["observations"]:
+            if item["nodeid"] == SMALL_NODE:
+                item.update(observation=observation, kinds=kinds)
         data["limits"] = [script]
 
-    # The test rows must be what the signed tests.jsonl folds to (the verifier rebuilds
-    # them), so the forged claim and observation go into pytest's records too; a trace id
-    # the compiler would never write (it keeps only id-shaped ones) is refused by verify.
-    claim = f"[click](javascript:alert(1)) {image}"
+    # Every row must be what the signed tests.jsonl folds to (the verifier rebuilds them),
+    # so the forged claim and observation go into pytest's records too; a trace id the
+    # compiler would never write (it keeps only id-shaped ones) is refused by verify. The
+    # one claim carries a link and the pipes that would add table cells.
+    claim = f"[click](javascript:alert(1)) | {image} |"
     observation = {"html": script, "md": "![x](http://evil/x.png)"}
     kinds = {"html": "fact", "md": "fact"}
 
@@ -985,7 +1000,7 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
     # The test's claim is shown where its figure is drawn (the page shows the experiment's
     # claim once): there, too, it is text.
     figure = next((out / "figures").glob("*.svg")).read_text()
-    assert "[click](javascript:alert(1)) &lt;img src=x onerror=alert(1)&gt;" in figure
+    assert "[click](javascript:alert(1)) | &lt;img src=x onerror=alert(1)&gt; |" in figure
     row = next(line for line in markdown.splitlines() if '<a href="#x-test_a">' in line)
     assert row.count("<td") == 4  # the claim's markup cannot add cells
     assert "&#124; &lt;img src=x onerror=alert(1)&gt; &#124;" in row

@@ -233,10 +233,13 @@ def test_changed_source_fails_only_with_check_sources(signed: Path, repo: Path) 
     """A source edited after the run is named when the subjects are checked."""
     (repo / "lab" / "core.py").write_text("VALUE = 2\n")
     (repo / "lab" / "new.py").write_text("")
+    # The sources are the files git tracks (the tree id): a new file is added to the index.
+    _git(repo, "add", "lab/new.py")
     assert verification.verify(signed, root=repo).ok
     problems = verification.verify(signed, check_sources=True, root=repo).problems
     assert "source lab/core.py: differs from the signed digest" in problems
     assert any(p.startswith("source lab/new.py: present") for p in problems)
+    assert any(p.startswith("sources: the files tracked in") for p in problems)
 
 
 def test_pinned_wrong_public_key_fails(signed: Path, make_key: Callable[[str], KeyFiles]) -> None:
@@ -825,6 +828,8 @@ def test_closed_stdout_is_not_a_traceback(signed: Path, repo: Path) -> None:
     reader goes away, the command ends quietly."""
     for n in range(800):  # each an uncovered source: one line of output
         (repo / "lab" / f"extra_module_number_{n:05d}_with_a_long_name.py").write_text("")
+    # Tracked, so each is a source of the tree the evidence does not cover.
+    _git(repo, "add", "lab")
     script = (
         f"{sys.executable} -P -m lab.cli evidence verify {signed} --check-sources | head -1; "
         "exit ${PIPESTATUS[0]}"

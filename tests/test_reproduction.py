@@ -18,11 +18,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import labtree
 import pytest
+from conftest import KeyFiles
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console
 
@@ -262,12 +264,16 @@ def _env(dsn: str) -> dict[str, str]:
     return env
 
 
-def _lab_run(cwd: Path, evidence: Path, dsn: str) -> None:
-    """A real ``lab run`` of the whole tree, on the outer run's PostgreSQL."""
+def _lab_run(cwd: Path, evidence: Path, dsn: str, key: KeyFiles | None = None) -> None:
+    """A real ``lab run`` of the whole tree, on the outer run's PostgreSQL; signed with
+    ``key`` (a publication key) when given, else with an ephemeral key."""
+    env = _env(dsn)
+    if key is not None:
+        env[dsse.KEY_ENV] = str(key.private_pem)
     done = subprocess.run(
         [sys.executable, "-m", "lab.cli", "run", "--evidence", str(evidence), "--",
          "--lab-postgres=dsn"],
-        cwd=cwd, env=_env(dsn), capture_output=True, text=True, timeout=600, check=False,
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert (evidence / compiler.ENVELOPE_FILE).is_file(), done.stdout[-3000:] + done.stderr
 
@@ -299,23 +305,29 @@ def repo(tmp_path: Path) -> Path:
 
 
 def _reproduce(repo: Path, original: Path, out: Path, rerun: CloneAndRun,
-               runs: int = 1) -> tuple[int, str]:
+               runs: int = 1, key: KeyFiles | None = None) -> tuple[int, str]:
+    """``lab reproduce`` of ``original``, pinned by ``key`` (``--public-key``) when given."""
     screen = io.StringIO()
     code = reproduce.reproduce(original, runs=runs, out=out, rerun=rerun, root=repo,
+                               public_key=key.public if key is not None else None,
                                console=Console(file=screen, width=250))
     return code, screen.getvalue()
 
 
 def test_a_genuine_run_reproduces_with_every_fact_the_same(
-    repo: Path, tmp_path: Path, lab_dsn: str
+    repo: Path, tmp_path: Path, lab_dsn: str, make_key: Callable[[str], KeyFiles]
 ) -> None:
     """Reproducing a genuine signed run of a clean commit: every fact the same, every
     experiment passed in both runs, exit 0, and signed reproduction evidence that names
     the original's envelope digest as its input."""
+    # Only an original a pinned key vouches for is re-run: sign it with a publication key
+    # and pin that key, as `lab reproduce --public-key` does.
+    key = make_key("original")
     original = tmp_path / "original"
-    _lab_run(repo, original, lab_dsn)
+    _lab_run(repo, original, lab_dsn, key)
     out = tmp_path / "reproduction"
-    code, screen = _reproduce(repo, original, out, CloneAndRun(repo, tmp_path, lab_dsn))
+    code, screen = _reproduce(repo, original, out, CloneAndRun(repo, tmp_path, lab_dsn),
+                              key=key)
     assert code == 0, screen
     assert "reproduction IDENTICAL: 27 of 27 experiments identical in their facts" in screen
     checked = reproduction_evidence.verify(out)
@@ -331,16 +343,19 @@ def test_a_genuine_run_reproduces_with_every_fact_the_same(
 
 
 def test_a_changed_experiment_differs_naming_experiment_and_fact(
-    repo: Path, tmp_path: Path, lab_dsn: str
+    repo: Path, tmp_path: Path, lab_dsn: str, make_key: Callable[[str], KeyFiles]
 ) -> None:
     """Evidence of a commit whose experiment records a fact that is new on every run:
     reproduced twice, it exits 1 naming the experiment and the fact, held 0 of 2."""
     (repo / "experiments" / "ch01_repro" / "test_repro.py").write_text(CHANGED)
     labtree.commit(repo)
+    # A pinned original, so that the difference is the reproduction's verdict, not a refusal.
+    key = make_key("original")
     original = tmp_path / "original"
-    _lab_run(repo, original, lab_dsn)
+    _lab_run(repo, original, lab_dsn, key)
     out = tmp_path / "reproduction"
-    code, screen = _reproduce(repo, original, out, CloneAndRun(repo, tmp_path, lab_dsn), runs=2)
+    code, screen = _reproduce(repo, original, out, CloneAndRun(repo, tmp_path, lab_dsn), runs=2,
+                              key=key)
     assert code == 1
     assert "reproduction DIFFERS: 26 of 27 experiments identical" in screen
     assert "differing: ch01_repro/test_one_credit" in screen
