@@ -18,8 +18,6 @@ import re
 import urllib.parse
 from collections.abc import Mapping
 
-from psycopg import conninfo
-
 from lab import errors
 
 LOOPBACK_NAME = "localhost"
@@ -133,6 +131,9 @@ def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
     DSN, so neither name resolution nor ``PGHOSTADDR`` can move them.
     """
     env = os.environ if environ is None else environ
+    # Imported here: the egress guard imports this module, and must not import psycopg.
+    from psycopg import conninfo
+
     try:
         params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items()}
     except Exception:
@@ -181,6 +182,8 @@ def check_dsn(dsn: str, environ: Mapping[str, str] | None = None) -> str:
         raise errors.BoundaryViolation(
             f"DSN has no hostaddr and {_HOSTADDR_ENV} is set: it could redirect the connection"
         )
+    from psycopg import conninfo
+
     return conninfo.make_conninfo("", **params)
 
 

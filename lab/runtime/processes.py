@@ -110,6 +110,25 @@ def _usage(options: WorkerOptions) -> str | None:
     return None
 
 
+def _runners(options: WorkerOptions, db: store.Store, client: toolclient.ToolClient,
+             hook: Callable[[str, store.Workflow], None]) -> list[worker.Worker]:
+    """One ``worker.Worker`` per ``--concurrency`` slot, sharing the store and client."""
+    return [
+        worker.Worker(
+            db=db,
+            client=client,
+            name=_slot_name(options.name, slot, options.concurrency),
+            lease=timedelta(seconds=options.lease),
+            heartbeat_every=timedelta(seconds=options.heartbeat),
+            backoff=timedelta(seconds=options.backoff),
+            hook=hook,
+            fused=options.fused,
+            batch=options.batch,
+        )
+        for slot in range(options.concurrency)
+    ]
+
+
 def worker_main(options: WorkerOptions) -> int:
     """Body of ``lab worker``: optionally reconcile one workflow, then run one item (or,
     with ``--loop``, items until idle, in ``--concurrency`` slots)."""
@@ -160,20 +179,7 @@ def worker_main(options: WorkerOptions) -> int:
         with _open_store(dsn, options.schema, options.name,
                          connections=_connections(options.concurrency)) as db, \
                 toolclient.ToolClient(options.tool, token) as client:
-            runners = [
-                worker.Worker(
-                    db=db,
-                    client=client,
-                    name=_slot_name(options.name, slot, options.concurrency),
-                    lease=timedelta(seconds=options.lease),
-                    heartbeat_every=timedelta(seconds=options.heartbeat),
-                    backoff=timedelta(seconds=options.backoff),
-                    hook=hook,
-                    fused=options.fused,
-                    batch=options.batch,
-                )
-                for slot in range(options.concurrency)
-            ]
+            runners = _runners(options, db, client, hook)
             if options.start_gate:
                 _say(protocol.READY)
                 wait_for_newline()
