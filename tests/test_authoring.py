@@ -160,7 +160,8 @@ def run_guide(project: Path) -> dict[str, str]:
 def test_a_chapter_written_from_the_guide_registers_and_passes_the_gate(tmp_path):
     """The guide's example chapter (a 500 after commit, a held call killed mid-flight, a
     second tenant, one experiment per fault, acting at boundaries, cancelling, review
-    reasons, a killed database, an artifact and a chaos round), written into a copy of
+    reasons, a killed database, a batch SIGKILLed in flight (non-idempotent and
+    idempotent), a clock step, a full disk, an artifact and a chaos round), written into a copy of
     the experiments, is declared by `lab manifest sync` with exact counts, runs as a
     chapter with its verdict line, and passes `lab run`'s gate."""
     project = _project(tmp_path, ["ch01_admission"])
@@ -178,7 +179,7 @@ def test_a_chapter_written_from_the_guide_registers_and_passes_the_gate(tmp_path
     assert report["status"] == "PASS"
     ran = {r["name"]: r["outcome"] for r in report["experiments"]
            if r["chapter"] == "ch90_example"}
-    assert len(ran) == 19 and set(ran.values()) == {"passed"}, ran
+    assert len(ran) == 24 and set(ran.values()) == {"passed"}, ran
     observed = {o["nodeid"].rsplit("::", 1)[1] for o in report["observations"]}
     assert set(ran) <= observed, "an example experiment recorded no observation"
     # The artifact is in the evidence, bound by the digest the experiment observed.
