@@ -67,6 +67,38 @@ def _dispatches(lab: harness.Harness, workflow_id: str) -> int:
     return sum(1 for e in lab.store.events(workflow_id) if e["kind"] == "dispatching")
 
 
+def _killed_with_requests_held(
+    lab: harness.Harness, rig: harness.Rig, ids: list[str], holds: list[Any],
+    crashed: harness.WorkerProcess, name: str, why: str,
+    after_kill: Callable[[], None] | None = None,
+) -> tuple[list[str], list[str]]:
+    """SIGKILL ``crashed`` once the tool holds every request of ``holds``, then recover and
+    reconcile ``ids``; the review reasons and the states after reconciling. The held
+    requests are released (and finish) afterwards, whatever happened: the tool refuses or
+    records them then. ``after_kill`` looks at the store right after the kill."""
+    try:
+        for hold in holds:
+            hold.wait_held(timeout=60)
+        lab.mark("tool", f"{len(holds)} requests held")
+        crashed.kill()
+        lab.mark(name, why)
+        if after_kill is not None:
+            after_kill()
+        # Whether the worker saw its client time out first or not, every claim ends unknown.
+        lab.wait_until(lambda: all(lab.state(i).state == "unknown" or lab.store.lease_expired(i)
+                                   for i in ids),
+                       within=30, what="every claim to be unknown or its lease over")
+        lab.store.recover_expired()
+        reasons = _reconcile(rig, ids)
+        requeued = [lab.state(i).state for i in ids]
+    finally:
+        for hold in holds:
+            hold.release()
+    for hold in holds:
+        hold.wait_finished(timeout=30)
+    return reasons, requeued
+
+
 def _violations(lab: harness.Harness) -> list[invariants.Violation]:
     """The invariant checker over this schema's whole history."""
     return invariants.check(invariants.load(lab.dsn, lab.schema, open_result=lab.store.keys.open))
@@ -252,24 +284,8 @@ def test_a_sigkill_with_a_non_idempotent_batch_in_flight_needs_no_person_when_ab
     ids = [lab.approved(idempotent=False).id for _ in range(BATCH)]
     holds = [rig.service.hold_next(seconds=120) for _ in range(BATCH)]
     crashed = _batch_worker(lab, rig, "held-batch", BATCH)
-    try:
-        for hold in holds:
-            hold.wait_held(timeout=60)
-        lab.mark("tool", f"{BATCH} requests held")
-        crashed.kill()
-        lab.mark("held-batch", "SIGKILL with its batch in flight")
-        # Whether the worker saw its client time out first or not, every claim ends unknown.
-        lab.wait_until(lambda: all(lab.state(i).state == "unknown" or lab.store.lease_expired(i)
-                                   for i in ids),
-                       within=30, what="every claim of the batch to be unknown or its lease over")
-        lab.store.recover_expired()
-        reasons = _reconcile(rig, ids)
-        requeued = [lab.state(i).state for i in ids]
-    finally:
-        for hold in holds:
-            hold.release()
-    for hold in holds:
-        hold.wait_finished(timeout=30)
+    reasons, requeued = _killed_with_requests_held(
+        lab, rig, ids, holds, crashed, "held-batch", "SIGKILL with its batch in flight")
     _batch_worker(lab, rig, "restarted", BATCH).finish()
     finals = [lab.state(i) for i in ids]
     violations = _violations(lab)
@@ -320,25 +336,16 @@ def test_a_sigkill_with_a_concurrency_worker_in_flight_loses_each_workflow_alone
     ids = [lab.approved(idempotent=False).id for _ in range(BATCH)]
     holds = [rig.service.hold_next(seconds=120) for _ in range(BATCH)]
     crashed = _concurrent_worker(lab, rig, "held-slots", BATCH)
-    try:
-        for hold in holds:
-            hold.wait_held(timeout=60)
-        lab.mark("tool", f"{BATCH} requests held, one per slot")
-        crashed.kill()
-        lab.mark("held-slots", "SIGKILL with every slot's workflow in flight")
-        owners = sorted({claim.owner for claim in lab.claims() if claim.workflow_id in ids})
-        transactions = _claim_transactions(lab, ids)
-        lab.wait_until(lambda: all(lab.state(i).state == "unknown" or lab.store.lease_expired(i)
-                                   for i in ids),
-                       within=30, what="every slot's claim to be unknown or its lease over")
-        lab.store.recover_expired()
-        reasons = _reconcile(rig, ids)
-        requeued = [lab.state(i).state for i in ids]
-    finally:
-        for hold in holds:
-            hold.release()
-    for hold in holds:
-        hold.wait_finished(timeout=30)
+    seen: dict[str, Any] = {}
+
+    def claims_at_kill() -> None:
+        seen["owners"] = sorted({c.owner for c in lab.claims() if c.workflow_id in ids})
+        seen["transactions"] = _claim_transactions(lab, ids)
+
+    reasons, requeued = _killed_with_requests_held(
+        lab, rig, ids, holds, crashed, "held-slots",
+        "SIGKILL with every slot's workflow in flight", after_kill=claims_at_kill)
+    owners, transactions = seen["owners"], seen["transactions"]
     _concurrent_worker(lab, rig, "restarted-slots", BATCH).finish()
     finals = [lab.state(i) for i in ids]
     violations = _violations(lab)
