@@ -146,3 +146,51 @@ def seed_facts(values: dict[str, Any], root_has_lab: bool = True) -> dict[str, A
     done.setdefault("lab_file", "lab/__init__.py" if root_has_lab else None)
     done.setdefault("git", ("0" * 40, False))
     return done
+
+
+# --------------------------------------------------------------------------- one experiment
+
+ONE_NODE = "experiments/ch01_x/test_a.py::test_a"
+
+
+def phase_records(nodeid: str, call: list[str] | None = None) -> list[dict[str, Any]]:
+    """pytest's records of one test: setup, each call attempt's outcome, teardown."""
+    phases = [("setup", "passed"), *(("call", o) for o in (call or ["passed"])),
+              ("teardown", "passed")]
+    return [{"$report_type": "TestReport", "nodeid": nodeid, "when": when, "outcome": outcome,
+             "duration": 0.01, "longrepr": None, "user_properties": [["lab_claim", "A claim."]]}
+            for when, outcome in phases]
+
+
+def one_experiment_tree(tmp_path: Path) -> Path:
+    """A committed tree with one experiment (``ONE_NODE``) and ``lab/`` as its hashed
+    package."""
+    root = tmp_path / "tree"
+    (root / "lab").mkdir(parents=True)
+    (root / "lab" / "__init__.py").write_text("")
+    (root / "experiments" / "ch01_x").mkdir(parents=True)
+    (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
+    write_manifest(root, [{"chapter": "ch01_x", "name": "test_a", "results": 1,
+                           "database": None}])
+    (root / "pyproject.toml").write_text("[project]\n")
+    commit(root)
+    return root
+
+
+def one_experiment_facts(**overrides: Any) -> dict[str, Any]:
+    """The ``RunFacts`` values of a run in which ``ONE_NODE`` passed, with ``overrides``."""
+    from lab.evidence import compiler
+
+    values: dict[str, Any] = {
+        "records": phase_records(ONE_NODE),
+        "collected": [ONE_NODE],
+        "experiments_prefix": "experiments/",
+        "expected": [compiler.Expected("ch01_x", "test_a")],
+        "database": {"provider": "embedded", "server_version": "15.8",
+                     "details": {"method": "initdb"}},
+        "command": ["pytest", "experiments"],
+        "exitstatus": 0,
+        "git": None,
+    }
+    values.update(overrides)
+    return seed_facts(values)

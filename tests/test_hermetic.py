@@ -44,50 +44,19 @@ from lab.evidence import (
 from lab.model import signed
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE = "experiments/ch01_x/test_a.py::test_a"
+NODE = labtree.ONE_NODE
 
 
 def _git(root: Path, *args: str) -> str:
     return labtree.git(root, *args)
 
 
-def _records(nodeid: str, call: list[str] | None = None) -> list[dict[str, Any]]:
-    """pytest's records of one test: setup, each call attempt's outcome, teardown."""
-    phases = [("setup", "passed"), *(("call", o) for o in (call or ["passed"])),
-              ("teardown", "passed")]
-    return [{"$report_type": "TestReport", "nodeid": nodeid, "when": when, "outcome": outcome,
-             "duration": 0.01, "longrepr": None, "user_properties": [["lab_claim", "A claim."]]}
-            for when, outcome in phases]
-
-
-def _tree(tmp_path: Path) -> Path:
-    """A committed tree with one experiment and ``lab/`` as its hashed package."""
-    root = tmp_path / "tree"
-    (root / "lab").mkdir(parents=True)
-    (root / "lab" / "__init__.py").write_text("")
-    (root / "experiments" / "ch01_x").mkdir(parents=True)
-    (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
-    labtree.write_manifest(root, [{"chapter": "ch01_x", "name": "test_a", "results": 1,
-                                   "database": None}])
-    (root / "pyproject.toml").write_text("[project]\n")
-    labtree.commit(root)
-    return root
+_records = labtree.phase_records
+_tree = labtree.one_experiment_tree
 
 
 def _facts(**overrides: Any) -> compiler.RunFacts:
-    values: dict[str, Any] = {
-        "records": _records(NODE),
-        "collected": [NODE],
-        "experiments_prefix": "experiments/",
-        "expected": [compiler.Expected("ch01_x", "test_a")],
-        "database": {"provider": "embedded", "server_version": "15.8",
-                     "details": {"method": "initdb"}},
-        "command": ["pytest", "experiments"],
-        "exitstatus": 0,
-        "git": None,
-    }
-    values.update(overrides)
-    return compiler.RunFacts(**labtree.seed_facts(values))
+    return compiler.RunFacts(**labtree.one_experiment_facts(**overrides))
 
 
 def _hermetic_run(root: Path) -> dict[str, Any]:

@@ -25,8 +25,6 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors, sandbox
 from lab.evidence import compiler, dsse, seal, verification
 
-NODE = "experiments/ch01_x/test_a.py::test_a"
-
 PROBE = r"""
 import json, os, socket, sys
 port, outside = int(sys.argv[1]), sys.argv[2]
@@ -106,26 +104,11 @@ def test_the_trusted_base_names_the_kernel_interpreter_and_server() -> None:
 
 
 def _evidence(tmp_path: Path, signer: dsse.Signer) -> tuple[Path, Path]:
-    root = tmp_path / "tree"
-    (root / "lab").mkdir(parents=True)
-    (root / "lab" / "__init__.py").write_text("")
-    (root / "experiments" / "ch01_x").mkdir(parents=True)
-    (root / "experiments" / "ch01_x" / "test_a.py").write_text("def test_a(): pass\n")
-    labtree.write_manifest(root, [{"chapter": "ch01_x", "name": "test_a", "results": 1,
-                                   "database": None}])
-    labtree.commit(root)
-    records = [{"$report_type": "TestReport", "nodeid": NODE, "when": when,
-                "outcome": "passed", "duration": 0.01, "longrepr": None,
-                "user_properties": [["lab_claim", "A claim."]]}
-               for when in ("setup", "call", "teardown")]
-    facts = compiler.RunFacts(**labtree.seed_facts({
-        "records": records, "collected": [NODE], "experiments_prefix": "experiments/",
-        "expected": [compiler.Expected("ch01_x", "test_a")],
-        "database": {"provider": "embedded", "server_version": "15.8",
-                     "details": {"method": "initdb"}},
-        "command": ["pytest", "experiments"], "exitstatus": 0, "git": None}))
+    """A passing one-experiment run's evidence, signed by ``signer``, and its tree."""
+    root = labtree.one_experiment_tree(tmp_path)
     directory = tmp_path / "ev"
-    compiler.write(directory, facts, root=root, signer=signer)
+    compiler.write(directory, compiler.RunFacts(**labtree.one_experiment_facts()), root=root,
+                   signer=signer)
     return directory, root
 
 

@@ -398,7 +398,7 @@ def _link(nodeid: str, evidence: Evidence) -> str | None:
     return None
 
 
-def trusted_base_lines(report: Report) -> list[str]:
+def trusted_base_lines(report: Mapping[str, Any]) -> list[str]:
     """What a sandboxed run trusted of the machine (``trusted_base``, recorded by the
     parent that sealed it), or nothing for a run that was not sandboxed."""
     base: Any = report.get("trusted_base")
