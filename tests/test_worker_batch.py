@@ -14,33 +14,21 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import workstore
 
-from lab import protocol, pytest_plugin
-from lab.runtime import plan, sealing, store, tool, toolclient, worker
+from lab import protocol
+from lab.runtime import store, tool, toolclient, worker
 
-PROPOSER = store.Actor("tenant-a", "employee-a", "proposer")
-APPROVER = store.Actor("tenant-a", "manager-a", "approver")
+PROPOSER, APPROVER = workstore.PROPOSER, workstore.APPROVER
 
 
 @pytest.fixture
 def db(lab_dsn: str, lab_schema: str, request: pytest.FixtureRequest) -> Iterator[store.Store]:
-    opened = store.Store.open(lab_dsn, lab_schema, keys=sealing.load_catalog(),
-                              max_connections=2)
-    pytest_plugin.reached_database(request.node)
-    yield opened
-    opened.close()
+    yield from workstore.opened_store(lab_dsn, lab_schema, request)
 
 
 def _approved(db: store.Store, count: int, *, idempotent: bool) -> list[str]:
-    ids = []
-    for index in range(count):
-        proposed = plan.Plan(version=plan.SUPPORTED_PLAN_VERSION, action=plan.ACTION,
-                             account="account-a", amount_minor=100 + index,
-                             currency=plan.CURRENCY, idempotent=idempotent)
-        created = db.create(PROPOSER, f"batch-{idempotent}-{index}", proposed)
-        db.approve(APPROVER, created.id, created.fingerprint, timedelta(hours=1))
-        ids.append(created.id)
-    return ids
+    return workstore.approved(db, count, idempotent=idempotent, prefix=f"batch-{idempotent}")
 
 
 def _worker(

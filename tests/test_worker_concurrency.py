@@ -7,37 +7,24 @@ barrier and completion transactions: no transaction carries two slots' workflows
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
+import workstore
 
-from lab import protocol, pytest_plugin
-from lab.runtime import plan, processes, sealing, store, tool
+from lab import protocol
+from lab.runtime import processes, store, tool
 
-PROPOSER = store.Actor("tenant-a", "employee-a", "proposer")
-APPROVER = store.Actor("tenant-a", "manager-a", "approver")
+PROPOSER, APPROVER = workstore.PROPOSER, workstore.APPROVER
 ENDPOINT = "http://127.0.0.1:1"
 
 
 @pytest.fixture
 def db(lab_dsn: str, lab_schema: str, request: pytest.FixtureRequest) -> Iterator[store.Store]:
-    opened = store.Store.open(lab_dsn, lab_schema, keys=sealing.load_catalog(),
-                              max_connections=2)
-    pytest_plugin.reached_database(request.node)
-    yield opened
-    opened.close()
+    yield from workstore.opened_store(lab_dsn, lab_schema, request)
 
 
 def _approved(db: store.Store, count: int) -> list[str]:
-    ids = []
-    for index in range(count):
-        proposed = plan.Plan(version=plan.SUPPORTED_PLAN_VERSION, action=plan.ACTION,
-                             account="account-a", amount_minor=100 + index,
-                             currency=plan.CURRENCY, idempotent=True)
-        created = db.create(PROPOSER, f"slots-{index}", proposed)
-        db.approve(APPROVER, created.id, created.fingerprint, timedelta(hours=1))
-        ids.append(created.id)
-    return ids
+    return workstore.approved(db, count, prefix="slots")
 
 
 @pytest.mark.parametrize(("options", "word"), [
