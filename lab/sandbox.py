@@ -162,8 +162,10 @@ def trusted_base(interpreter: Path, pg_bindir: Path | None) -> dict[str, Any]:
     """What a sandboxed run trusts of the machine, for the evidence: the kernel, the
     distribution and its packages' versions, the sandbox tool, and the sha256 of the
     interpreter and of the PostgreSQL server's programs."""
-    release = platform.freedesktop_os_release() if hasattr(platform, "freedesktop_os_release") \
-        else {}
+    try:
+        release = platform.freedesktop_os_release()
+    except OSError:  # no /etc/os-release
+        release = {}
     binaries: dict[str, str | None] = {}
     if pg_bindir is not None:
         for program in ("postgres", "initdb", "pg_ctl"):
