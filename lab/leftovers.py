@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,9 +114,23 @@ def _made_by(path: Path, marker: str) -> bool:
         return False
 
 
-def sweep(marker: str) -> Leftovers:
-    """End what the run ``marker`` left behind; returns what was found (before the sweep)."""
+# How long a run's own cleanup may take once its pytest process has ended: each embedded
+# cluster's reaper (lab.pg.postmaster) stops its server and removes its directory on its
+# owner's exit, in its own session, a few milliseconds to seconds later. What is still
+# there after this is left behind.
+CLEANUP_GRACE_S = 10.0
+
+
+def sweep(marker: str, grace: float = CLEANUP_GRACE_S) -> Leftovers:
+    """End what the run ``marker`` left behind; returns what was found (before the sweep).
+
+    The run's processes get ``grace`` seconds to finish their own cleanup first (a
+    reaper that is still stopping its server is not a leftover yet)."""
+    deadline = time.monotonic() + grace
     left = find(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = find(marker)
     for pid, _ in left.processes:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
