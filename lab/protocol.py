@@ -40,6 +40,10 @@ DSN_ENV = "BOOK_LAB_DSN"
 TOKEN_ENV = "LAB_TOOL_TOKEN"  # noqa: S105 - a variable name, not a secret
 # Every process of one run carries it (lab.leftovers finds what a run left behind by it).
 RUN_MARKER_ENV = "LAB_RUN_MARKER"
+# A private account chapter 8 runs a workflow with, so that a caller (CI) that knows it can
+# search everything the run wrote for it; unset, the chapter draws a fresh one. It is
+# never a literal in the source, because the book quotes the source.
+CANARY_ACCOUNT_ENV = "LAB_CANARY_ACCOUNT"
 # The file in an embedded cluster's directory that names the run which made it.
 RUN_MARKER_FILE = "lab-run-marker"
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets as secret_values
 
 import pytest
 from psycopg import conninfo
 
-from lab import errors, harness, loopback
+from lab import errors, harness, loopback, protocol
 from lab.runtime import store, toolclient
 
 REMOTE_DSNS = [
@@ -26,8 +28,10 @@ UNSAFE_ENDPOINTS = [
 def test_events_exclude_raw_sensitive_inputs(lab, lab_dsn, observe):
     """The audit trail records kinds and identifiers only: no account, amount, token,
     header or database password appears in any event of a full successful run."""
-    private = dataclasses.replace(harness.sample_plan(True),
-                                  account="private-account-DO-NOT-LOG-81925")
+    # The account is the run's secret: given by the caller, else drawn now.
+    given = os.environ.get(protocol.CANARY_ACCOUNT_ENV, "")
+    account = given or f"private-account-{secret_values.token_hex(8)}"
+    private = dataclasses.replace(harness.sample_plan(True), account=account)
     created = lab.approved(plan=private)
     rig = lab.credit_tool(idempotent=True)
     assert rig.worker.run_one() is not None
@@ -48,7 +52,11 @@ def test_events_exclude_raw_sensitive_inputs(lab, lab_dsn, observe):
         "raw_sensitive_markers_found": 0,
         "scope": "events kind/detail; workflow and tool ledger intentionally retain "
         "business fields",
-    }, facts=("events_checked", "raw_sensitive_markers_found", "scope"))
+        # Who chose the account: "caller" lets a search of the run's files for it mean
+        # something. It depends on the caller's environment, so it is a measurement.
+        "account_from": "caller" if given else "drawn",
+    }, facts=("events_checked", "raw_sensitive_markers_found", "scope"),
+        measurements=("account_from",))
 
 
 def test_loopback_boundaries_reject_remote_targets(observe):
