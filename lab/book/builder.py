@@ -282,14 +282,16 @@ def cli_main(
     """``lab book build``: 0 when the book was written; a refusal is raised as ``Refused``.
 
     The signer is pinned by ``--public-key`` when given, else trusted when it is one of
-    the committed publication keys (``keys/trusted/*.pub.pem``, ``LAB_TRUSTED_KEYS``).
+    the publication keys (``keys/trusted/*.pub.pem`` at the default branch's tip,
+    ``LAB_TRUSTED_KEYS``); a key under ``keys/revoked/`` there is refused either way.
     """
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
     if options.public_key:
         pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
-    trusted = ([] if pinned is not None
-               else trust.trusted_keys_for(root, Path(options.evidence)))
+    # Always the default branch's keys and revocations: a revoked key is refused even
+    # as --public-key, and a reproduction is vouched for by a trusted key, never the pin.
+    trusted = trust.trusted_keys(root)
     out = Path(options.out)
     try:
         written = build(
