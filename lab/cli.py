@@ -100,9 +100,11 @@ def verify_evidence(options: EvidenceOptions) -> int:
         pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
     from lab.model import signed
 
+    # The keys at the tip of the default branch, and its revocations: passed even with
+    # --public-key, so that a revoked key is refused however it is named.
+    trusted = trust.trusted_keys(root)
     if options.evidence_command == "verify" and signed.is_model_evidence(path):
-        model_trusted = [] if pinned is not None else trust.trusted_keys(root)
-        model_verdict = signed.verify(path, public_key=pinned, trusted=model_trusted)
+        model_verdict = signed.verify(path, public_key=pinned, trusted=trusted)
         print(signed.format_verdict(model_verdict))
         sys.stdout.flush()
         return 0 if model_verdict.ok else 1
@@ -110,14 +112,10 @@ def verify_evidence(options: EvidenceOptions) -> int:
 
     if options.evidence_command == "verify" and path.is_dir() and \
             reproduction_evidence.is_reproduction(path):
-        # A reproduction names no commit of its own: the keys committed at HEAD, or the pin.
-        checked = reproduction_evidence.verify(
-            path, public_key=pinned,
-            trusted=[] if pinned is not None else trust.trusted_keys(root))
+        checked = reproduction_evidence.verify(path, public_key=pinned, trusted=trusted)
         print(reproduction_evidence.format_verdict(checked))
         sys.stdout.flush()
         return 0 if checked.ok else 1
-    trusted = [] if pinned is not None else trust.trusted_keys_for(root, path)
     verdict = verification.verify(
         path,
         public_key=pinned,

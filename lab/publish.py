@@ -174,6 +174,8 @@ def publish(
     )
     if code != 0:
         raise Refused(f"not PASS: the experiments exited {code}; see {plan.evidence}")
+    # The default branch's keys and revocations: a revoked publication key publishes nothing.
+    known = trust.trusted_keys(plan.root)
     if plan.model is not None:
         code = run_model(
             model_command.RunOptions(
@@ -184,21 +186,21 @@ def publish(
         if code != 0:
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
         model_verdict = signed.verify(
-            plan.model_evidence, public_key=plan.pinned, model_path=plan.model
+            plan.model_evidence, public_key=plan.pinned, trusted=known, model_path=plan.model
         )
         if not model_verdict.ok:
             raise Refused(f"{plan.model_evidence}: {model_verdict.problems[0]}")
     verdict = verification.verify(
-        plan.evidence, public_key=plan.pinned, check_sources=True, root=plan.root
-    )
+        plan.evidence, public_key=plan.pinned, trusted=known, check_sources=True,
+        root=plan.root)
     if not verdict.ok:
         raise Refused(f"{plan.evidence}: {verdict.problems[0]}")
     if verdict.report is None or verification.run_kind(verdict.report) != hermetic.HERMETIC:
         reasons = hermetic.failures(verdict.report.get("run") if verdict.report else None)
         raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
     _refuse_dirty(plan.root, "after the run")
-    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, root=plan.root,
-                         model_verifier=signed.verify)
+    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, trusted=known,
+                         root=plan.root, model_verifier=signed.verify)
 
 
 def cli_main(options: PublishOptions) -> int:

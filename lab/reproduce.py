@@ -213,7 +213,7 @@ def reproduce(
     tree = root or Path.cwd()
     show = console or summary.console_for_output()
     _target(out, evidence)
-    trusted = [] if public_key is not None else trust.trusted_keys_for(tree, evidence)
+    trusted = trust.trusted_keys(tree)  # the default branch's keys and revocations
     original, envelope = _verified_original(evidence, public_key, trusted, tree)
     lock = check_environment(original, tree)
     commit = str(original["commit"])
@@ -379,7 +379,7 @@ def _verified_report(path: Path, public_key: Any, root: Path) -> dict[str, Any]:
     """The report of ``path``, verified like ``lab evidence verify`` (a PASS), or refused."""
     if not path.exists():
         raise errors.InputError(f"evidence {path}: no such file or directory")
-    trusted = [] if public_key is not None else trust.trusted_keys_for(root, path)
+    trusted = trust.trusted_keys(root)
     verdict = verification.verify(path, public_key=public_key, trusted=trusted, root=root)
     if verdict.unreadable is not None:
         raise errors.InputError(verification.printable(verdict.unreadable))

@@ -31,7 +31,17 @@ from conftest import KeyFiles, resign
 
 from lab import cli, escape
 from lab.book import builder, drawing, figures, model_chapter
-from lab.evidence import bundle, compiler, crashmatrix, dsse, gate, trust, verification
+from lab.evidence import (
+    bundle,
+    compiler,
+    crashmatrix,
+    dsse,
+    gate,
+    reproduction,
+    reproduction_evidence,
+    trust,
+    verification,
+)
 from lab.evidence import tree as source_tree
 from lab.model import signed
 
@@ -1008,6 +1018,70 @@ def test_evidence_text_is_escaped_in_markdown(small: tuple[Path, Path], tmp_path
         html = page.read_text()
         for raw in ("<script", "<img src=x", 'href="javascript:', 'src="http'):
             assert raw not in html, (page.name, raw)
+
+
+def _reproduce_into(directory: Path, signer: dsse.Signer) -> None:
+    """``directory/reproduction/``: a signed reproduction of the run in ``directory``,
+    every fact the same, signed by ``signer``."""
+    report = json.loads((directory / compiler.REPORT_FILE).read_text())
+    digest = hashlib.sha256((directory / compiler.ENVELOPE_FILE).read_bytes()).hexdigest()
+    record = {
+        "schema_version": 1, "reproduced_at_utc": "2026-12-01T16:00:00Z",
+        "inputs": [{"name": "original runtime.intoto.json", "digest": {"sha256": digest}}],
+        "original": {"envelope_sha256": digest, "commit": report["commit"], "status": "PASS"},
+        "runs": [{"evidence": "runs/run-1", "envelope_sha256": "b" * 64, "status": "PASS",
+                  "wall_s": 1.0}],
+        "comparison": reproduction.to_json(reproduction.compare(report, [report])),
+        "wall_s": 1.5,
+    }
+    target = directory / reproduction_evidence.BOOK_DIR
+    shutil.rmtree(target, ignore_errors=True)
+    reproduction_evidence.write(target, record, signer)
+
+
+def test_the_book_shows_a_reproduction_only_by_an_independent_trusted_key(
+    small: tuple[Path, Path], tmp_path: Path, make_key: Callable[[str], KeyFiles]
+) -> None:
+    """Issue 42, class 5 (d): a reproduction signed by the original's own key is shown
+    as not independent, without the table; one no trusted key signed as not pinned;
+    one by a second trusted key gets the section, naming the reproducer's key file and
+    fingerprint, even when the original is pinned by --public-key."""
+    root, directory = small
+    author, reproducer, stranger = make_key("author"), make_key("reproducer"), make_key("x")
+    resign(directory, lambda data: None, signer=dsse.Signer(author.private, "key_file"))
+    trusted = [trust.TrustedKey(author.public, "keys/trusted/author.pub.pem at 0123abcd"),
+               trust.TrustedKey(reproducer.public,
+                                "keys/trusted/reproducer.pub.pem at 0123abcd")]
+    out = tmp_path / "book"
+
+    _reproduce_into(directory, dsse.Signer(author.private, "key_file"))
+    builder.build(directory, out, trusted=trusted, root=root)
+    markdown = _markdown(out)
+    assert "**Not independent**: this run's reproduction is not shown: not independent: " \
+        "it is signed by the original run's own key" in markdown
+    assert "Reproduced" not in markdown
+    assert not (out / "evidence" / "reproduction").exists()
+
+    # An untrusted key that claims to be a publication key is refused outright; one
+    # that claims nothing (ephemeral) verifies, and is withheld as not pinned.
+    _reproduce_into(directory, dsse.Signer(stranger.private, "key_file"))
+    with pytest.raises(builder.Refused, match=r"reproduction: signer: UNPINNED key"):
+        builder.build(directory, out, trusted=trusted, root=root)
+    _reproduce_into(directory, dsse.Signer(stranger.private, "ephemeral"))
+    builder.build(directory, out, trusted=trusted, root=root)
+    markdown = _markdown(out)
+    assert "**Not pinned**: this run's reproduction is not shown: not pinned: its signer" \
+        in markdown and "Reproduced" not in markdown
+
+    by = dsse.Signer(reproducer.private, "key_file")
+    _reproduce_into(directory, by)
+    for pin in ({"trusted": trusted}, {"public_key": author.public, "trusted": trusted[1:]}):
+        builder.build(directory, out, root=root, **pin)  # type: ignore[arg-type]
+        markdown = _markdown(out)
+        assert (f"Reproduced independently by `keys/trusted/reproducer.pub.pem at 0123abcd, "
+                f"key {by.keyid}` on 2026-12-01, 27 of 27 experiments identical") in markdown
+        assert (out / "evidence" / "reproduction" / "reproduction.json").is_file()
+        assert "Not independent" not in markdown
 
 
 def test_a_forged_publication_key_is_not_called_one(

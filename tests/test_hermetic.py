@@ -428,7 +428,9 @@ def test_only_keys_git_tracks_are_trusted(tmp_path: Path) -> None:
     assert trust.trusted_keys(root, environ={}) == []
     labtree.commit(root)
     (committed,) = trust.trusted_keys(root, environ={})
-    assert committed.origin == "keys/trusted/stranger.pub.pem at HEAD"
+    head = _git(root, "rev-parse", "HEAD").strip()
+    branch = _git(root, "symbolic-ref", "--short", "HEAD").strip()
+    assert committed.origin == f"keys/trusted/stranger.pub.pem at {head[:12]} (tip of {branch})"
     original = dsse.raw_public_key(committed.key)
     _key(root / "keys" / "trusted", "stranger")  # overwrite the file, uncommitted
     (again,) = trust.trusted_keys(root, environ={})
@@ -436,22 +438,12 @@ def test_only_keys_git_tracks_are_trusted(tmp_path: Path) -> None:
     assert stranger.exists()
 
 
-def _evidence_naming(directory: Path, commit: str | None) -> Path:
-    """An envelope whose (unsigned) report names ``commit``: enough to choose keys by."""
-    directory.mkdir(parents=True)
-    predicate = {} if commit is None else {"commit": commit}
-    payload = json.dumps({"predicate": predicate}).encode()
-    (directory / compiler.ENVELOPE_FILE).write_text(json.dumps({
-        "payloadType": dsse.PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
-        "signatures": []}))
-    return directory
-
-
-def test_keys_are_the_ones_git_tracked_at_the_evidences_commit(tmp_path: Path) -> None:
-    """Case 7, by commit: evidence is vouched for by the keys tracked at the commit it
-    names, not by HEAD's; a commit the repository does not hold, or none, gets no
-    committed key at all."""
+def test_keys_are_the_ones_git_tracks_at_the_default_branchs_tip(tmp_path: Path) -> None:
+    """Case 7, by branch: the keys are those tracked at the tip of the default branch,
+    whichever branch is checked out; origin/HEAD, when recorded, names that branch; a
+    repository where none resolves is refused in one line."""
     root = _tree(tmp_path)
+    branch = _git(root, "symbolic-ref", "--short", "HEAD").strip()
     keys = root / "keys" / "trusted"
     keys.mkdir(parents=True)
     _, old = _key(keys, "old")
@@ -462,17 +454,30 @@ def test_keys_are_the_ones_git_tracked_at_the_evidences_commit(tmp_path: Path) -
     labtree.commit(root)
     second = _git(root, "rev-parse", "HEAD").strip()
 
-    (at_first,) = trust.trusted_keys_for(
-        root, _evidence_naming(tmp_path / "e1", first), environ={})
-    assert at_first.origin == f"keys/trusted/old.pub.pem at {first[:12]}"
-    (at_second,) = trust.trusted_keys_for(
-        root, _evidence_naming(tmp_path / "e2", second), environ={})
-    assert at_second.origin == f"keys/trusted/new.pub.pem at {second[:12]}"
-    assert trust.trusted_keys_for(
-        root, _evidence_naming(tmp_path / "e3", "f" * 40), environ={}) == []
-    assert trust.trusted_keys_for(
-        root, _evidence_naming(tmp_path / "e4", None), environ={}) == []
-    assert trust.trusted_keys_for(root, tmp_path / "missing", environ={}) == []
+    (at_tip,) = trust.trusted_keys(root, environ={})
+    assert at_tip.origin == f"keys/trusted/new.pub.pem at {second[:12]} (tip of {branch})"
+    # Checked out elsewhere, the default branch still decides.
+    _git(root, "checkout", "-q", "-b", "side", first)
+    (still,) = trust.trusted_keys(root, environ={})
+    assert still.origin == at_tip.origin
+    # origin/HEAD, when a clone recorded it, names the default branch.
+    _git(root, "update-ref", "refs/remotes/origin/side", first)
+    _git(root, "symbolic-ref", "refs/remotes/origin/HEAD", "refs/remotes/origin/side")
+    (remote,) = trust.trusted_keys(root, environ={})
+    assert remote.origin == (f"keys/trusted/old.pub.pem at {first[:12]} "
+                             "(tip of refs/remotes/origin/side)")
+    # No origin/HEAD, no main or master, a detached HEAD: no default branch.
+    _git(root, "checkout", "-q", "--detach")
+    for ref in ("refs/remotes/origin/HEAD", "refs/remotes/origin/side", f"refs/heads/{branch}",
+                "refs/heads/side"):
+        _git(root, "update-ref", "-d", "--no-deref", ref)
+    with pytest.raises(errors.InputError, match="no default branch") as refused:
+        trust.trusted_keys(root, environ={})
+    assert "\n" not in str(refused.value)
+    # Outside any repository nothing is tracked: the explicit keys only.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    assert trust.trusted_keys(outside, environ={}) == []
 
 
 def test_one_function_decides_signer_trust() -> None:

@@ -3,7 +3,8 @@
 One test (or a few) per class of the issue, each showing the attack refused or the
 verdict not PASS, naming the cause: sources exported from git objects whatever the
 caller's git does (1, 3), caches the run would reuse (2), reproduction that cannot be
-led (4), and a verifier that rebuilds every row from the signed test log (7). The git
+led (4), keys trusted at the default branch's tip and revoked for every commit (5), and
+a verifier that rebuilds every row from the signed test log (7). The git
 repositories, venvs, wheels and installers are real.
 """
 
@@ -17,14 +18,16 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import labtree
 import pytest
+from conftest import KeyFiles
 from rich.console import Console
 
-from lab import errors, reproduce
+from lab import cli, errors, reproduce
 from lab.evidence import (
     compiler,
     dsse,
@@ -33,6 +36,7 @@ from lab.evidence import (
     provenance,
     reproduction,
     tree,
+    trust,
     verification,
     wheels,
 )
@@ -376,6 +380,115 @@ def test_unpinned_evidence_and_a_commit_on_no_branch_are_not_rerun(
         reproduce.reproduce(pinned_dir, out=tmp_path / "out", rerun=rerun, root=root,
                             public_key=public, console=Console(file=io.StringIO()))
     assert calls == []
+
+
+# --------------------------------------------------------------------------- 5: key trust
+
+
+def _commit_key(root: Path, key: KeyFiles, where: str, name: str) -> None:
+    """Track ``key``'s public PEM as ``keys/<where>/<name>.pub.pem`` in a new commit."""
+    (root / "keys" / where).mkdir(parents=True, exist_ok=True)
+    (root / "keys" / where / f"{name}.pub.pem").write_bytes(key.public_pem.read_bytes())
+    labtree.commit(root)
+
+
+def _verify_cli(root: Path, evidence: Path, monkeypatch: pytest.MonkeyPatch,
+                capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:
+    """``lab evidence verify EVIDENCE [extra]`` run in ``root``: its exit and output."""
+    monkeypatch.chdir(root)
+    code = cli.main(["evidence", "verify", str(evidence), *extra])
+    return code, capsys.readouterr().out
+
+
+def test_a_key_added_by_a_commit_on_no_branch_vouches_for_nothing(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Class 5 (a): a side commit on no branch adds the key that signs evidence naming
+    that very commit. Keys are read at the default branch's tip, so the key pins
+    nothing: the evidence, claiming a publication key, fails as UNPINNED, and ``lab
+    reproduce`` refuses it before any re-run."""
+    root = _tree(tmp_path)
+    mallory = make_key("mallory")
+    labtree.git(root, "checkout", "-q", "--detach")
+    _commit_key(root, mallory, "trusted", "mallory")
+    side = labtree.git(root, "rev-parse", "HEAD").strip()
+    evidence = tmp_path / "ev-side"
+    report = compiler.write(evidence, _facts(), root=root,
+                            signer=dsse.Signer(mallory.private, "key_file"))
+    assert report["commit"] == side
+    labtree.git(root, "checkout", "-q", "-")
+    assert reproduce.on_a_branch(root, side) == []
+    assert [k.origin for k in trust.trusted_keys(root, environ={})] == []
+
+    code, out = _verify_cli(root, evidence, monkeypatch, capsys)
+    assert code == 1, out
+    assert out.startswith("FAIL ") and "UNPINNED" in out
+    assert "presented as a publication key" in out
+    calls: list[str] = []
+    with pytest.raises(errors.Refused, match="UNPINNED"):
+        reproduce.reproduce(evidence, out=tmp_path / "out", root=root,
+                            rerun=lambda commit, _e, _w: calls.append(commit),
+                            console=Console(file=io.StringIO()))
+    assert calls == []
+
+
+def test_a_revoked_key_vouches_for_no_evidence_of_any_age_however_named(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Class 5 (b): evidence signed at an old commit, when its key was trusted; the key
+    is then revoked (``keys/revoked/`` at the tip). The evidence fails naming the
+    revoked key's file, through keys/trusted (kept there too), --public-key and
+    LAB_TRUSTED_KEYS alike, and ``lab reproduce`` refuses it."""
+    root = _tree(tmp_path)
+    old = make_key("old")
+    _commit_key(root, old, "trusted", "old")
+    evidence = tmp_path / "ev-old"
+    compiler.write(evidence, _facts(), root=root, signer=dsse.Signer(old.private, "key_file"))
+    code, out = _verify_cli(root, evidence, monkeypatch, capsys)
+    assert code == 0 and "pinned by keys/trusted/old.pub.pem" in out, out
+
+    _commit_key(root, old, "revoked", "old")  # still in keys/trusted/ as well
+    reason = "is REVOKED by keys/revoked/old.pub.pem at "
+    for extra, environ in (((), {}), (("--public-key", str(old.public_pem)), {}),
+                           ((), {trust.TRUSTED_ENV: str(old.public_pem)})):
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        code, out = _verify_cli(root, evidence, monkeypatch, capsys, *extra)
+        assert code == 1, (extra, environ, out)
+        assert out.startswith("FAIL ") and "pinned by" not in out.splitlines()[0], out
+        failed = [line for line in out.splitlines() if line.startswith("  failed: ")]
+        assert failed and reason in failed[0], (extra, out)
+        monkeypatch.delenv(trust.TRUSTED_ENV, raising=False)
+    checked = verification.verify(evidence, public_key=old.public,
+                                  trusted=trust.trusted_keys(root, environ={}))
+    assert not checked.ok and checked.pinned_by is None
+    with pytest.raises(errors.Refused, match=r"REVOKED by keys/revoked/old\.pub\.pem"):
+        reproduce.reproduce(evidence, out=tmp_path / "out", root=root,
+                            public_key=old.public, rerun=lambda *_: None,
+                            console=Console(file=io.StringIO()))
+
+
+def test_a_key_trusted_at_the_tip_vouches_for_evidence_older_than_it(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Class 5 (c): evidence signed at a commit that does not hold its key, the key
+    committed under keys/trusted/ afterwards: it is the tip that counts, so it vouches."""
+    root = _tree(tmp_path)
+    late = make_key("late")
+    evidence = tmp_path / "ev-early"
+    report = compiler.write(evidence, _facts(), root=root,
+                            signer=dsse.Signer(late.private, "key_file"))
+    code, out = _verify_cli(root, evidence, monkeypatch, capsys)
+    assert code == 1 and "UNPINNED" in out, out
+    _commit_key(root, late, "trusted", "late")
+    tip = labtree.git(root, "rev-parse", "HEAD").strip()
+    assert report["commit"] != tip
+    code, out = _verify_cli(root, evidence, monkeypatch, capsys)
+    assert code == 0, out
+    assert f"pinned by keys/trusted/late.pub.pem at {tip[:12]} (tip of " in out
 
 
 # --------------------------------------------------------------------------- 7: the rows

@@ -30,7 +30,15 @@ from rich.console import Console
 
 from lab import cli, errors, reproduce
 from lab.book import reproduction as book_reproduction
-from lab.evidence import compiler, dsse, gate, observations, reproduction, reproduction_evidence
+from lab.evidence import (
+    compiler,
+    dsse,
+    gate,
+    observations,
+    reproduction,
+    reproduction_evidence,
+    trust,
+)
 
 # --------------------------------------------------------------------------- classification
 
@@ -221,13 +229,18 @@ def test_book_section_counts_and_escapes() -> None:
     again = copy.deepcopy(ORIGINAL)
     again["test_one"]["state"] = "[click](javascript:alert(1)) <img>"
     comparison = reproduction.compare(_report(ORIGINAL), [_report(again)])
-    lines = book_reproduction.lines(json.dumps(_record(comparison)).encode())
+    lines = book_reproduction.lines(json.dumps(_record(comparison)).encode(),
+                                    by="keys/trusted/r.pub.pem at abc, key 12ab")
     text = "\n".join(lines)
-    assert "Reproduced on 2026-12-01, 1 of 2 experiments identical in their facts" in text
+    assert ("Reproduced independently by `keys/trusted/r.pub.pem at abc, key 12ab` on "
+            "2026-12-01, 1 of 2 experiments identical in their facts") in text
     assert "| ch01_x/test_one | state | succeeded |" in text
     assert "\\[click\\](javascript:alert(1)) &lt;img&gt;" in text
     assert "<img>" not in text and "[click]" not in text
     assert book_reproduction.lines(None) == []
+    # Verified but vouched for by no independent key: no table, and the reason.
+    unvouched = "\n".join(book_reproduction.lines(json.dumps(_record(comparison)).encode()))
+    assert unvouched.startswith("**Not pinned**") and "| ch01_x" not in unvouched
 
 
 # --------------------------------------------------------------------------- real runs
@@ -431,21 +444,41 @@ def test_a_lock_the_commit_does_not_carry_is_an_environment_refusal(repo: Path) 
 
 
 def test_the_book_takes_only_a_verified_reproduction_of_its_own_run(tmp_path: Path) -> None:
-    """``evidence/reproduction/`` reaches the book only when it verifies and names this
-    run's envelope as its input; otherwise the book is refused, naming why."""
+    """``evidence/reproduction/`` reaches the book only when it verifies, names this
+    run's envelope as its input and an independent trusted key signed it; otherwise the
+    book is refused, or the reproduction withheld, naming why."""
     comparison = reproduction.compare(_report(ORIGINAL), [_report(ORIGINAL)])
     directory = tmp_path / reproduction_evidence.BOOK_DIR
-    signer = dsse.Signer(ed25519.Ed25519PrivateKey.generate(), "ephemeral")
-    assert reproduction_evidence.book_files(tmp_path, b"original") == {}
+    key = ed25519.Ed25519PrivateKey.generate()
+    signer = dsse.Signer(key, "key_file")
+    trusted = [trust.TrustedKey(key.public_key(), "keys/trusted/r.pub.pem at abc")]
+    assert reproduction_evidence.book_files(
+        tmp_path, b"original", original_keyid="0" * 64, trusted=trusted) is None
     reproduction_evidence.write(directory, _record(comparison, b"original"), signer)
-    found = reproduction_evidence.book_files(tmp_path, b"original")
-    assert sorted(found) == ["reproduction/reproduction.intoto.json",
-                             "reproduction/reproduction.json"]
+    found = reproduction_evidence.book_files(
+        tmp_path, b"original", original_keyid="0" * 64, trusted=trusted)
+    assert found is not None and found.withheld is None
+    assert sorted(found.files) == ["reproduction/reproduction.intoto.json",
+                                   "reproduction/reproduction.json"]
+    assert found.reproducer == f"keys/trusted/r.pub.pem at abc, key {signer.keyid}"
+    own = reproduction_evidence.book_files(
+        tmp_path, b"original", original_keyid=signer.keyid, trusted=trusted)
+    assert own is not None and not own.files
+    assert str(own.withheld).startswith("not independent: it is signed by the original run's")
+    with pytest.raises(errors.Refused, match="presented as a publication key"):
+        reproduction_evidence.book_files(tmp_path, b"original", original_keyid="0" * 64)
+    reproduction_evidence.write(directory, _record(comparison, b"original"),
+                                dsse.Signer(key, "ephemeral"))
+    unpinned = reproduction_evidence.book_files(tmp_path, b"original", original_keyid="0" * 64)
+    assert unpinned is not None and not unpinned.files
+    assert str(unpinned.withheld).startswith("not pinned: its signer, key ")
     with pytest.raises(errors.Refused, match="reproduces another run"):
-        reproduction_evidence.book_files(tmp_path, b"another run")
+        reproduction_evidence.book_files(
+            tmp_path, b"another run", original_keyid="0" * 64, trusted=trusted)
     (directory / reproduction_evidence.RECORD_FILE).write_text("{}")
     with pytest.raises(errors.Refused, match="not the signed subject"):
-        reproduction_evidence.book_files(tmp_path, b"original")
+        reproduction_evidence.book_files(
+            tmp_path, b"original", original_keyid="0" * 64, trusted=trusted)
 
 
 @pytest.mark.parametrize(("command", "workers"), [

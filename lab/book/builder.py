@@ -28,7 +28,9 @@ path is proven inside ``--out`` before anything is written, and every string fro
 the evidence that reaches Markdown is escaped (a code span only holds text that
 needs no escaping). The signer is called a publication key only when a pin
 (``--public-key`` or a committed trusted key) vouches for it; ``runtime.pub.pem``
-beside the evidence is never trusted, only checked to be the signer's key.
+beside the evidence is never trusted, only checked to be the signer's key. A
+reproduction is shown only when a trusted key other than the original's signer vouches
+for it (``reproduction_evidence.book_files``); otherwise the page says why.
 """
 
 from __future__ import annotations
@@ -107,8 +109,10 @@ def build(
     report = opened.report
     copies = {f"{EVIDENCE_DIR}/{name}": data for name, data in opened.verified_files().items()}
     files_out = dict(copies)
+    reproduced = opened.part(bundle.REPRODUCTIONS)
     files_out.update(_render(report, copies, pinned_by=opened.pinned_by,
                              model_pinned_by=opened.part(bundle.MODEL).pinned_by,
+                             reproduction=(reproduced.pinned_by, reproduced.withheld),
                              sources=texts, png=png,
                              code=experiment_sources(report, root or Path.cwd())))
     if png:
@@ -167,6 +171,7 @@ def _render(
     sources: Mapping[str, str],
     png: bool,
     model_pinned_by: str | None = None,
+    reproduction: tuple[str | None, str | None] = (None, None),
     code: Mapping[str, str] | None = None,
 ) -> dict[str, bytes]:
     """Every page (Markdown and HTML), the style sheet and every figure, as
@@ -191,6 +196,8 @@ def _render(
         png=png,
         matrix=copies.get(f"{EVIDENCE_DIR}/{crashmatrix.OUTPUT_FILE}"),
         model_pinned_by=model_pinned_by,
+        reproduction_by=reproduction[0],
+        reproduction_withheld=reproduction[1],
         sources=code or {},
     )
     rendered.update(pages.build(sources, evidence))
@@ -282,14 +289,16 @@ def cli_main(
     """``lab book build``: 0 when the book was written; a refusal is raised as ``Refused``.
 
     The signer is pinned by ``--public-key`` when given, else trusted when it is one of
-    the committed publication keys (``keys/trusted/*.pub.pem``, ``LAB_TRUSTED_KEYS``).
+    the publication keys (``keys/trusted/*.pub.pem`` at the default branch's tip,
+    ``LAB_TRUSTED_KEYS``); a key under ``keys/revoked/`` there is refused either way.
     """
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
     if options.public_key:
         pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
-    trusted = ([] if pinned is not None
-               else trust.trusted_keys_for(root, Path(options.evidence)))
+    # Always the default branch's keys and revocations: a revoked key is refused even
+    # as --public-key, and a reproduction is vouched for by a trusted key, never the pin.
+    trusted = trust.trusted_keys(root)
     out = Path(options.out)
     try:
         written = build(

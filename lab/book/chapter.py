@@ -32,6 +32,10 @@ class Evidence:
     matrix: bytes | None = None
     # The pin that vouched for the model evidence's own signer: never the runtime's pin.
     model_pinned_by: str | None = None
+    # Who vouches for the reproduction the copies hold (an independent trusted key), or
+    # why a verified reproduction is not shown.
+    reproduction_by: str | None = None
+    reproduction_withheld: str | None = None
     rendered: dict[str, bytes] = field(default_factory=dict)  # figures directives drew
     titles: dict[str, str] = field(default_factory=dict)  # page name -> title
     # Experiment source files whose bytes match the report's signed digests: path -> text.

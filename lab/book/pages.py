@@ -329,7 +329,8 @@ def _block(
         evidence.rendered.update(drawn_files)
     elif kind == "reproduction":
         lines = reproduction.lines(evidence.copies.get(
-            f"evidence/{reproduction_evidence.BOOK_DIR}/{reproduction_evidence.RECORD_FILE}"))
+            f"evidence/{reproduction_evidence.BOOK_DIR}/{reproduction_evidence.RECORD_FILE}"),
+            by=evidence.reproduction_by, withheld=evidence.reproduction_withheld)
         if not lines:
             lines = ["This build holds no reproduction of the run (`lab reproduce EVIDENCE "
                      "--out EVIDENCE/reproduction` writes one).", ""]

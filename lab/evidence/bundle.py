@@ -10,7 +10,8 @@ An evidence directory holds up to four declared parts, each verified on its own 
 * ``model`` (optional): ``model/``, the signed model evidence, verified on a private copy
   by the ``ModelVerifier`` the caller hands down (``model_evidence``), under its own pin;
 * ``reproductions`` (optional): ``reproduction/``, a verified reproduction of this run
-  (``reproduction_evidence``).
+  (``reproduction_evidence``), its files kept only when a trusted key other than the
+  original's signer vouches for it, else ``withheld`` with the reason.
 
 ``open_bundle`` returns a ``Bundle`` of typed ``Part`` objects: each one's verified bytes
 (by their path under ``evidence/`` in the book), or the reason it is absent, or the reason
@@ -69,6 +70,8 @@ class Part:
     absent: str | None = None
     refused: str | None = None
     pinned_by: str | None = None
+    # Verified, but not shown, and why (a reproduction that is not independent).
+    withheld: str | None = None
 
     @property
     def present(self) -> bool:
@@ -130,7 +133,7 @@ def open_bundle(
         MODEL: _guarded(MODEL, lambda: _model(evidence_dir, public_key, trusted,
                                               model_verifier)),
         REPRODUCTIONS: _guarded(REPRODUCTIONS, lambda: _reproductions(
-            evidence_dir, envelope, public_key, trusted)),
+            evidence_dir, envelope, report["signing"]["keyid"], trusted)),
         CRASHPOINTS: _guarded(CRASHPOINTS, lambda: _crashpoints(evidence_dir)),
     }
     return Bundle(evidence_dir, report, parts)
@@ -250,15 +253,18 @@ def _model(
 def _reproductions(
     evidence_dir: Path,
     envelope: bytes,
-    public_key: ed25519.Ed25519PublicKey | None,
+    original_keyid: str,
     trusted: Sequence[trust.TrustedKey],
 ) -> Part:
-    """The verified reproduction of this run, when there is one."""
+    """The verified reproduction of this run, when there is one: its files only when an
+    independent trusted key vouches for it (``pinned_by``), else ``withheld`` and why.
+    The original's ``--public-key`` never pins it: that is the original's signer."""
     found = reproduction_evidence.book_files(
-        evidence_dir, envelope, public_key=public_key, trusted=trusted)
-    if not found:
+        evidence_dir, envelope, original_keyid=original_keyid, trusted=trusted)
+    if found is None:
         return Part(REPRODUCTIONS, absent=f"no {reproduction_evidence.BOOK_DIR}/ of this run")
-    return Part(REPRODUCTIONS, found)
+    return Part(REPRODUCTIONS, found.files, pinned_by=found.reproducer,
+                withheld=found.withheld)
 
 
 def _crashpoints(evidence_dir: Path) -> Part:

@@ -12,7 +12,9 @@ A reproduction directory holds::
 
 It is signed under the runtime evidence's key rules (``LAB_EVIDENCE_KEY``, else an
 ephemeral key) and checked under the same trust policy: ``verify`` uses the runtime
-verifier's signer check, so a pin means the same thing for both.
+verifier's signer check, so a pin (and a revocation) means the same thing for both. The
+book shows a reproduction only when a trusted key other than the original's signer
+vouches for it (``book_files``): an independent reproducer, named with its fingerprint.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class Verified:
     notes: list[str] = field(default_factory=list)
     record: dict[str, Any] | None = None
     pinned_by: str | None = None
+    signer_keyid: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -206,6 +209,7 @@ def verify(
     result.problems += signer.problems
     result.notes += signer.notes
     result.pinned_by = signer.pinned_by
+    result.signer_keyid = signer.keyid
     if statement.get("_type") != compiler.STATEMENT_TYPE:
         result.problems.append("statement: _type is not in-toto v1")
     if statement.get("predicateType") != PREDICATE_TYPE:
@@ -232,29 +236,60 @@ def verify(
 BOOK_DIR = "reproduction"  # beside the runtime evidence: ``lab reproduce E --out E/reproduction``
 
 
+@dataclass(frozen=True)
+class BookReproduction:
+    """A verified reproduction of the published run, and whether the book shows it.
+
+    ``files`` are the record and its envelope, and ``reproducer`` names who vouches for
+    them (the trusted key's origin and fingerprint), only for an **independent**
+    reproduction: signed by a trusted key other than the original's signer. Otherwise
+    ``files`` is empty and ``withheld`` says why (not pinned, or not independent).
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    reproducer: str | None = None
+    withheld: str | None = None
+
+
 def book_files(
     evidence_dir: Path,
     original_envelope: bytes,
     *,
-    public_key: ed25519.Ed25519PublicKey | None = None,
+    original_keyid: str,
     trusted: Sequence[trust.TrustedKey] = (),
-) -> dict[str, bytes]:
-    """The verified reproduction files of ``evidence_dir/reproduction/`` for the book.
+) -> BookReproduction | None:
+    """The reproduction of ``evidence_dir/reproduction/`` as the book may show it.
 
-    Empty when there is no reproduction. ``Refused`` naming the cause when there is one
-    that does not verify, or that reproduces another run (its input is not the digest of
-    ``original_envelope``): the book shows a reproduction only of the run it publishes.
+    None when there is no reproduction. ``Refused`` naming the cause when there is one
+    that does not verify (a revoked signer included), or that reproduces another run (its
+    input is not the digest of ``original_envelope``): the book shows a reproduction only
+    of the run it publishes. Its signer is pinned only by a ``trusted`` key, never by the
+    original's ``--public-key``; a reproduction no trusted key vouches for, or one signed
+    by the original's own key (``original_keyid``), is withheld with its reason: only an
+    independent reproducer's word is worth a table.
     """
     directory = evidence_dir / BOOK_DIR
     if not is_reproduction(directory):
-        return {}
-    checked = verify(directory, public_key=public_key, trusted=trusted)
+        return None
+    checked = verify(directory, trusted=trusted)
     if not checked.ok or checked.record is None:
         first = checked.problems[0] if checked.problems else "no record"
         raise Refused(f"{directory}: {first}")
     if checked.record["original"]["envelope_sha256"] != sha256(original_envelope):
         raise Refused(f"{directory}: it reproduces another run, not this evidence")
-    return {
+    keyid = checked.signer_keyid or "?"
+    if checked.pinned_by is None:
+        return BookReproduction(withheld=(
+            f"not pinned: its signer, key {keyid[:16]}, is not a trusted key "
+            f"({trust.TRUSTED_DIR}/ at the default branch's tip or {trust.TRUSTED_ENV}), "
+            "so nothing says who reproduced the run"))
+    if keyid == original_keyid:
+        return BookReproduction(withheld=(
+            f"not independent: it is signed by the original run's own key, key "
+            f"{keyid[:16]} ({checked.pinned_by}); a reproduction counts only when another "
+            "trusted key signs it"))
+    found = {
         f"{BOOK_DIR}/{name}": files.read_bytes(directory / name, RECORD_LIMIT, name)
         for name in (RECORD_FILE, ENVELOPE_FILE)
     }
+    return BookReproduction(found, reproducer=f"{checked.pinned_by}, key {keyid}")

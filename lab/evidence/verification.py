@@ -5,7 +5,9 @@ producer wrote about itself:
 
 - the signature is checked with ``dsse``; the signer is *trusted* only by a pin:
   a key given with ``--public-key``, or a publication key committed under
-  ``keys/trusted/*.pub.pem`` or named by ``LAB_TRUSTED_KEYS``. Without a pin the
+  ``keys/trusted/*.pub.pem`` at the tip of the default branch or named by
+  ``LAB_TRUSTED_KEYS``; a key committed under ``keys/revoked/`` at that tip fails
+  whatever pins it and whatever commit the evidence names (``trust``). Without a pin the
   evidence can prove its integrity only, and the verdict says ``UNPINNED``; a
   report that claims a publication key (``key_source``) without a pin fails.
   ``runtime.pub.pem`` beside the evidence is never a pin.
@@ -212,7 +214,9 @@ def check_signer(
 
     The signature is checked against the pin (``public_key``: only that key), else
     against each ``trusted`` key, else against the key the evidence carries (UNPINNED:
-    integrity, not identity; a carried key presented as a publication key fails). The
+    integrity, not identity; a carried key presented as a publication key fails). A
+    signer that a revoked entry of ``trusted`` names (``keys/revoked/`` at the default
+    branch's tip) fails, even when ``public_key`` is that key. The
     evidence's own ``signing`` section must name the signer's keyid and embed its key.
     Each evidence file is judged by its own signer: nothing carries over between calls.
     """
@@ -226,8 +230,12 @@ def check_signer(
             embedded = dsse.load_public_key(embedded_pem.encode())
         except EvidenceError:
             embedded = None
+    if public_key is not None and (cut := trust.revoked(trusted, public_key)) is not None:
+        result.keyid = dsse.keyid(public_key)
+        problems.append(_revoked_line(result.keyid, cut))
+        return result
     pins = ([trust.TrustedKey(public_key, "--public-key")] if public_key is not None
-            else list(trusted))
+            else [pin for pin in trusted if not pin.revoked])
     for pin in pins:
         try:
             dsse.check_signature(envelope, payload, pin.key)
@@ -269,6 +277,12 @@ def check_signer(
             "UNPINNED: verified with the key the evidence carries; this proves integrity, "
             "not identity (pin the signer with --public-key or a committed trusted key)"
         )
+    cut = trust.revoked(trusted, result.key) if result.key is not None else None
+    if cut is not None:
+        # Revoked at the tip of the default branch: refused for evidence of any age,
+        # however the key was named (keys/trusted, LAB_TRUSTED_KEYS, or carried).
+        problems.insert(0, _revoked_line(result.keyid or "?", cut))
+        result.pinned_by = None
     if signing.get("keyid") != result.keyid:
         problems.append("signing: the report's keyid is not the signer's")
     if signing.get("key_source") == "ephemeral":
@@ -277,6 +291,11 @@ def check_signer(
             f"(set {dsse.KEY_ENV} to sign with a known key)"
         )
     return result
+
+
+def _revoked_line(keyid: str, revocation: trust.TrustedKey) -> str:
+    return (f"signer: key {keyid[:16]} is REVOKED by {revocation.origin}: no evidence it "
+            "signed is trusted, whatever its commit")
 
 
 def _check_statement(
