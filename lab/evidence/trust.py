@@ -30,7 +30,9 @@ TRUSTED_PATTERN = "*.pub.pem"
 TRUSTED_ENV = "LAB_TRUSTED_KEYS"
 # The default branch, in this order: the remote's default as the last fetch recorded it,
 # then the conventional names, then the branch checked out now. No network is asked.
-DEFAULT_BRANCH_REFS = ("refs/remotes/origin/HEAD", "refs/heads/main", "refs/heads/master")
+# A checkout that has only the remote's branches (a detached CI checkout) finds them last.
+DEFAULT_BRANCH_REFS = ("refs/remotes/origin/HEAD", "refs/heads/main", "refs/heads/master",
+                       "refs/remotes/origin/main", "refs/remotes/origin/master")
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,10 @@ def default_branch(root: Path) -> Tip | None:
 
     ``refs/remotes/origin/HEAD`` when it exists (the remote's default branch as a clone
     or ``git remote set-head`` recorded it), else ``refs/heads/main``, else
-    ``refs/heads/master``, else the branch ``HEAD`` names (a detached ``HEAD`` is no
-    branch). None when ``root`` is in no git repository: there is nothing tracked to
-    trust or revoke. ``InputError`` (one line) when it is a repository but none of
-    these resolves to a commit.
+    ``refs/heads/master``, else ``origin/main`` or ``origin/master``, else the branch
+    ``HEAD`` names (a detached ``HEAD`` is no branch). None when ``root`` is in no git
+    repository: there is nothing tracked to trust or revoke. ``InputError`` (one line)
+    when it is a repository but none of these resolves to a commit.
     """
     if not root.is_dir() or _git(root, ["rev-parse", "--git-dir"]) is None:
         return None
@@ -99,7 +101,8 @@ def default_branch(root: Path) -> Tip | None:
             return Tip(name, found.decode().strip())
     raise InputError(
         f"{root}: no default branch to read {TRUSTED_DIR}/ and {REVOKED_DIR}/ from "
-        "(neither origin/HEAD, main, master nor a checked-out branch resolves to a commit)")
+        "(neither origin/HEAD, main, master, origin/main, origin/master nor a checked-out "
+        "branch resolves to a commit)")
 
 
 def trusted_keys(root: Path, environ: Mapping[str, str] | None = None) -> list[TrustedKey]:
