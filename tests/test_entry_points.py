@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lab import cli, publish, reproduce, review, runner
+from lab import cli, publish, reproduce, review, runner, verify
 from lab.bench import command as bench_command
 from lab.book import builder
 from lab.evidence import manifest
@@ -47,8 +47,8 @@ LEAVES: list[tuple[list[str], type[Any], dict[str, Any]]] = [
      {"schema": "s", "tool": "t"}),
     (["run"], runner.RunOptions, {}),
     (["reproduce", "e"], reproduce.ReproduceOptions, {"evidence": "e"}),
-    (["evidence", "verify"], cli.EvidenceOptions, {"evidence_command": "verify"}),
-    (["evidence", "show"], cli.EvidenceOptions, {"evidence_command": "show"}),
+    (["evidence", "verify"], verify.EvidenceOptions, {"evidence_command": "verify"}),
+    (["evidence", "show"], verify.EvidenceOptions, {"evidence_command": "show"}),
     (["evidence", "compare", "a", "b"], reproduce.CompareOptions,
      {"evidence_command": "compare", "first": "a", "second": "b"}),
     (["manifest", "sync"], manifest.ManifestOptions, {"manifest_command": "sync"}),

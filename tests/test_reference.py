@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import cli, parsing, reference
+from lab import cli, parsing, reference, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +191,7 @@ def test_these_commands_take_their_flags_from_their_options(words: tuple[str, ..
     from lab.evidence import manifest
     from lab.options import flag_of
 
-    kind = cli.EvidenceOptions if words[0] == "evidence" else manifest.ManifestOptions
+    kind = verify.EvidenceOptions if words[0] == "evidence" else manifest.ManifestOptions
     declared = {f.name: flag.help for f in dataclasses.fields(kind)
                 if (flag := flag_of(f)) is not None}
     command = next(c for c in parsing.walk(cli.build_parser()) if c.words == ("lab", *words))

@@ -223,13 +223,7 @@ def check_signer(
     result = SignerCheck()
     problems = result.problems
     signing = signing if isinstance(signing, Mapping) else {}
-    embedded_pem = signing.get("public_key")
-    embedded: ed25519.Ed25519PublicKey | None = None
-    if isinstance(embedded_pem, str) and len(embedded_pem) <= files.PUBLIC_KEY_LIMIT:
-        try:
-            embedded = dsse.load_public_key(embedded_pem.encode())
-        except EvidenceError:
-            embedded = None
+    embedded = _embedded_key(signing)
     if public_key is not None and (cut := trust.revoked(trusted, public_key)) is not None:
         result.keyid = dsse.keyid(public_key)
         problems.append(_revoked_line(result.keyid, cut))
@@ -252,31 +246,8 @@ def check_signer(
             problems.append("signing: the report's public_key is not the key that signed it")
         break
     else:
-        if embedded is None:
-            problems.append("signature: no pinned key signed it and the evidence carries none")
+        if not _carried_key_signed(result, envelope, payload, embedded, signing, len(pins)):
             return result
-        result.keyid = dsse.keyid(embedded)
-        result.key = embedded
-        try:
-            dsse.check_signature(envelope, payload, embedded)
-        except EvidenceError as exc:
-            problems.append(str(exc))
-            return result
-        source = signing.get("key_source")
-        if source != "ephemeral":
-            problems.append(
-                f"signer: UNPINNED key {result.keyid} is presented as a publication "
-                f"key (key_source {_short(source)}); pin it with --public-key or commit it "
-                f"under {trust.TRUSTED_DIR}/"
-            )
-        elif pins:
-            result.notes.append(
-                f"the signer is not among the {len(pins)} trusted publication keys"
-            )
-        result.notes.append(
-            "UNPINNED: verified with the key the evidence carries; this proves integrity, "
-            "not identity (pin the signer with --public-key or a committed trusted key)"
-        )
     cut = trust.revoked(trusted, result.key) if result.key is not None else None
     if cut is not None:
         # Revoked at the tip of the default branch: refused for evidence of any age,
@@ -291,6 +262,56 @@ def check_signer(
             f"(set {dsse.KEY_ENV} to sign with a known key)"
         )
     return result
+
+
+def _embedded_key(signing: Mapping[str, Any]) -> ed25519.Ed25519PublicKey | None:
+    """The public key the evidence's ``signing`` section carries, if it is a readable one."""
+    embedded_pem = signing.get("public_key")
+    if not isinstance(embedded_pem, str) or len(embedded_pem) > files.PUBLIC_KEY_LIMIT:
+        return None
+    try:
+        return dsse.load_public_key(embedded_pem.encode())
+    except EvidenceError:
+        return None
+
+
+def _carried_key_signed(
+    result: SignerCheck,
+    envelope: Mapping[str, Any],
+    payload: bytes,
+    embedded: ed25519.Ed25519PublicKey | None,
+    signing: Mapping[str, Any],
+    pins: int,
+) -> bool:
+    """No pin signed: check the key the evidence carries (UNPINNED), into ``result``.
+
+    False when there is no carried key or its signature fails: nothing more to judge.
+    """
+    if embedded is None:
+        result.problems.append(
+            "signature: no pinned key signed it and the evidence carries none")
+        return False
+    result.keyid = dsse.keyid(embedded)
+    result.key = embedded
+    try:
+        dsse.check_signature(envelope, payload, embedded)
+    except EvidenceError as exc:
+        result.problems.append(str(exc))
+        return False
+    source = signing.get("key_source")
+    if source != "ephemeral":
+        result.problems.append(
+            f"signer: UNPINNED key {result.keyid} is presented as a publication "
+            f"key (key_source {_short(source)}); pin it with --public-key or commit it "
+            f"under {trust.TRUSTED_DIR}/"
+        )
+    elif pins:
+        result.notes.append(f"the signer is not among the {pins} trusted publication keys")
+    result.notes.append(
+        "UNPINNED: verified with the key the evidence carries; this proves integrity, "
+        "not identity (pin the signer with --public-key or a committed trusted key)"
+    )
+    return True
 
 
 def _revoked_line(keyid: str, revocation: trust.TrustedKey) -> str:
