@@ -1,30 +1,26 @@
-"""Hypothesis profiles for the lab's own tests.
+"""The lab's own tests: their fixture plugins and hypothesis profiles.
 
-``ci`` (the default) is bounded and derandomized, so a run is reproducible and
-the whole fuzz suite stays well under a minute on two cores. ``long`` is for a
-deliberate soak: ``HYPOTHESIS_PROFILE=long pytest tests/test_admission_fuzz.py``.
-Neither keeps an example database, so nothing is written into the tree.
+The tests are laid out like ``lab/``: ``tests/runtime/`` tests ``lab.runtime``,
+``tests/evidence/`` ``lab.evidence`` and so on; tests of the top-level modules (and of
+the repository's layout as a whole) sit in ``tests/`` itself. What they share lives
+in ``tests/support/``: plain modules imported as ``tests.support.<name>``, and the
+fixture plugins below.
 
-``make_key`` is the one fixture for signing keys in tests: a fresh Ed25519 pair
-written as the PEM files the lab reads; ``resign`` forges evidence the way an
-attacker with a fresh key would.
+Hypothesis: ``ci`` (the default) is bounded and derandomized, so a run is
+reproducible and the whole fuzz suite stays well under a minute on two cores.
+``long`` is for a deliberate soak:
+``HYPOTHESIS_PROFILE=long pytest tests/runtime/test_admission_fuzz.py``. Neither keeps
+an example database, so nothing is written into the tree.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 from hypothesis import HealthCheck, settings
 
-from lab.evidence import compiler, dsse
+# Fixture plugins: ``make_key`` (a fresh Ed25519 key pair as the PEM files the lab reads).
+pytest_plugins = ["tests.support.keys"]
 
 settings.register_profile(
     "ci",
@@ -39,79 +35,3 @@ settings.register_profile(
     "long", parent=settings.get_profile("ci"), max_examples=10_000, derandomize=False
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-# --------------------------------------------------------------------------- signing keys
-
-
-@dataclass(frozen=True)
-class KeyFiles:
-    """A fresh Ed25519 key pair and the PEM files a test hands to the lab."""
-
-    private: ed25519.Ed25519PrivateKey
-    private_pem: Path  # PKCS8, unencrypted: what LAB_EVIDENCE_KEY names
-    public_pem: Path  # SubjectPublicKeyInfo: what --public-key and keys/trusted/ hold
-
-    @property
-    def public(self) -> ed25519.Ed25519PublicKey:
-        """The public half."""
-        return self.private.public_key()
-
-
-@pytest.fixture
-def make_key(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], KeyFiles]:
-    """A factory of test keys: ``make_key("ci")`` writes ``ci.pem`` and ``ci.pub.pem``."""
-    directory = tmp_path_factory.mktemp("keys")
-
-    def make(name: str = "key") -> KeyFiles:
-        private = ed25519.Ed25519PrivateKey.generate()
-        private_pem = directory / f"{name}.pem"
-        private_pem.write_bytes(
-            private.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        public_pem = directory / f"{name}.pub.pem"
-        public_pem.write_bytes(
-            private.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
-        return KeyFiles(private, private_pem, public_pem)
-
-    return make
-
-
-def resign(
-    directory: Path,
-    change: Callable[[dict[str, Any]], None],
-    *,
-    key_source: str = "ephemeral",
-    signer: dsse.Signer | None = None,
-    record: Callable[[dict[str, Any]], None] | None = None,
-) -> dsse.Signer:
-    """Forge evidence as an attacker would: apply ``change`` to the signed report in
-    ``directory`` (and ``record`` to each line of tests.jsonl, so the rows and the
-    records the verifier folds agree) and re-sign both with a fresh key, or ``signer``."""
-    forged_by = signer or dsse.Signer(ed25519.Ed25519PrivateKey.generate(), key_source)
-    data: dict[str, Any] = json.loads((directory / compiler.REPORT_FILE).read_text())
-    data["signing"] = forged_by.describe()
-    change(data)
-    report_bytes = compiler.dumps_report(data)
-    tests_bytes = (directory / compiler.TESTS_FILE).read_bytes()
-    if record is not None:
-        lines = [json.loads(line) for line in tests_bytes.decode().splitlines()]
-        for line in lines:
-            record(line)
-        tests_bytes = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines).encode()
-        (directory / compiler.TESTS_FILE).write_bytes(tests_bytes)
-    payload = json.dumps(
-        compiler.statement(report_bytes, data, tests_bytes), sort_keys=True, separators=(",", ":")
-    ).encode()
-    (directory / compiler.REPORT_FILE).write_bytes(report_bytes)
-    envelope = dsse.sign_envelope(payload, forged_by)
-    (directory / compiler.ENVELOPE_FILE).write_text(json.dumps(envelope))
-    (directory / compiler.PUBLIC_KEY_FILE).write_text(data["signing"]["public_key"])
-    return forged_by

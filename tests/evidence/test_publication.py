@@ -20,7 +20,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
 from rich.console import Console
 
@@ -36,6 +35,7 @@ from lab.evidence import (
     verification,
     wheels,
 )
+from tests.support import labtree
 
 NODE = "experiments/ch01_x/test_a.py::test_a"
 FAILED_NODE = "experiments/ch01_x/test_a.py::test_b"
@@ -254,7 +254,7 @@ def _wheel(directory: Path, name: str, files: dict[str, bytes]) -> Path:
 
 
 def _uv() -> str:
-    done = subprocess.run([str(Path(__file__).resolve().parents[1] / "scripts" / "ensure-uv")],
+    done = subprocess.run([str(Path(__file__).resolve().parents[2] / "scripts" / "ensure-uv")],
                           capture_output=True, text=True, check=True, timeout=600)
     return done.stdout.strip().splitlines()[-1]
 
