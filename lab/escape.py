@@ -3,7 +3,7 @@
 Evidence is untrusted text even when its signature verifies (anyone can sign with a
 fresh key), so every renderer of the book (``builder``, ``pages``, ``crashpoints``,
 ``sidebyside``, ``model_chapter``, ``figures``) passes evidence through these
-functions and through nothing else; ``tests/test_book_escape.py`` holds them to it.
+functions and through nothing else; ``tests/book/test_book_escape.py`` holds them to it.
 
 - ``md``: inline Markdown text that is also inert HTML: one line, entities for
   ``& < > "``, a backslash before every character that starts Markdown markup

@@ -556,7 +556,7 @@ def observe(request: pytest.FixtureRequest) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     # An experiment with a constant observation fails before it runs, naming the key:
-    # ``lab run`` and ``lab run --chapter`` refuse it as tests/test_observations.py does.
+    # ``lab run`` and ``lab run --chapter`` refuse it as tests/evidence/test_observations.py does.
     found = item.stash.get(_CONSTANT_KEY, None)
     if found:
         pytest.fail("constant observation: " + "; ".join(found)

@@ -1,30 +1,28 @@
-"""Hypothesis profiles for the lab's own tests.
+"""The lab's own tests: their fixture plugins and hypothesis profiles.
 
-``ci`` (the default) is bounded and derandomized, so a run is reproducible and
-the whole fuzz suite stays well under a minute on two cores. ``long`` is for a
-deliberate soak: ``HYPOTHESIS_PROFILE=long pytest tests/test_admission_fuzz.py``.
-Neither keeps an example database, so nothing is written into the tree.
+The tests are laid out like ``lab/``: ``tests/runtime/`` tests ``lab.runtime``,
+``tests/evidence/`` ``lab.evidence`` and so on; tests of the top-level modules (and of
+the repository's layout as a whole) sit in ``tests/`` itself. What they share lives
+in ``tests/support/``: plain modules imported as ``tests.support.<name>``, and the
+fixture plugins below.
 
-``make_key`` is the one fixture for signing keys in tests: a fresh Ed25519 pair
-written as the PEM files the lab reads; ``resign`` forges evidence the way an
-attacker with a fresh key would.
+Hypothesis: ``ci`` (the default) is bounded and derandomized, so a run is
+reproducible and the whole fuzz suite stays well under a minute on two cores.
+``long`` is for a deliberate soak:
+``HYPOTHESIS_PROFILE=long pytest tests/runtime/test_admission_fuzz.py``. Neither keeps
+an example database, so nothing is written into the tree.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 from hypothesis import HealthCheck, settings
 
-from lab.evidence import compiler, dsse
+# Fixture plugins: ``make_key`` (a fresh Ed25519 key pair as the PEM files the lab reads).
+pytest_plugins = ["tests.support.keys"]
 
 settings.register_profile(
     "ci",
@@ -41,77 +39,61 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# --------------------------------------------------------------------------- signing keys
+# --------------------------------------------------------------------------- markers
+
+TESTS = Path(__file__).resolve().parent
+
+# Fixtures that provision or reach a PostgreSQL server (lab.pytest_plugin's lab_dsn, on
+# which lab_schema, lab_store and lab build; the repository conftest's servers of a
+# module's own). item.fixturenames is the closure, so a fixture built on them counts.
+POSTGRES_FIXTURES = frozenset({"lab_dsn", "killable_postgres", "faulty_server",
+                               "beyond_one_host"})
+BROWSER = frozenset({"book/test_book_browser.py"})
+MODEL_DIRECTORIES = frozenset({"model"})
+# Measured at 20 s or more (pytest -n 2 --durations on two busy cores, load 5 to 7, see
+# docs/development.md): a whole file ("dir/test_x.py", most of its tests run a lab of
+# their own) or one test function with all its parameters ("dir/test_x.py::name").
+SLOW = frozenset({
+    "evidence/test_gate.py",  # inner lab runs through pytester: 23 tests over 20 s
+    "test_authoring.py",  # a chapter written from the guide, run and gated for real
+    "test_nothing_left.py",  # chapter 11 runs interrupted and killed mid-chaos
+    "test_reproduction.py",  # genuine runs and their reproductions
+    "test_leaks.py",  # a real failing `lab run`
+    "pg/test_container_provider.py::"
+    "test_a_parallel_run_shares_one_container_and_records_it_in_the_evidence",
+    "evidence/test_manifest.py::test_sync_then_check_on_a_new_chapter_without_a_database",
+    "evidence/test_publication.py::test_a_venv_is_judged_by_the_locks_wheels_not_by_its_record",
+    "test_runner.py::test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop",
+    "runtime/test_store_stateful.py::test_store_state_machine_keeps_every_invariant",
+})
+# Module fixtures whose setup alone takes the time, by directory: tests/book's ``tree``
+# runs a small experiment tree for real three times (50 to 60 s, once per module).
+SLOW_FIXTURES = {"book": frozenset({"tree"})}
 
 
-@dataclass(frozen=True)
-class KeyFiles:
-    """A fresh Ed25519 key pair and the PEM files a test hands to the lab."""
-
-    private: ed25519.Ed25519PrivateKey
-    private_pem: Path  # PKCS8, unencrypted: what LAB_EVIDENCE_KEY names
-    public_pem: Path  # SubjectPublicKeyInfo: what --public-key and keys/trusted/ hold
-
-    @property
-    def public(self) -> ed25519.Ed25519PublicKey:
-        """The public half."""
-        return self.private.public_key()
-
-
-@pytest.fixture
-def make_key(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], KeyFiles]:
-    """A factory of test keys: ``make_key("ci")`` writes ``ci.pem`` and ``ci.pub.pem``."""
-    directory = tmp_path_factory.mktemp("keys")
-
-    def make(name: str = "key") -> KeyFiles:
-        private = ed25519.Ed25519PrivateKey.generate()
-        private_pem = directory / f"{name}.pem"
-        private_pem.write_bytes(
-            private.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        public_pem = directory / f"{name}.pub.pem"
-        public_pem.write_bytes(
-            private.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
-        return KeyFiles(private, private_pem, public_pem)
-
-    return make
+def _marks(relative: str, name: str, fixturenames: list[str]) -> list[str]:
+    """The markers of the test ``name`` in ``relative`` (a path under tests/)."""
+    directory = relative.split("/", 1)[0]
+    marks = []
+    if POSTGRES_FIXTURES.intersection(fixturenames):
+        marks.append("postgres")
+    if relative in BROWSER:
+        marks.append("browser")
+    if directory in MODEL_DIRECTORIES:
+        marks.append("model")
+    if (relative in SLOW or f"{relative}::{name}" in SLOW
+            or SLOW_FIXTURES.get(directory, frozenset()).intersection(fixturenames)):
+        marks.append("slow")
+    return marks
 
 
-def resign(
-    directory: Path,
-    change: Callable[[dict[str, Any]], None],
-    *,
-    key_source: str = "ephemeral",
-    signer: dsse.Signer | None = None,
-    record: Callable[[dict[str, Any]], None] | None = None,
-) -> dsse.Signer:
-    """Forge evidence as an attacker would: apply ``change`` to the signed report in
-    ``directory`` (and ``record`` to each line of tests.jsonl, so the rows and the
-    records the verifier folds agree) and re-sign both with a fresh key, or ``signer``."""
-    forged_by = signer or dsse.Signer(ed25519.Ed25519PrivateKey.generate(), key_source)
-    data: dict[str, Any] = json.loads((directory / compiler.REPORT_FILE).read_text())
-    data["signing"] = forged_by.describe()
-    change(data)
-    report_bytes = compiler.dumps_report(data)
-    tests_bytes = (directory / compiler.TESTS_FILE).read_bytes()
-    if record is not None:
-        lines = [json.loads(line) for line in tests_bytes.decode().splitlines()]
-        for line in lines:
-            record(line)
-        tests_bytes = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines).encode()
-        (directory / compiler.TESTS_FILE).write_bytes(tests_bytes)
-    payload = json.dumps(
-        compiler.statement(report_bytes, data, tests_bytes), sort_keys=True, separators=(",", ":")
-    ).encode()
-    (directory / compiler.REPORT_FILE).write_bytes(report_bytes)
-    envelope = dsse.sign_envelope(payload, forged_by)
-    (directory / compiler.ENVELOPE_FILE).write_text(json.dumps(envelope))
-    (directory / compiler.PUBLIC_KEY_FILE).write_text(data["signing"]["public_key"])
-    return forged_by
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the lab's own tests (pytest calls this with every item, experiments' too)."""
+    for item in items:
+        try:
+            relative = item.path.resolve().relative_to(TESTS).as_posix()
+        except ValueError:
+            continue
+        name = getattr(item, "originalname", item.name)
+        for mark in _marks(relative, name, getattr(item, "fixturenames", [])):
+            item.add_marker(mark)

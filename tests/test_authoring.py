@@ -21,11 +21,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import labtree
 import pytest
 
 from lab import harness
 from lab.evidence.seed import SEED_EXPERIMENTS
+from tests.support import labtree
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "authoring.md"

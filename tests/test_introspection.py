@@ -15,8 +15,9 @@ import os
 import subprocess
 import sys
 
-import labtree
 import pytest
+
+from tests.support import labtree
 
 pytest_plugins = ["pytester"]
 

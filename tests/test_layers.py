@@ -268,7 +268,7 @@ def _variables_in(paths: list[Path]) -> set[str]:
 
 def test_every_environment_variable_is_in_the_table() -> None:
     """The code reads no ``BOOK_``/``LAB_`` variable ``docs/environment.toml`` leaves out."""
-    code = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
+    code = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
     listed = _environment_table()
     # A prefix of a listed name (``LAB_EVIDENCE`` in a startswith) is not a variable.
     unlisted = sorted(name for name in _variables_in(code) - listed

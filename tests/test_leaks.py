@@ -18,10 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import labtree
-
 from lab.evidence import compiler
 from lab.pg import edge
+from tests.support import labtree
 
 FAILING = '''
 import base64

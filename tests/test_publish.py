@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import canned_model
 import pytest
-from conftest import KeyFiles
 
 from lab import cli, publish, runner
 from lab.errors import Refused
 from lab.evidence import dsse
 from lab.model import command as model_command
+from tests.support import canned_model
+from tests.support.keys import KeyFiles
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@
 The first part is pure (no database): the classification rule, the gate's word on an
 undecided key, ``compare`` on hand-built report rows, the signed record and the book's
 section. The last part runs real ``lab run`` processes against the outer run's
-PostgreSQL in a tiny git repository (``tests/labtree.py``): a genuine run reproduces with
+PostgreSQL in a tiny git repository (``tests/support/labtree.py``): a genuine run reproduces with
 every fact the same (exit 0); a commit whose experiment records a fact that changes on
 every run does not (exit 1, naming the experiment and the fact, with how often it held).
 The re-run step is injected (a fresh clone of the commit, then ``lab run``): the
@@ -22,9 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
-from conftest import KeyFiles
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from rich.console import Console
 
@@ -39,6 +37,8 @@ from lab.evidence import (
     reproduction_evidence,
     trust,
 )
+from tests.support import labtree
+from tests.support.keys import KeyFiles
 
 # --------------------------------------------------------------------------- classification
 

@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, sandbox
 from lab.evidence import compiler, dsse, seal, verification
+from tests.support import labtree
 
 PROBE = r"""
 import json, os, socket, sys

@@ -43,7 +43,7 @@ T = TypeVar("T")
 # harness has its own; a benchmark does not import the experiment harness).
 PROPOSER = store.Actor(tenant="tenant-a", subject="bench-proposer", role="proposer")
 APPROVER = store.Actor(tenant="tenant-a", subject="bench-approver", role="approver")
-# The experiments' lease (``harness.SEED_LEASE``; tests/test_bench.py checks they agree).
+# The experiments' lease (``harness.SEED_LEASE``; tests/bench/test_bench.py checks they agree).
 SEED_LEASE_SECONDS = 3.0
 
 

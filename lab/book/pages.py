@@ -21,7 +21,7 @@ through a directive, ``{{ name args }}``, expanded from the verified report:
 A directive that names a chapter, experiment or observation the verified evidence
 does not hold stops the build with one line naming the page, the line and the
 directive (``Refused``). A chapter of the evidence without a source page gets a
-page of its directives alone (``DEFAULTS``); ``tests/test_book_sources.py`` holds
+page of its directives alone (``DEFAULTS``); ``tests/book/test_book_sources.py`` holds
 the committed ``book/`` to a page per declared chapter.
 
 Output: per page ``<name>.md`` (the expanded Markdown) and ``<name>.html`` (that

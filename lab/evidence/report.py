@@ -5,7 +5,7 @@
 ``book``). A reader calls ``validate`` before it reads a field: what comes back is
 a ``Report`` whose declared fields have the declared types, so no reader meets a
 string where it expects an object, or a test without a ``nodeid``.
-The TypedDicts below mirror the schema's required fields; ``tests/test_evidence.py``
+The TypedDicts below mirror the schema's required fields; ``tests/evidence/test_evidence.py``
 checks that the two do not drift apart.
 """
 

@@ -2,7 +2,7 @@
 
 A second witness beside ``lab.faults.invariants``: the rules are written again as
 plain SQL, and this runner imports only psycopg and the floor (``lab.errors``,
-``lab.files``), never the runtime or the checker (``tests/test_audit.py`` holds it
+``lab.files``), never the runtime or the checker (``tests/faults/test_audit.py`` holds it
 to that). ``compare`` says whether the two agree on the effect keys they flag.
 """
 

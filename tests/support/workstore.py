@@ -1,6 +1,6 @@
 """A store of a test's own schema and approved workflows in it, for the worker tests.
 
-``tests/test_worker_batch.py`` and ``tests/test_worker_concurrency.py`` drive real
+``tests/runtime/test_worker_batch.py`` and ``tests/runtime/test_worker_concurrency.py`` drive real
 workers against real PostgreSQL: both need a ``Store`` on the test's schema and a few
 approved credit workflows of tenant A.
 """

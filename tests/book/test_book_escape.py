@@ -23,7 +23,7 @@ from lab import escape
 from lab.book import crashpoints, model_chapter, pages, sidebyside, site
 from lab.evidence import crashmatrix
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RENDERERS = sorted([*(REPO / "lab" / "book").glob("*.py"), *(REPO / "lab" / "faults").glob("*.py")])
 ESCAPER = REPO / "lab" / "escape.py"
 HOSTILE = [

@@ -66,7 +66,7 @@ def test_render_is_one_line_per_entry_and_parses_back():
 
 
 def test_the_repository_manifest_is_in_its_rendered_form():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "manifest.json"
+    path = Path(__file__).resolve().parents[2] / "experiments" / "manifest.json"
     text = path.read_text(encoding="utf-8")
     assert manifest.render(manifest.parse(text)) == text
 

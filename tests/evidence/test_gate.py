@@ -19,15 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
-from conftest import KeyFiles
 from psycopg import conninfo
 
 import lab
 from lab import files
 from lab.evidence import compiler, dsse, gate, verification
 from lab.evidence.seed import SEED_EXPERIMENTS
+from tests.support import labtree
+from tests.support.keys import KeyFiles
 
 pytest_plugins = ["pytester"]
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from docker_standin import DockerStandIn
 from psycopg import conninfo
 
 from lab import errors
 from lab.pg import cluster, embedded, faketime
+from tests.support.docker_standin import DockerStandIn
 
 DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 BINDIR = Path("/opt/pg/bin")

@@ -26,13 +26,13 @@ from typing import Any
 import docker
 import psycopg
 import pytest
-from docker_standin import DockerStandIn
 
 from lab import loopback
 from lab.pg import cluster
+from tests.support.docker_standin import DockerStandIn
 
-ROOT = Path(__file__).resolve().parents[1]
-HOLDER = ROOT / "tests" / "hold_postgres.py"
+ROOT = Path(__file__).resolve().parents[2]
+HOLDER = ROOT / "tests" / "support" / "hold_postgres.py"
 PINNED_DIGEST = cluster.POSTGRES_IMAGE.partition("@")[2]
 SESSION_LABEL = "org.testcontainers.session-id"
 

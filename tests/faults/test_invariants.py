@@ -199,7 +199,7 @@ def test_replayed_non_idempotent_dispatch_is_named() -> None:
 
 
 def test_dispatch_after_a_forced_requeue_is_the_persons_decision_not_a_replay() -> None:
-    # Found by tests/test_store_stateful.py: a reviewer forced the requeue of a dispatch
+    # Found by tests/runtime/test_store_stateful.py: a reviewer forced the requeue of a dispatch
     # that left no effect; the second dispatch is audited, not an automatic replay.
     history = _with_events(
         clean_history(), "wf-review",

@@ -24,10 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import canned_model
-import labtree
 import pytest
-from conftest import KeyFiles, resign
 
 from lab import cli, escape
 from lab.book import builder, drawing, figures, model_chapter
@@ -44,8 +41,10 @@ from lab.evidence import (
 )
 from lab.evidence import tree as source_tree
 from lab.model import signed
+from tests.support import canned_model, labtree
+from tests.support.keys import KeyFiles, resign
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SIGKILL = "test_sigkill_after_tool_reconciles_existing_effect"
 SIGKILL_SOURCE = REPO / "experiments" / "ch05_crashes" / "test_crashes.py"
 SVG = "{http://www.w3.org/2000/svg}"

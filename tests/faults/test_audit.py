@@ -8,7 +8,7 @@ from typing import Any
 
 from lab.faults import audit, invariants
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # What the audit's runner may import: psycopg, the floor's errors and bounded reads, stdlib.
 ALLOWED_LAB = {"lab", "lab.errors", "lab.files"}
 

@@ -23,9 +23,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
-from canned_model import write_evidence as write_model_evidence
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -42,8 +40,10 @@ from lab.evidence import (
     verification,
 )
 from lab.model import signed
+from tests.support import labtree
+from tests.support.canned_model import write_evidence as write_model_evidence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NODE = labtree.ONE_NODE
 
 

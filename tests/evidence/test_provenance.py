@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import _pytest.main
-import labtree
 import pytest
 
 from lab.evidence import provenance
+from tests.support import labtree
 
 
 def test_installed_plugin_inside_the_tree_is_named_by_its_distribution() -> None:

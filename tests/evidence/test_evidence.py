@@ -14,15 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
-from conftest import KeyFiles, resign
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from lab import cli, errors, files, recorder
 from lab.evidence import compiler, dsse, gate, report, trust, verification
+from tests.support import labtree
+from tests.support.keys import KeyFiles, resign
 
 DATABASE = {"provider": "dsn", "server_version": "15.8", "details": {"host": "127.0.0.1"}}
 
@@ -470,7 +470,7 @@ def test_real_manifest_matches_the_experiment_tree() -> None:
     """The repository's manifest declares exactly the experiments its chapters define."""
     import ast
 
-    root = Path(__file__).resolve().parents[1] / "experiments"
+    root = Path(__file__).resolve().parents[2] / "experiments"
     declared = {(e.chapter, e.name) for e in compiler.load_manifest(root / "manifest.json")}
     defined: set[tuple[str, str]] = set()
     for module in root.glob("*/test_*.py"):
@@ -915,7 +915,7 @@ def test_schema_ships_with_the_package() -> None:
     """The schema is package data: listed in pyproject and beside the module."""
     import tomllib
 
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert report.SCHEMA_FILE in pyproject["tool"]["setuptools"]["package-data"]["lab.evidence"]
     assert report.schema()["$id"].endswith("report.schema.json")
 

@@ -24,13 +24,13 @@ from typing import Any
 
 import jsonschema
 import pytest
-import tiny_gguf
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from lab import cli
 from lab.model import candidates, cases, engine, generation, grammar, signed
 from lab.runtime import plan
+from tests.support import tiny_gguf
 
 THREADS = 1  # the tiny models are fastest on one thread; recorded like any setting
 PROPOSAL = '{"version":1,"action":"issue_credit","account":"%s","amount_minor":%s,"currency":"CNY"}'

@@ -10,7 +10,7 @@ import pytest
 from lab import pytest_plugin
 from lab.evidence import observations
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 pytest_plugins = ["pytester"]
 

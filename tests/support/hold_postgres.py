@@ -2,7 +2,7 @@
 
 A test helper run as its own process, so that testcontainers (whose settings are read once per
 process) and its Ryuk session start fresh, and so that a test can SIGKILL the owner of a
-server. Usage: ``python tests/hold_postgres.py MODE``. Prints one JSON line on stdout, then
+server. Usage: ``python tests/support/hold_postgres.py MODE``. Prints one JSON line on stdout, then
 waits; on end of input it stops the server and exits 0. A provisioning error prints
 ``{"error": ...}`` and exits 3.
 """

@@ -20,7 +20,7 @@ from test_book import small  # noqa: F401 - the fixture: a genuine small PASS ru
 from lab import cli
 from lab.book import builder, pages
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BOOK = REPO / "book"
 NAMES_WITH_DIGITS = ("Ed25519", "sha256sum", "sha256", "SHA-256")
 _IDENTIFIER = re.compile(r"\b(?:ch\d\d|test)_\w*")

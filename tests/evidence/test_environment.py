@@ -20,7 +20,7 @@ import pytest
 from lab import errors
 from lab.evidence import environment
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 LOCK = """\
 version = 1

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import workstore
 
 from lab import protocol
 from lab.runtime import processes, store, tool
+from tests.support import workstore
 
 PROPOSER, APPROVER = workstore.PROPOSER, workstore.APPROVER
 ENDPOINT = "http://127.0.0.1:1"

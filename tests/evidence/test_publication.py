@@ -22,9 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import labtree
 import pytest
-from conftest import KeyFiles
 from rich.console import Console
 
 from lab import cli, errors, reproduce
@@ -40,6 +38,8 @@ from lab.evidence import (
     verification,
     wheels,
 )
+from tests.support import labtree
+from tests.support.keys import KeyFiles
 
 NODE = "experiments/ch01_x/test_a.py::test_a"
 FAILED_NODE = "experiments/ch01_x/test_a.py::test_b"
@@ -258,7 +258,7 @@ def _wheel(directory: Path, name: str, files: dict[str, bytes]) -> Path:
 
 
 def _uv() -> str:
-    done = subprocess.run([str(Path(__file__).resolve().parents[1] / "scripts" / "ensure-uv")],
+    done = subprocess.run([str(Path(__file__).resolve().parents[2] / "scripts" / "ensure-uv")],
                           capture_output=True, text=True, check=True, timeout=600)
     return done.stdout.strip().splitlines()[-1]
 

@@ -14,10 +14,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import workstore
 
 from lab import protocol
 from lab.runtime import store, tool, toolclient, worker
+from tests.support import workstore
 
 PROPOSER, APPROVER = workstore.PROPOSER, workstore.APPROVER
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import labtree
 import pytest
 from test_book import SIGKILL, SIGKILL_SOURCE, _inner, _only
 
 from lab.book import browser, builder, pages
+from tests.support import labtree
 
 MATRIX_SLICE = '''
 import os

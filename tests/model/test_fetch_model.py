@@ -17,7 +17,7 @@ import pytest
 
 from lab.model import engine
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch-model"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch-model"
 CONTENT = b"GGUF pretend weights " * 1000
 DIGEST = hashlib.sha256(CONTENT).hexdigest()
 
