@@ -246,8 +246,17 @@ def check_signer(
             problems.append("signing: the report's public_key is not the key that signed it")
         break
     else:
-        if not _carried_key_signed(result, envelope, payload, embedded, signing, len(pins)):
+        if embedded is None:
+            problems.append("signature: no pinned key signed it and the evidence carries none")
             return result
+        result.keyid = dsse.keyid(embedded)
+        result.key = embedded
+        try:
+            dsse.check_signature(envelope, payload, embedded)
+        except EvidenceError as exc:
+            problems.append(str(exc))
+            return result
+        _judge_carried_key(result, signing, len(pins))
     cut = trust.revoked(trusted, result.key) if result.key is not None else None
     if cut is not None:
         # Revoked at the tip of the default branch: refused for evidence of any age,
@@ -275,29 +284,8 @@ def _embedded_key(signing: Mapping[str, Any]) -> ed25519.Ed25519PublicKey | None
         return None
 
 
-def _carried_key_signed(
-    result: SignerCheck,
-    envelope: Mapping[str, Any],
-    payload: bytes,
-    embedded: ed25519.Ed25519PublicKey | None,
-    signing: Mapping[str, Any],
-    pins: int,
-) -> bool:
-    """No pin signed: check the key the evidence carries (UNPINNED), into ``result``.
-
-    False when there is no carried key or its signature fails: nothing more to judge.
-    """
-    if embedded is None:
-        result.problems.append(
-            "signature: no pinned key signed it and the evidence carries none")
-        return False
-    result.keyid = dsse.keyid(embedded)
-    result.key = embedded
-    try:
-        dsse.check_signature(envelope, payload, embedded)
-    except EvidenceError as exc:
-        result.problems.append(str(exc))
-        return False
+def _judge_carried_key(result: SignerCheck, signing: Mapping[str, Any], pins: int) -> None:
+    """No pin signed, the carried key did (UNPINNED): what that means, into ``result``."""
     source = signing.get("key_source")
     if source != "ephemeral":
         result.problems.append(
@@ -311,7 +299,6 @@ def _carried_key_signed(
         "UNPINNED: verified with the key the evidence carries; this proves integrity, "
         "not identity (pin the signer with --public-key or a committed trusted key)"
     )
-    return True
 
 
 def _revoked_line(keyid: str, revocation: trust.TrustedKey) -> str:
