@@ -1,11 +1,12 @@
 """What the lab found, per system and failure window, judged safe or unsafe by one stated rule.
 
-The landing page and the side-by-side page show the same findings: for the lab, DBOS and
-LangGraph and each failure window, the outcome in words and numbers ("2 credits", "waits
-for a person: the effect may have happened") and a mark that ``judge`` applies to the
-verified observations by ``RULE``. Nothing here is typed about a run: the numbers, states
-and reasons come from the report; what is declared is the rule, the windows' names in
-words and, per system, why a window cannot apply to it (``DOES_NOT_APPLY``).
+The landing page and the side-by-side page show the same findings: for the lab and each
+peer (DBOS, LangGraph, Temporal) and each failure window, the outcome in words and
+numbers ("2 credits", "waits for a person: the effect may have happened") and a mark
+that ``judge`` applies to the verified observations by ``RULE``. Nothing here is typed
+about a run: the numbers, states and reasons come from the report; what is declared is
+the rule, the windows' names in words and, per system, why a window cannot apply to it
+(``DOES_NOT_APPLY``).
 
 Where the entries come from: a peer chapter's observation names its ``peer_window`` and
 ``system`` (``ch13_peer_dbos``, ``ch14_peer_langgraph``); the lab's own experiments for a

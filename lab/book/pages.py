@@ -13,7 +13,7 @@ through a directive, ``{{ name args }}``, expanded from the verified report:
     {{ details CH }}                 per experiment: claim, every observation, its figures
     {{ figure CH/EXP[param] }}       one experiment's sequence figure(s)
     {{ crashpoints }}                the crash-point matrix, compact cells, details a click away
-    {{ sidebyside }}                 the lab, DBOS and LangGraph per failure window
+    {{ sidebyside }}                 the lab and each peer per failure window
     {{ model }}                      the signed model evidence's results
     {{ limits }}                     the run's stated limits
     {{ reproduction }}               a verified reproduction of this run, when there is one
@@ -466,8 +466,8 @@ def _chapter_list(evidence: Evidence) -> list[str]:
 _PRODUCED_BY = {
     CRASHPOINTS: "the crash-point matrix: chapter 12 "
                  "(`test_every_crash_point_keeps_every_invariant`) signs it with the run",
-    SIDE_BY_SIDE: "the side by side of the lab, DBOS and LangGraph: the peer chapters "
-                  "`ch13_peer_dbos` and `ch14_peer_langgraph` in the run",
+    SIDE_BY_SIDE: "the side by side of the lab and its peers: the peer chapters "
+                  "`ch13_peer_dbos`, `ch14_peer_langgraph` and `ch16_peer_temporal` in the run",
     MODEL: "the model experiment: `lab model run` writes signed evidence into "
            "`evidence/model/`",
 }
