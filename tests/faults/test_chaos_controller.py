@@ -12,6 +12,17 @@ from lab.faults import chaos, chaos_population
 from lab.pg import edge
 
 
+def _exits_2_with_one_line(args: list[str], message: str) -> None:
+    """``lab chaos`` with ``args`` is a usage error: exit 2, one line on stderr, naming
+    ``message``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "chaos", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -23,12 +34,7 @@ from lab.pg import edge
     ],
 )
 def test_bad_fault_settings_exit_2_with_one_line(args: list[str], message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "lab.cli", "chaos", *args],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    _exits_2_with_one_line(args, message)
 
 
 def test_restarts_need_a_server_the_run_can_restart(lab_dsn: str) -> None:
@@ -73,12 +79,7 @@ def test_a_failed_cleanup_is_reported_after_the_verdict(
     ],
 )
 def test_bad_disk_and_clock_settings_exit_2_with_one_line(args: list[str], message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "lab.cli", "chaos", *args],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    _exits_2_with_one_line(args, message)
 
 
 def test_disk_and_clock_faults_need_a_server_this_run_started(lab_dsn: str) -> None:
