@@ -41,15 +41,8 @@ from lab.evidence import (
 from tests.support import labtree
 from tests.support.keys import KeyFiles
 
-NODE = "experiments/ch01_x/test_a.py::test_a"
+NODE = labtree.ONE_NODE
 FAILED_NODE = "experiments/ch01_x/test_a.py::test_b"
-
-
-def _records(nodeid: str, call: str = "passed") -> list[dict[str, Any]]:
-    return [{"$report_type": "TestReport", "nodeid": nodeid, "when": when,
-             "outcome": call if when == "call" else "passed", "duration": 0.01,
-             "longrepr": None, "user_properties": [["lab_claim", "A claim."]]}
-            for when in ("setup", "call", "teardown")]
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -72,19 +65,8 @@ def _tree(tmp_path: Path) -> Path:
 
 
 def _facts(**overrides: Any) -> compiler.RunFacts:
-    values: dict[str, Any] = {
-        "records": _records(NODE),
-        "collected": [NODE],
-        "experiments_prefix": "experiments/",
-        "expected": [compiler.Expected("ch01_x", "test_a")],
-        "database": {"provider": "embedded", "server_version": "15.8",
-                     "details": {"method": "initdb"}},
-        "command": ["pytest", "experiments"],
-        "exitstatus": 0,
-        "git": None,
-    }
-    values.update(overrides)
-    return compiler.RunFacts(**labtree.seed_facts(values))
+    """The facts of a run in which ``NODE`` passed, with ``overrides``."""
+    return compiler.RunFacts(**labtree.one_experiment_facts(**overrides))
 
 
 def _head(root: Path) -> tuple[str, str]:
@@ -499,8 +481,8 @@ def _signed_with_a_failure(tmp_path: Path) -> tuple[Path, dict[str, Any], list[s
     root = _tree(tmp_path)
     signer = dsse.load_signer({})
     directory = tmp_path / "ev"
-    facts = _facts(records=[*_records(NODE), *_records(FAILED_NODE, "failed")],
-                   collected=[NODE, FAILED_NODE])
+    records = [*labtree.phase_records(NODE), *labtree.phase_records(FAILED_NODE, ["failed"])]
+    facts = _facts(records=records, collected=[NODE, FAILED_NODE])
     report = compiler.write(directory, facts, root=root, signer=signer)
     assert report["status"] == gate.FAIL
     lines = (directory / compiler.TESTS_FILE).read_text().splitlines()
