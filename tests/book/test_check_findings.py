@@ -6,8 +6,6 @@ a page drawn by the book's own code from a small report, then altered.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,18 +14,15 @@ from types import ModuleType
 from typing import Any
 
 from lab.book import findings
+from tests.support import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check-findings"
 
 
 def _script() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("check_findings", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("check_findings", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    """scripts/check-findings, imported as a module."""
+    return scripts.load(SCRIPT)
 
 
 def _report() -> dict[str, Any]:

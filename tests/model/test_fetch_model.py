@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
-import importlib.util
 import io
 import os
 import subprocess
@@ -16,6 +14,7 @@ from typing import BinaryIO
 import pytest
 
 from lab.model import engine
+from tests.support import scripts
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch-model"
 CONTENT = b"GGUF pretend weights " * 1000
@@ -25,12 +24,7 @@ DIGEST = hashlib.sha256(CONTENT).hexdigest()
 @pytest.fixture(scope="module")
 def fetch_model() -> ModuleType:
     """The script imported as a module (it has no .py suffix)."""
-    loader = importlib.machinery.SourceFileLoader("fetch_model", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("fetch_model", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT)
 
 
 class Opener:
