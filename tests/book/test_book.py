@@ -22,7 +22,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -416,6 +416,27 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], out: Path) -> 
     return lines[0]
 
 
+class Refuse(Protocol):
+    """The ``refuse`` fixture: build the book of ``evidence`` from the tree ``cwd``, into
+    ``tmp_path / "book"``, and return the one line of its refusal (``_refused``)."""
+
+    def __call__(self, cwd: Path, evidence: Path, public_key: Path | None = None) -> str: ...
+
+
+@pytest.fixture
+def refuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Refuse:
+    """``lab book build`` run from a tree and refused: see ``Refuse``."""
+
+    def build(cwd: Path, evidence: Path, public_key: Path | None = None) -> str:
+        monkeypatch.chdir(cwd)
+        out = tmp_path / "book"
+        return _refused(capsys, _build_args(evidence, out, public_key), out)
+
+    return build
+
+
 @pytest.mark.parametrize(
     ("directory", "reason"),
     [
@@ -424,18 +445,11 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], out: Path) -> 
     ],
 )
 def test_refuses_evidence_that_did_not_pass(
-    tree: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    directory: str,
-    reason: str,
+    tree: Path, refuse: Refuse, directory: str, reason: str
 ) -> None:
     """Validly signed evidence of a failed or narrowed run is not published, and the
     refusal lists every reason the verifier found, not the first and a count."""
-    monkeypatch.chdir(tree)
-    out = tmp_path / "book"
-    line = _refused(capsys, _build_args(Path(directory), out), out)
+    line = refuse(tree, Path(directory))
     assert reason in line
     problems = verification.verify(tree / directory, check_sources=True, root=tree).problems
     assert "more)" not in line
@@ -493,12 +507,7 @@ def _flip_signature(envelope: bytes) -> bytes:
     ],
 )
 def test_refuses_tampered_evidence(
-    tree: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    tamper: Any,
-    reason: str,
+    tree: Path, tmp_path: Path, refuse: Refuse, tamper: Any, reason: str
 ) -> None:
     """One byte of the envelope changed: the signature no longer verifies."""
     copy = tmp_path / "evidence"
@@ -507,42 +516,28 @@ def test_refuses_tampered_evidence(
     original = envelope.read_bytes()
     envelope.write_bytes(tamper(original))
     assert sum(a != b for a, b in zip(original, envelope.read_bytes(), strict=True)) == 1
-    monkeypatch.chdir(tree)
-    out = tmp_path / "book"
-    line = _refused(capsys, _build_args(copy, out), out)
+    line = refuse(tree, copy)
     assert reason in line
 
 
 def test_refuses_a_different_signer(
-    tree: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    make_key: Callable[[str], KeyFiles],
+    tree: Path, refuse: Refuse, make_key: Callable[[str], KeyFiles]
 ) -> None:
     """Pinned to another key, genuine evidence is refused: it is not that signer's."""
     other = make_key("other").public_pem
-    monkeypatch.chdir(tree)
-    out = tmp_path / "book"
-    line = _refused(capsys, _build_args(Path("evidence"), out, other), out)
+    line = refuse(tree, Path("evidence"), other)
     assert "not by the expected key" in line
 
 
 def test_refuses_a_public_key_file_of_another_signer(
-    tree: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    make_key: Callable[[str], KeyFiles],
+    tree: Path, tmp_path: Path, refuse: Refuse, make_key: Callable[[str], KeyFiles]
 ) -> None:
     """runtime.pub.pem is published beside the evidence: it must be the signer's key
     (it is only checked, never trusted: verify does not read it)."""
     copy = tmp_path / "evidence"
     shutil.copytree(tree / "evidence", copy)
     (copy / compiler.PUBLIC_KEY_FILE).write_bytes(make_key("other").public_pem.read_bytes())
-    monkeypatch.chdir(tree)
-    out = tmp_path / "book"
-    line = _refused(capsys, _build_args(copy, out), out)
+    line = refuse(tree, copy)
     assert "runtime.pub.pem is not the key that signed the evidence" in line
 
 
@@ -562,12 +557,7 @@ def test_refuses_a_public_key_file_of_another_signer(
     ],
 )
 def test_refuses_stale_evidence(
-    tree: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    change: str,
-    reason: str,
+    tree: Path, tmp_path: Path, refuse: Refuse, change: str, reason: str
 ) -> None:
     """A source file changed (or added) after the run: the evidence no longer describes it."""
     copy = tmp_path / "tree"
@@ -581,9 +571,7 @@ def test_refuses_stale_evidence(
         # Added means added to the tree: the sources are the files git tracks (the tree
         # id), and an untracked file is part of no commit the evidence could describe.
         labtree.git(copy, "add", "experiments/ch01_pure/test_new.py")
-    monkeypatch.chdir(copy)
-    out = tmp_path / "book"
-    line = _refused(capsys, _build_args(Path("evidence"), out), out)
+    line = refuse(copy, Path("evidence"))
     assert reason in line
 
 
@@ -1147,19 +1135,12 @@ def test_dirty_evidence_is_refused(
     ],
 )
 def test_malformed_signed_reports_are_refused_in_one_line(
-    small: tuple[Path, Path],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    change: Callable[[dict[str, Any]], None],
-    field: str,
+    small: tuple[Path, Path], refuse: Refuse, change: Callable[[dict[str, Any]], None], field: str
 ) -> None:
     """Validly signed, wrong shape: refused naming the field, no traceback."""
     root, directory = small
     resign(directory, change)
-    monkeypatch.chdir(root)
-    out = tmp_path / "book"
-    line = _refused(capsys, _build_args(directory, out), out)
+    line = refuse(root, directory)
     assert f"report: not a valid report: {field}" in line
 
 
