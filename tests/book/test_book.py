@@ -807,15 +807,6 @@ def test_cli_rejects_an_unreadable_public_key(
 SMALL_NODE = "experiments/ch01_x/test_a.py::test_a"
 
 
-def _git(root: Path, *args: str) -> None:
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
-    }
-    subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
-
-
 def _small_records(nodeid: str) -> list[dict[str, Any]]:
     props: list[Any] = [
         ["lab_claim", "A claim."],
@@ -849,9 +840,9 @@ def small(tmp_path: Path) -> tuple[Path, Path]:
                                    "database": None}])
     (root / "lab" / "__init__.py").write_text("")
     (root / "pyproject.toml").write_text("[project]\n")
-    _git(root, "init", "-q")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "tree")
+    labtree.git(root, "init", "-q")
+    labtree.git(root, "add", "-A")
+    labtree.git(root, "commit", "-q", "-m", "tree")
     facts = compiler.RunFacts(**labtree.seed_facts({
         "records": _small_records(SMALL_NODE),
         "collected": [SMALL_NODE],

@@ -59,15 +59,6 @@ NODE_A = "experiments/ch01_x/test_a.py::test_a"
 NODE_B = "experiments/ch01_x/test_a.py::test_b"
 
 
-def _git(root: Path, *args: str) -> None:
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
-    }
-    subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
-
-
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     """A tiny committed source tree for the report's digests: a clean git work tree."""
@@ -81,9 +72,9 @@ def repo(tmp_path: Path) -> Path:
                 for n in ("test_a", "test_b")]
     labtree.write_manifest(root, declared)
     (root / "pyproject.toml").write_text("[project]\n")
-    _git(root, "init", "-q")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "tree")
+    labtree.git(root, "init", "-q")
+    labtree.git(root, "add", "-A")
+    labtree.git(root, "commit", "-q", "-m", "tree")
     return root
 
 
@@ -234,7 +225,7 @@ def test_changed_source_fails_only_with_check_sources(signed: Path, repo: Path) 
     (repo / "lab" / "core.py").write_text("VALUE = 2\n")
     (repo / "lab" / "new.py").write_text("")
     # The sources are the files git tracks (the tree id): a new file is added to the index.
-    _git(repo, "add", "lab/new.py")
+    labtree.git(repo, "add", "lab/new.py")
     assert verification.verify(signed, root=repo).ok
     problems = verification.verify(signed, check_sources=True, root=repo).problems
     assert "source lab/core.py: differs from the signed digest" in problems
@@ -827,7 +818,7 @@ def test_closed_stdout_is_not_a_traceback(signed: Path, repo: Path) -> None:
     for n in range(800):  # each an uncovered source: one line of output
         (repo / "lab" / f"extra_module_number_{n:05d}_with_a_long_name.py").write_text("")
     # Tracked, so each is a source of the tree the evidence does not cover.
-    _git(repo, "add", "lab")
+    labtree.git(repo, "add", "lab")
     script = (
         f"{sys.executable} -P -m lab.cli evidence verify {signed} --check-sources | head -1; "
         "exit ${PIPESTATUS[0]}"
