@@ -50,12 +50,16 @@ def _tree(root: Path) -> None:
     (root / "pytest.ini").write_text("[pytest]\n")
 
 
-def test_run_streams_pytest_then_summarises_the_signed_report(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run without PostgreSQL completes, shows every experiment and fails the gate."""
+@pytest.fixture
+def in_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``tmp_path`` holding a one-experiment tree (``_tree``), as the working directory."""
     _tree(tmp_path)
     monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_run_streams_pytest_then_summarises_the_signed_report(in_tree: Path) -> None:
+    """A run without PostgreSQL completes, shows every experiment and fails the gate."""
     console, sink = _console()
     args = _args("--", "--lab-postgres=none", "-p", "no:hypothesispytest", "-p", "no:anyio")
     code = runner.run_main(args, console)
@@ -67,17 +71,13 @@ def test_run_streams_pytest_then_summarises_the_signed_report(
     assert "PostgreSQL: none reached" in out
     assert "EPHEMERAL key" in out
     assert f"Evidence: evidence/{compiler.ENVELOPE_FILE}" in out
-    assert (tmp_path / "evidence" / compiler.REPORT_FILE).is_file()
+    assert (in_tree / "evidence" / compiler.REPORT_FILE).is_file()
 
     assert cli.main(["evidence", "show", "evidence"]) == 1
 
 
-def test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop(in_tree: Path) -> None:
     """--chapter narrows the run, and the runner says so before it starts."""
-    _tree(tmp_path)
-    monkeypatch.chdir(tmp_path)
     console, sink = _console()
     with pytest.raises(errors.UsageError, match="no such experiments directory: ch99_none"):
         runner.run_main(_args("--chapter", "ch99_none"), console)
@@ -88,13 +88,9 @@ def test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop(
     assert "narrowed: path experiments/ch01_x" in sink.getvalue()
 
 
-def test_a_run_that_writes_no_evidence_leaves_none_from_an_earlier_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_run_that_writes_no_evidence_leaves_none_from_an_earlier_run(in_tree: Path) -> None:
     """Stale evidence cannot outlive a run that failed on a usage error."""
-    _tree(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    stale = tmp_path / "evidence"
+    stale = in_tree / "evidence"
     stale.mkdir()
     for name in compiler.RUN_FILES:
         (stale / name).write_text("from an earlier run\n")
