@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -36,15 +37,25 @@ def _insert(dsn: str, value: int) -> None:
         conn.execute("INSERT INTO t VALUES (%s)", (value,))
 
 
-def test_a_synchronous_commit_waits_for_the_standby_and_survives_failover(
-    hosts: network.Hosts,
-) -> None:
-    faults = netfaults.Faults(hosts)
-    with replication.Replicated(hosts, "db1", "db2", mode="sync") as pair:
+@contextmanager
+def _pair_with_one_row(
+    hosts: network.Hosts, mode: str
+) -> Iterator[tuple[replication.Replicated, str]]:
+    """``(pair, local)``: db1 and db2 replicated in ``mode``, table ``t`` created and its
+    first row (1) inserted through ``local``, the pair's local DSN."""
+    with replication.Replicated(hosts, "db1", "db2", mode=mode) as pair:
         local = pair.local_dsn()
         with psycopg.connect(local, autocommit=True) as conn:
             conn.execute("CREATE TABLE t (x int)")
         _insert(local, 1)
+        yield pair, local
+
+
+def test_a_synchronous_commit_waits_for_the_standby_and_survives_failover(
+    hosts: network.Hosts,
+) -> None:
+    faults = netfaults.Faults(hosts)
+    with _pair_with_one_row(hosts, "sync") as (pair, local):
         faults.partition("db1", "db2")
         done = threading.Event()
         waiter = threading.Thread(target=lambda: (_insert(local, 2), done.set()), daemon=True)
@@ -74,11 +85,7 @@ def test_an_asynchronous_failover_loses_what_the_cut_off_standby_never_got(
     hosts: network.Hosts,
 ) -> None:
     faults = netfaults.Faults(hosts)
-    with replication.Replicated(hosts, "db1", "db2", mode="async") as pair:
-        local = pair.local_dsn()
-        with psycopg.connect(local, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (x int)")
-        _insert(local, 1)
+    with _pair_with_one_row(hosts, "async") as (pair, local):
         pair.wait_until("the standby to replay the first row",
                    lambda: pair.replay_lag_bytes() == 0, within=30)
         faults.partition("db1", "db2")
