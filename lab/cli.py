@@ -188,6 +188,9 @@ def _add_worker(commands: Commands[parsing.Parser]) -> None:
     worker.add_argument("--max-items", type=int, default=0, help="stop after N items (0: none)")
     worker.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat seconds")
     worker.add_argument("--backoff", type=float, default=0.1, help="429 backoff seconds")
+    worker.add_argument("--tool-timeout", type=float, default=protocol.TOOL_TIMEOUT_S,
+                        help="seconds to wait for the tool's reply before its outcome is "
+                             "unknown")
     worker.add_argument(
         "--fused", action="store_true",
         help="with --loop: complete each item in the next claim's transaction, and commit "

@@ -31,8 +31,15 @@ OBSERVATION = "BOOK_OBSERVATION"  # an experiment's observation, printed by the 
 REQUEST = "BOOK_REQUEST"  # BOOK_REQUEST call|lookup: the tool process received one request
 FAILED = "BOOK_FAILED"  # BOOK_FAILED <error type>: a peer's program failed (peer chapters)
 ARMED = "BOOK_ARMED"  # BOOK_ARMED <fault>: the tool process armed a fault asked for on stdin
+# BOOK_FENCED <effect key>: the tool process refused a request whose start a fenced lookup
+# had closed (it never applies).
+FENCED = "BOOK_FENCED"
 # What a worker started with ``--armed-by-stdin`` says once a stdin line armed its switches.
 ARMED_SWITCHES = "switches"
+
+# How long a worker's tool client waits for a reply before the outcome is unknown (``lab
+# worker --tool-timeout``): the client's timeout every late-write path is measured against.
+TOOL_TIMEOUT_S = 5.0
 
 # -- environment of child processes ---------------------------------------------------
 

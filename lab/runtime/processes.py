@@ -79,7 +79,10 @@ class WorkerOptions:
     quiet: bool = False
     concurrency: int = 1
     armed_by_stdin: bool = False
+    tool_timeout: float = protocol.TOOL_TIMEOUT_S
 
+
+MAX_TOOL_TIMEOUT_S = 300.0
 
 # One line at a time on stdout, from every slot and heartbeat thread (and nothing after a
 # self-kill decision: the hook holds it while it kills).
@@ -94,6 +97,8 @@ def _say(line: str) -> None:
 
 def _usage(options: WorkerOptions) -> str | None:
     """Why these flags cannot run together, or None."""
+    if not 0 < options.tool_timeout <= MAX_TOOL_TIMEOUT_S:
+        return f"--tool-timeout must be above 0 and at most {MAX_TOOL_TIMEOUT_S:g} seconds"
     if not 1 <= options.batch <= protocol.MAX_BATCH:
         return f"--batch must be between 1 and {protocol.MAX_BATCH}"
     if options.batch > 1 and not (options.fused and options.loop):
@@ -178,7 +183,7 @@ def worker_main(options: WorkerOptions) -> int:
     try:
         with _open_store(dsn, options.schema, options.name,
                          connections=_connections(options.concurrency)) as db, \
-                toolclient.ToolClient(options.tool, token) as client:
+                toolclient.ToolClient(options.tool, token, timeout=options.tool_timeout) as client:
             runners = _runners(options, db, client, hook)
             if options.start_gate:
                 _say(protocol.READY)

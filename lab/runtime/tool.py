@@ -90,6 +90,9 @@ class ToolService(FaultSwitches):
         # Called with (boundary, effect key) at the named boundaries inside request
         # handling (``protocol.TOOL_STAGES``), in the handler's thread: it may hold it.
         self.on_stage: Callable[[str, str], None] | None = None
+        #: Called with the effect key when a write is refused because a fenced lookup
+        #: closed its start (a late request that never applies).
+        self.on_fenced: Callable[[str], None] | None = None
         self._pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
             loopback.check_dsn(dsn),
             # One connection for the ledger's writer, the others for lookups.
@@ -201,6 +204,8 @@ class ToolService(FaultSwitches):
         if isinstance(outcome, ledger.Fenced):
             with self._lock:
                 self._fenced += 1
+            if self.on_fenced is not None:
+                self.on_fenced(body["effect_key"])
             return HTTPStatus.CONFLICT, outcome
         if outcome is None:
             return HTTPStatus.CONFLICT, None

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from lab import errors, loopback
+from lab import errors, loopback, protocol
 from lab.runtime import barrier as barriers
 from lab.runtime.plan import Receipt
 from lab.runtime.toolwire import EFFECTS_PATH, FENCE_HEADER, START_HEADER
@@ -73,7 +73,7 @@ class ToolClient:
     call into an unknown outcome. ``timeout`` bounds each request, and a batch as a whole.
     """
 
-    def __init__(self, endpoint: str, token: str, *, timeout: float = 5.0):
+    def __init__(self, endpoint: str, token: str, *, timeout: float = protocol.TOOL_TIMEOUT_S):
         self.base = loopback.check_endpoint(endpoint)
         if not token:
             raise errors.ToolError("tool token must not be empty")

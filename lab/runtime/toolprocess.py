@@ -1,16 +1,19 @@
 """The credit tool as its own OS process, so a fault can kill it and a restart can follow.
 
-``python -m lab.runtime.toolprocess --schema S [--port P] [--non-idempotent] [--pause B]
-[--die-at B]``
+``python -m lab.runtime.toolprocess --schema S [--port P] [--non-idempotent]
+[--fenced-lookup] [--pause B] [--die-at B]``
 serves ``tool.ToolService`` on loopback with the DSN and the token from the
 environment (``protocol.DSN_ENV``, ``protocol.TOKEN_ENV``). On stdout it says
 ``BOOK_READY <port>`` once serving, ``BOOK_REQUEST call|lookup`` for every
 authenticated request and ``BOOK_STAGE <boundary> <effect key> 0`` at the
-boundaries inside its request handling (``protocol.TOOL_STAGES``).
+boundaries inside its request handling (``protocol.TOOL_STAGES``), and
+``BOOK_FENCED <effect key>`` for each write it refused because a fenced lookup had
+closed its start.
 
 Fault switches, each for the first time the boundary is reached:
 
-- ``--pause B`` holds the request at ``B`` until an empty line arrives on stdin;
+- ``--pause B`` holds the request at ``B`` until an empty line arrives on stdin (with
+  ``--hold-count N``, the first N requests to reach it: a batch's, all at once);
 - ``--die-at B`` is the self-kill switch: the process SIGKILLs itself at ``B``,
   inside the request handling (before the effect commits, or after it and
   before the reply);
@@ -43,8 +46,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schema", required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--non-idempotent", action="store_true")
+    parser.add_argument("--fenced-lookup", action="store_true",
+                        help="a non-idempotent tool offers the fenced lookup too")
     parser.add_argument("--pause", choices=protocol.TOOL_STAGES, default=None)
     parser.add_argument("--die-at", choices=protocol.TOOL_STAGES, default=None)
+    parser.add_argument("--hold-count", type=int, default=1,
+                        help="--pause holds the first N requests to reach its boundary")
     args = parser.parse_args(argv)
     egress.install()
     dsn = os.environ.get(protocol.DSN_ENV, "")
@@ -55,7 +62,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     say = threading.Lock()
     released = threading.Event()
-    done: set[str] = set()
+    reached: dict[str, int] = {}
 
     def line(text: str) -> None:
         with say:
@@ -70,23 +77,26 @@ def serve_main(argv: list[str] | None = None) -> int:
                 released.set()
         released.set()  # stdin closed: never hold a request forever
 
-    service = tool.ToolService(dsn, args.schema, idempotent=not args.non_idempotent, token=token)
+    service = tool.ToolService(dsn, args.schema, idempotent=not args.non_idempotent, token=token,
+                               fenced_lookup=True if args.fenced_lookup else None)
 
     def on_stage(stage: str, effect_key: str) -> None:
         if stage == protocol.AFTER_REQUEST:
             line(f"{protocol.REQUEST} call")
         line(protocol.stage_line(stage, effect_key, 0))
-        first = stage not in done
-        done.add(stage)
-        if first and args.die_at == stage:
+        with say:
+            reached[stage] = reached.get(stage, 0) + 1
+            count = reached[stage]
+        if count == 1 and args.die_at == stage:
             os.kill(os.getpid(), signal.SIGKILL)
-        if first and args.pause == stage:
+        if count <= args.hold_count and args.pause == stage:
             released.wait()
 
     def on_lookup(effect_key: str) -> None:
         line(f"{protocol.REQUEST} lookup")
 
     service.on_stage = on_stage
+    service.on_fenced = lambda effect_key: line(f"{protocol.FENCED} {effect_key}")
     service.on_lookup = on_lookup
     threading.Thread(target=commands, name="tool-commands", daemon=True).start()
     try:
@@ -113,12 +123,15 @@ class ToolProcess:
         *,
         idempotent: bool,
         token: str,
+        fenced_lookup: bool = False,
         name: str = "tool",
         on_event: Callable[[str, str], None] | None = None,
     ):
         self.dsn = dsn
         self.schema = schema
         self.idempotent = idempotent
+        # A non-idempotent tool that offers the fenced lookup (an idempotent one always does).
+        self.fenced_lookup = fenced_lookup
         self.token = token
         redact.remember(token)  # kept out of this process's test reports
         self.name = name
@@ -142,6 +155,8 @@ class ToolProcess:
                 "--port", str(self.port)]
         if not self.idempotent:
             argv.append("--non-idempotent")
+        if self.fenced_lookup:
+            argv.append("--fenced-lookup")
         env = {**processes.child_env(self.dsn), protocol.TOKEN_ENV: self.token,
                "PYTHONUNBUFFERED": "1"}
         name = f"{self.name}-{len(self.incarnations) + 1}"
