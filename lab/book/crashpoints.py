@@ -50,11 +50,12 @@ def _compact(cell: Mapping[str, Any] | None) -> str:
 
 
 def render_markdown(matrix: Mapping[str, Any], *, signed_note: str) -> list[str]:
-    """The matrix as a page: boundary rows, fault by tool-kind columns, coloured marks,
-    compact cells whose full outcome is one click away. Every string from the matrix
-    goes through ``escape``; ``signed_note`` is the book's own Markdown."""
+    """The matrix as a page: one table per fault (boundary rows, a column per tool kind,
+    narrow enough for a phone), coloured marks, compact cells whose full outcome is one
+    click away, then the cells the fenced lookup moved from a person to automatic, with
+    their proof. Every string from the matrix goes through ``escape``; ``signed_note``
+    is the book's own Markdown."""
     cells = {(c["boundary"], c["fault"], c["kind"]): c for c in matrix["cells"]}
-    faults = [str(f["name"]) for f in matrix["faults"]]
     kinds = [str(k) for k in matrix["kinds"]]
     coverage = matrix.get("coverage", {})
     summary = matrix.get("summary", {})
@@ -75,19 +76,43 @@ def render_markdown(matrix: Mapping[str, Any], *, signed_note: str) -> list[str]
             + f"; violations {matrix.get('violation_count')}."),
         "",
     ]
-    header = ["Boundary"] + [f"{escape.md(f)} · {escape.md(k)}" for f in faults for k in kinds]
-    # The matrix is wider than a page: it scrolls inside its own box.
-    lines += ['<div class="scroll" tabindex="0" role="region" aria-label="Crash-point matrix">',
-              "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for b in matrix["boundaries"]:
-        name = str(b.get("name"))
-        row = [f"{escape.code(name)}<br>{escape.md(str(b.get('meaning', '')))}"]
-        row += [_compact(cells.get((name, f, k))) for f in faults for k in kinds]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "</div>", ""]
+    header = ["Boundary", *(escape.md(k) for k in kinds)]
+    for number, fault in enumerate(matrix["faults"], 1):
+        name = str(fault.get("name"))
+        # Not a heading: a heading's id would be made from the evidence's string.
+        lines += [f"**Fault {escape.code(name)}**: {escape.md(str(fault.get('meaning', '')))}",
+                  "",
+                  # A table a little wider than a phone scrolls inside its own box.
+                  f'<div class="scroll" tabindex="0" role="region" '
+                  f'aria-label="Crash points, fault {number}">', "",
+                  "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        for b in matrix["boundaries"]:
+            row = str(b.get("name"))
+            lines.append("| " + " | ".join(
+                [f"{escape.code(row)}<br>{escape.md(str(b.get('meaning', '')))}",
+                 *(_compact(cells.get((row, name, k))) for k in kinds)]) + " |")
+        lines += ["", "</div>", ""]
     for omitted in matrix.get("omitted_faults", []):
         lines.append(f"- Fault {escape.code(str(omitted.get('name')))} not in this matrix: "
                      f"{escape.md(str(omitted.get('why')))}")
+    return [*lines, "", *_moved(matrix)]
+
+
+def _moved(matrix: Mapping[str, Any]) -> list[str]:
+    """The cells the fenced lookup moved from a person to automatic, each with its proof."""
+    moved = crashmatrix.moved_to_automatic(matrix)
+    lines = ["### From a person to automatic", "",
+             escape.md(f"{len(moved)} cells wait for a person with a non-idempotent tool that "
+                       "cannot prove absence, and settle automatically with one that offers "
+                       "the fenced lookup: its \"absent\" closes the start, so the requeued "
+                       "attempt cannot double the effect. The proof is the reconciliation "
+                       "each committed."), ""]
+    for item in moved:
+        proof = "; ".join(str(p) for p in item["proof"]) or "none recorded"
+        lines.append(f"- {escape.code(str(item['boundary']))} · "
+                     f"{escape.code(str(item['fault']))}: "
+                     f"{escape.md(str(item['before']))} → {escape.md(str(item['after']))}; "
+                     f"proof: {escape.md(proof)}")
     return [*lines, ""]
 
 

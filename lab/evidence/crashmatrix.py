@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,13 @@ VIOLATION = "violation"  # the invariant checker found a violation
 NOT_REACHED = "not_reached"  # the run never got to the boundary: the cell proves nothing
 NOT_APPLICABLE = "not_applicable"
 STATUSES = (AUTOMATIC, PERSON, VIOLATION, NOT_REACHED, NOT_APPLICABLE)
+
+# The tool kinds whose columns differ only by the fenced lookup (issue 40): a cell waiting
+# for a person under the first and settled automatically under the second "moved".
+NON_IDEMPOTENT = "non_idempotent"  # no fenced lookup: a person decides its unknowns
+NON_IDEMPOTENT_FENCED = "non_idempotent_fenced"  # its "absent" is a proof
+# The event a reconciliation commits; its detail carries the lookup's proof.
+RECONCILED_EVENT = "reconciled"
 
 
 def outcome(cell: Mapping[str, Any]) -> str:
@@ -109,6 +117,9 @@ MATRIX_SCHEMA: dict[str, Any] = {
                 "waiting_for_person": {"type": "integer", "minimum": 0},
                 "violations": {"type": "array", "items": {"type": "object"}},
                 "events": {"type": "array"},
+                "late": {"type": "object", "properties": {
+                    "placement": {"type": "string"},
+                    "answers": {"type": "array", "items": {"type": "string"}}}},
                 "history": {"type": "array", "items": {
                     "type": "object",
                     "properties": {"workflow": {"type": "string"}, "kind": {"type": "string"},
@@ -127,6 +138,36 @@ def passed(matrix: Mapping[str, Any]) -> bool:
     return (summary[VIOLATION] == 0 and summary[NOT_REACHED] == 0
             and matrix["violation_count"] == 0
             and (not matrix.get("complete") or coverage["reached"] == coverage["defined"]))
+
+
+def moved_to_automatic(matrix: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The (row, fault) cells that wait for a person with a non-idempotent tool without a
+    fenced lookup and settle automatically with one, each with its proof: the detail of
+    every reconciliation the fenced cell committed (``lookup=absent closed_through=F``)."""
+    cells = {(c["boundary"], c["fault"], c["kind"]): c for c in matrix["cells"]}
+    moved = []
+    for (row, fault, kind), cell in cells.items():
+        fenced = cells.get((row, fault, NON_IDEMPOTENT_FENCED))
+        if kind != NON_IDEMPOTENT or fenced is None:
+            continue
+        if cell["status"] == PERSON and fenced["status"] == AUTOMATIC:
+            proofs = sorted({str(e.get("detail")) for e in fenced.get("history", [])
+                             if isinstance(e, dict) and e.get("kind") == RECONCILED_EVENT})
+            moved.append({"boundary": row, "fault": fault, "before": outcome(cell),
+                          "after": outcome(fenced), "proof": proofs})
+    return moved
+
+
+def late_answers(matrix: Mapping[str, Any]) -> dict[str, Counter[str]]:
+    """For each tool kind, how its late requests were answered (refused, applied), over
+    every cell that held one past the client's timeout."""
+    found: dict[str, Counter[str]] = {}
+    for cell in matrix["cells"]:
+        late = cell.get("late")
+        if isinstance(late, dict):
+            found.setdefault(str(cell["kind"]), Counter()).update(
+                str(a) for a in late.get("answers", []))
+    return found
 
 
 # --------------------------------------------------------------------------- the book

@@ -1,4 +1,4 @@
-"""``lab crashpoints``: every named boundary, every fault, both tool kinds, not a sample.
+"""``lab crashpoints``: every named boundary, every fault, every tool kind, not a sample.
 
 For each cell a fresh workflow on its own schema is driven to one boundary of
 ``lab.protocol.BOUNDARIES`` by a real ``lab worker`` OS process talking to the
@@ -19,10 +19,18 @@ and ``lab.faults.invariants`` judges the schema's whole history. Faults:
                     self-kill switch inside request handling, else by the
                     harness while the worker waits there), the worker carries
                     on against the dead endpoint, then the tool restarts
+    late_request    the effect request after the boundary is held past the
+                    worker's client timeout (in the worker-tool link, in the tool,
+                    or in the tool-database link: ``lab.faults.crashlate``), and
+                    delivered only once recovery settled the workflow
     postgres_restart  the postmaster is SIGKILLed while the process waits at the
                     boundary and restarted on the same data (``crash_restart`` of
                     a server this run started; left out, with the reason, for
                     any other); these cells run one at a time, after the others
+
+Tool kinds: idempotent; non-idempotent without a fenced lookup (a person decides its
+unknowns); non-idempotent with one (its "absent" is a proof, so recovery can requeue).
+Rows: every boundary, and a batch stopped with all its requests in the tool.
 
 How each cell is driven (its script) is ``lab.faults.crashscripts``'s.
 
@@ -45,13 +53,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lab import errors, protocol
 from lab.evidence import crashmatrix
-from lab.faults import invariants
+from lab.faults import crashlate, crashrecovery, invariants
 from lab.faults.crashscripts import (  # the scripts, also named here for callers
     AFTER_REPLY,
     APPROVAL_TTL,
@@ -61,9 +68,11 @@ from lab.faults.crashscripts import (  # the scripts, also named here for caller
     BACKOFF_S,
     BATCH,
     BATCH_FLAGS,
+    BATCH_ROWS,
     BATCH_SIZE,
     BEFORE_CALL,
     CELL_TIMEOUT_S,
+    DELIVER_LATE,
     DROP_NEXT_REPLY,
     FAULT_NAMES,
     FAULT_STEPS,
@@ -71,14 +80,18 @@ from lab.faults.crashscripts import (  # the scripts, also named here for caller
     FORMAT,
     FUSED_FLAGS,
     HEARTBEAT_S,
+    HOLD_DATABASE_LINK,
     IDEMPOTENT,
     IN_TOOL,
     KILL_TOOL,
     KILL_WORKER,
     KINDS,
+    LATE_ANSWERED,
+    LATE_TIMED_OUT,
     LEASE_S,
     NO_RESTART,
     NON_IDEMPOTENT,
+    NON_IDEMPOTENT_FENCED,
     NOT_APPLICABLE,
     NOT_REACHED,
     PERSON,
@@ -86,6 +99,7 @@ from lab.faults.crashscripts import (  # the scripts, also named here for caller
     PROPOSER,
     REACH,
     RECONCILING,
+    RECOVER,
     RELEASE_TOOL,
     RELEASE_WORKER,
     REPLY_LOST,
@@ -103,13 +117,14 @@ from lab.faults.crashscripts import (  # the scripts, also named here for caller
     WORKER_STAGE,
     NotApplicable,
     Script,
+    boundary_of,
     cell_id,
     cells,
     missing_cells,
     script,
 )
 from lab.pg import edge, providers
-from lab.runtime import plan, processes, sealing, store, toolclient, worker
+from lab.runtime import plan, processes, sealing, store
 from lab.runtime import toolprocess as toolprocesses
 
 __all__ = [  # the scripts' names too: callers read them here
@@ -203,15 +218,20 @@ def _run_cell(ctx: _Run, index: int, boundary: str, fault: str, kind: str) -> di
     db = store.Store.open(ctx.dsn, schema, create=True, keys=ctx.keys, max_connections=2,
                           application_name="lab-crashpoints")
     tools = toolprocesses.ToolProcess(ctx.dsn, schema, idempotent=idempotent,
-                                      token=secrets.token_urlsafe(18))
+                                      token=secrets.token_urlsafe(18),
+                                      fenced_lookup=kind == NON_IDEMPOTENT_FENCED)
     children: list[processes.WorkerProcess] = []
     began = time.monotonic()
+    rig: crashlate.LateRig | None = None
     try:
-        cell = _drive(ctx, db, tools, children, plan_of, idempotent, base["id"])
+        rig = crashlate.LateRig.start(plan_of.late, tools, ctx.dsn, plan_of.tool_flags)
+        cell = _drive(ctx, db, rig, children, plan_of, idempotent, base["id"])
         return {**base, **cell, "cell_s": round(time.monotonic() - began, 2)}
     finally:
         for child in children:
             child.cleanup()
+        if rig is not None:
+            rig.close()
         tools.close()
         db.close()
         if not ctx.keep_schemas:
@@ -221,23 +241,23 @@ def _run_cell(ctx: _Run, index: int, boundary: str, fault: str, kind: str) -> di
 def _drive(
     ctx: _Run,
     db: store.Store,
-    tools: toolprocesses.ToolProcess,
+    rig: crashlate.LateRig,
     children: list[processes.WorkerProcess],
     cell: Script,
     idempotent: bool,
     name: str,
 ) -> dict[str, Any]:
-    """One cell: approve its workflow, start its tool, run a worker through the cell's
-    script (a reconciler after a prelude that leaves the workflow unknown), recover as an
-    operator would, and judge the history."""
+    """One cell: approve its workflow, run a worker through the cell's script (a
+    reconciler after a prelude that leaves the workflow unknown) against its started tool,
+    recover as an operator would, and judge the history."""
     jobs = [_approved_workflow(ctx, db, idempotent, name if index == 0 else f"{name}#{index}")
             for index in range(cell.workflows)]
     job = jobs[0]
-    tools.start(*cell.tool_flags)
+    tools = rig.tools
 
     def spawn(label: str, *flags: str) -> processes.WorkerProcess:
         child = processes.spawn_worker(
-            ctx.dsn, db.schema, tools.endpoint, tools.token, label,
+            ctx.dsn, db.schema, rig.endpoint(), tools.token, label,
             "--lease", str(LEASE_S), "--heartbeat", str(HEARTBEAT_S),
             "--backoff", str(BACKOFF_S), *flags, keys=ctx.keys,
         )
@@ -254,26 +274,37 @@ def _drive(
             raise errors.CheckFailed(f"{name}: the prelude did not leave the workflow unknown")
     flags = (*cell.worker_flags, "--reconcile", job.id) if cell.reconciler else cell.worker_flags
     subject = spawn("reconciler" if cell.reconciler else "worker", *flags)
+    finals: list[store.Workflow] = []
+    actions: list[str] = []
+
+    def recover() -> None:
+        for each in jobs:
+            final, done = crashrecovery.recover(db, tools, each.id)
+            finals.append(final)
+            actions.extend(done)
+
     try:
-        fault_at, exits = _play(ctx, tools, subject, cell)
+        fault_at, exits = _play(ctx, rig, subject, cell, recover)
     except TimeoutError as exc:
         # Name the cell and show both sides: a stall is the tool's or the worker's.
         said = " | ".join(subject.all_lines()[-8:]) or "(nothing)"
         raise TimeoutError(f"{name}: {exc}; {subject.name} alive={subject.alive()} said: "
                            f"{said}; {subject.name} {subject.tail()}") from exc
     if subject.alive():
-        exits.append(_exit_code(subject))
+        exits.append(crashrecovery.exit_code(subject))
     recovered_from = fault_at if fault_at is not None else time.monotonic()
-    finals, actions = [], []
-    for each in jobs:
-        final, done = _recover(db, tools, each.id)
-        finals.append(final)
-        actions.extend(done)
+    if not finals:
+        recover()
     recovery_s = time.monotonic() - recovered_from
     reported = [line.split()[1] for child in children for line in child.all_lines()
-                if line.startswith(f"{protocol.STAGE} ")] + tools.stages()
-    return _judge(ctx, db, tools, name, reported, finals, {
+                if line.startswith(f"{protocol.STAGE} ")] + rig.answering.stages()
+    if rig.answering is not tools:
+        reported += tools.stages()
+    late = {} if cell.late is None else {"late": {"placement": cell.late,
+                                                  "answers": rig.answers()}}
+    return _judge(ctx, db, rig, name, reported, finals, {
         "recovery_s": round(recovery_s, 2), "recovery": actions, "process_exits": exits,
+        **late,
     })
 
 
@@ -293,23 +324,35 @@ def _approved_workflow(
 
 
 def _play(
-    ctx: _Run, tools: toolprocesses.ToolProcess, subject: processes.WorkerProcess,
-    cell: Script,
+    ctx: _Run, rig: crashlate.LateRig, subject: processes.WorkerProcess,
+    cell: Script, recover: Callable[[], None],
 ) -> tuple[float | None, list[int]]:
     """Run the cell's script against ``subject`` and the tool: when its first fault
-    happened (None: no fault step) and the exit codes of the processes it ended."""
+    happened (None: no fault step) and the exit codes of the processes it ended.
+    ``recover`` settles the cell's workflows (a late cell's script calls it mid-way)."""
     fault_at: float | None = None
     exits: list[int] = []
+    tools = rig.answering  # the tool process the worker's request reaches
     for step in cell.steps:
         verb = step[0]
         if verb == WORKER_STAGE:
             subject.wait_for(f"{protocol.STAGE} {step[1]} ", timeout=CELL_TIMEOUT_S)
         elif verb == TOOL_STAGE:
-            tools.current.wait_for(f"{protocol.STAGE} {step[1]} ", timeout=CELL_TIMEOUT_S)
+            # A batch's step waits for each of its requests to reach the boundary.
+            for _ in range(int(step[2]) if len(step) > 2 else 1):
+                tools.current.wait_for(f"{protocol.STAGE} {step[1]} ", timeout=CELL_TIMEOUT_S)
         elif verb == KILL_WORKER:
             exits.append(subject.kill())
-        elif verb in (WORKER_KILLED_ITSELF, WORKER_EXIT):
-            exits.append(_exit_code(subject))
+        elif verb in (WORKER_KILLED_ITSELF, WORKER_EXIT, LATE_TIMED_OUT):
+            exits.append(crashrecovery.exit_code(subject))
+        elif verb == HOLD_DATABASE_LINK:
+            rig.hold_database_link()
+        elif verb == RECOVER:
+            recover()
+        elif verb == DELIVER_LATE:
+            rig.deliver()
+        elif verb == LATE_ANSWERED:
+            rig.wait_answered(cell.workflows, CELL_TIMEOUT_S)
         elif verb == RELEASE_WORKER:
             subject.release()
         elif verb == ARM_WORKER:
@@ -324,7 +367,7 @@ def _play(
         elif verb == KILL_TOOL:
             tools.current.kill()
         elif verb == TOOL_DIED:
-            _exit_code(tools.current)
+            crashrecovery.exit_code(tools.current)
         elif verb == RESTART_TOOL:
             tools.start()
         elif verb == RESTART_POSTGRES:
@@ -338,17 +381,20 @@ def _play(
 
 
 def _judge(
-    ctx: _Run, db: store.Store, tools: toolprocesses.ToolProcess, name: str,
+    ctx: _Run, db: store.Store, rig: crashlate.LateRig, name: str,
     reported: list[str], finals: list[store.Workflow], recovery: dict[str, Any],
 ) -> dict[str, Any]:
     """The cell's result: its status from the invariants over its history and whether its
     boundary was reported, with what happened (``recovery``: time, actions, exits) and,
     over its workflows (several for a batch), their final states and how many wait for a
     person: the fault's blast radius."""
-    boundary = name.split("/")[0]
+    boundary = boundary_of(name.split("/")[0])
     history = invariants.load(ctx.dsn, db.schema, open_result=ctx.keys.open)
     found = invariants.check(history)
-    requests = tools.requests()
+    requests = rig.tools.requests()
+    if rig.answering is not rig.tools:
+        for kind, count in rig.answering.requests().items():
+            requests[kind] = requests.get(kind, 0) + count
     waiting = [f for f in finals if f.state == "unknown" and f.review_reason]
     needs_person = bool(waiting)
     states = Counter(f.state for f in finals)
@@ -382,68 +428,6 @@ def _judge(
     }
 
 
-def _exit_code(child: processes.WorkerProcess) -> int:
-    """Wait for ``child`` to exit by itself; its code (negative: the signal)."""
-    deadline = time.monotonic() + CELL_TIMEOUT_S
-    while child.alive():
-        if time.monotonic() > deadline:
-            raise errors.CheckFailed(f"{child.name} did not exit within {CELL_TIMEOUT_S}s")
-        time.sleep(0.01)
-    return child.cleanup()
-
-
-def _recover(
-    db: store.Store, tools: toolprocesses.ToolProcess, workflow_id: str
-) -> tuple[store.Workflow, list[str]]:
-    """Recover as an operator's recoverer: expired leases, reconciliation, requeued work."""
-    actions: list[str] = []
-    deadline = time.monotonic() + CELL_TIMEOUT_S
-    with toolclient.ToolClient(tools.endpoint, tools.token) as client:
-        recoverer = worker.Worker(db=db, client=client, name="recoverer",
-                                  lease=timedelta(seconds=LEASE_S))
-        while True:
-            try:
-                current = db.get(workflow_id)
-            except errors.StoreError:
-                # The server is still coming back after a restart: try again shortly.
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-                continue
-            settled = current.state in store.TERMINAL_STATES or (
-                current.state == "unknown" and bool(current.review_reason))
-            if settled or time.monotonic() > deadline:
-                return current, actions
-            if current.state == "running":
-                if db.lease_expired(workflow_id) and db.recover_expired():
-                    actions.append("lease_expired")
-                else:
-                    time.sleep(0.02)
-            elif current.state == "unknown":
-                try:
-                    settled_as = recoverer.reconcile(workflow_id)
-                    actions.append({"succeeded": "reconciled_found",
-                                    "ready": "reconciled_requeued"}.get(
-                                        settled_as.state, f"reconciled_{settled_as.state}"))
-                except errors.ManualReview as exc:
-                    actions.append(f"review:{exc.reason}")
-                except (errors.Stale, errors.ToolError, errors.StoreError):
-                    time.sleep(0.05)
-            elif current.state == "ready":
-                due = db.execute("SELECT ready_at <= clock_timestamp() AS due FROM workflows "
-                                 "WHERE id = %s", (workflow_id,))[0]["due"]
-                try:
-                    ran = due and recoverer.run_one() is not None
-                except errors.StoreError:
-                    ran = False
-                if ran:
-                    actions.append("ran_again")
-                else:
-                    time.sleep(0.02)
-            else:
-                time.sleep(0.05)
-
-
 # --------------------------------------------------------------------------- the matrix
 
 
@@ -452,7 +436,7 @@ def assemble(
     restartable: bool = True,
 ) -> dict[str, Any]:
     """The matrix document from its cells: coverage, counts by status, the fault table."""
-    reached = sorted({c["boundary"] for c in results if c.get("reached")},
+    reached = sorted({boundary_of(c["boundary"]) for c in results if c.get("reached")},
                      key=protocol.NAMES.index)
     statuses = Counter(c["status"] for c in results)
     return {
@@ -464,7 +448,7 @@ def assemble(
         "heartbeat_s": HEARTBEAT_S,
         "boundaries": [
             {"name": b.name, "path": b.path, "meaning": b.meaning} for b in protocol.BOUNDARIES
-        ],
+        ] + [{"name": row, "path": BATCH, "meaning": meaning} for row, _, meaning in BATCH_ROWS],
         "faults": [{"name": n, "meaning": m} for n, m in FAULTS
                    if restartable or n != POSTGRES_RESTART],
         "omitted_faults": [] if restartable else [{"name": POSTGRES_RESTART, "why": NO_RESTART}],

@@ -31,10 +31,14 @@ WORKER_SIGKILL = "worker_sigkill"
 REPLY_LOST = "reply_lost"
 TOOL_RESTART = "tool_restart"
 POSTGRES_RESTART = "postgres_restart"
+LATE_REQUEST = "late_request"
 FAULTS: tuple[tuple[str, str], ...] = (
     (WORKER_SIGKILL, "the process at the boundary is SIGKILLed"),
     (REPLY_LOST, "the next effect reply after the boundary is lost (effect committed)"),
     (TOOL_RESTART, "the tool process is SIGKILLed at the boundary, then restarted"),
+    (LATE_REQUEST, "the effect request after the boundary is held past the client's timeout "
+                   "(in the worker-tool link, in the tool, or in the tool-database link), "
+                   "then delivered once recovery has settled the workflow"),
     (POSTGRES_RESTART, "the PostgreSQL postmaster is SIGKILLed at the boundary and restarted "
                        "on the same data (WAL recovery)"),
 )
@@ -44,8 +48,16 @@ NO_RESTART = (
     "started itself can): the column is left out"
 )
 IDEMPOTENT = "idempotent"
-NON_IDEMPOTENT = "non_idempotent"
-KINDS: tuple[str, ...] = (IDEMPOTENT, NON_IDEMPOTENT)
+NON_IDEMPOTENT = crashmatrix.NON_IDEMPOTENT  # no fenced lookup: a person decides
+NON_IDEMPOTENT_FENCED = crashmatrix.NON_IDEMPOTENT_FENCED  # offers the fenced lookup
+KINDS: tuple[str, ...] = (IDEMPOTENT, NON_IDEMPOTENT, NON_IDEMPOTENT_FENCED)
+
+# Where a late request is held (the LATE_REQUEST column), by the boundary it follows.
+LATE_NETWORK = "worker_tool_link"  # a partitioned proxy between worker and tool
+LATE_IN_TOOL = "in_the_tool"  # a slow tool holding it before its ledger
+LATE_DATABASE = "tool_database_link"  # a partitioned proxy between tool and PostgreSQL
+# Far below the default 5 s: each late cell waits about this long for its timeout.
+LATE_CLIENT_TIMEOUT_S = 1.0
 
 FORMAT = crashmatrix.FORMAT
 AUTOMATIC = crashmatrix.AUTOMATIC
@@ -77,8 +89,13 @@ KILL_TOOL = "kill_tool"  # harness SIGKILL of the tool process (fault)
 TOOL_DIED = "tool_died"  # wait for the tool's self-kill (fault)
 RESTART_TOOL = "restart_tool"
 RESTART_POSTGRES = "restart_postgres"  # SIGKILL the postmaster, restart it (fault)
+HOLD_DATABASE_LINK = "hold_database_link"  # partition the late tool's database link
+LATE_TIMED_OUT = "late_timed_out"  # wait for the process to give up on the held request (fault)
+RECOVER = "recover"  # recover as an operator would, while the late request is still held
+DELIVER_LATE = "deliver_late"  # heal the link or release the tool: the held request goes on
+LATE_ANSWERED = "late_answered"  # wait for the tool to refuse or apply each late request
 FAULT_STEPS = frozenset({KILL_WORKER, WORKER_KILLED_ITSELF, DROP_NEXT_REPLY, KILL_TOOL, TOOL_DIED,
-                         RESTART_POSTGRES})
+                         RESTART_POSTGRES, LATE_TIMED_OUT})
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,7 @@ class Script:
     tool_flags: tuple[str, ...]
     steps: tuple[tuple[str, ...], ...]
     workflows: int = 1  # a batch's cells approve several; each must settle
+    late: str | None = None  # where a LATE_REQUEST cell holds the request
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,34 @@ AFTER_REPLY = "after_reply"  # worker path, the effect reply already in hand
 SLOW_TOOL = "slow_tool"  # worker's heartbeat thread, while the tool holds the request
 RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknown workflow
 BATCH = "batch"  # a ``--batch`` worker's step over several workflows, before any request
+BATCH_IN_TOOL = "batch_in_tool"  # a ``--batch`` worker's requests, all held inside the tool
+
+# Rows beyond the protocol's boundaries: a batch stopped after its requests were sent (the
+# tool holds all of them at the boundary), which ``after_batch`` (before any request) is not.
+BATCH_AFTER_REQUEST = f"batch_{protocol.AFTER_REQUEST}"
+BATCH_AFTER_EFFECT = f"batch_{protocol.AFTER_EFFECT}"
+BATCH_ROWS: tuple[tuple[str, str, str], ...] = (
+    (BATCH_AFTER_REQUEST, protocol.AFTER_REQUEST,
+     "a --batch worker's requests all received by the tool; no effect of them committed"),
+    (BATCH_AFTER_EFFECT, protocol.AFTER_EFFECT,
+     "a --batch worker's requests all received and their effects committed; no reply sent"),
+)
+_ROW_BOUNDARY = {row: boundary for row, boundary, _ in BATCH_ROWS}
+
+
+def rows() -> tuple[str, ...]:
+    """The matrix's rows: every boundary ``lab.protocol`` names, then the batch rows."""
+    return (*protocol.NAMES, *(row for row, _, _ in BATCH_ROWS))
+
+
+def boundary_of(row: str) -> str:
+    """The protocol boundary a matrix row stops at (a batch row's is its plain row's)."""
+    return _ROW_BOUNDARY.get(row, row)
+
+
 REACH: dict[str, str] = {
+    BATCH_AFTER_REQUEST: BATCH_IN_TOOL,
+    BATCH_AFTER_EFFECT: BATCH_IN_TOOL,
     protocol.AFTER_CLAIM: BEFORE_CALL,
     protocol.AFTER_BARRIER: BEFORE_CALL,
     protocol.AFTER_CLAIM_BARRIER: BEFORE_CALL,
@@ -150,6 +195,10 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
     borrowed = _borrowed(boundary, fault, kind)
     if borrowed is not None:
         return borrowed
+    if reach == BATCH_IN_TOOL:
+        return _batch_in_tool(boundary_of(boundary), fault)
+    if fault == LATE_REQUEST:
+        return _late(boundary, reach)
     reconciler = reach == RECONCILING
     slow_tool = ("--pause", protocol.AFTER_REQUEST)
     # The heartbeat switch is armed only once the tool holds the request (see above).
@@ -201,6 +250,59 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
         (RESTART_TOOL,)))
 
 
+def _late(boundary: str, reach: str) -> Script | NotApplicable:
+    """A LATE_REQUEST cell: the request after ``boundary`` is held past the worker's client
+    timeout, where that boundary puts it, and let go only once recovery has settled the
+    workflow (so a fenced lookup, if the tool offers one, has closed its start)."""
+    timeout = ("--tool-timeout", str(LATE_CLIENT_TIMEOUT_S))
+    after = ((LATE_TIMED_OUT,), (RECOVER,), (DELIVER_LATE,), (LATE_ANSWERED,))
+    if reach == BEFORE_CALL:
+        # The worker's link to the tool is cut from the start: its request waits in it.
+        return Script(False, timeout, (), ((WORKER_STAGE, boundary), *after), late=LATE_NETWORK)
+    if boundary == protocol.AFTER_REQUEST:
+        # In the tool, the write's statement waits in the cut link to its database.
+        return Script(False, timeout, ("--pause", boundary), (
+            (TOOL_STAGE, boundary), (HOLD_DATABASE_LINK,), (RELEASE_TOOL,), *after),
+            late=LATE_DATABASE)
+    if reach == SLOW_TOOL:
+        # A slow tool holds the request before its ledger while the heartbeats run.
+        return Script(False, ("--pause", boundary, "--heartbeat", str(SLOW_TOOL_HEARTBEAT_S),
+                              "--armed-by-stdin", *timeout),
+                      ("--pause", protocol.AFTER_REQUEST), (
+            (TOOL_STAGE, protocol.AFTER_REQUEST), (ARM_WORKER,), (WORKER_STAGE, boundary),
+            (RELEASE_WORKER,), *after), late=LATE_IN_TOOL)
+    if boundary == protocol.AFTER_EFFECT:
+        return NotApplicable("the effect is committed before the reply: nothing is left for a "
+                             "late request to write (a late reply is the reply_lost column)")
+    if reach == AFTER_REPLY:
+        return NotApplicable("the reply has arrived: no request is left to arrive late")
+    return NotApplicable("the reconciler sends no effect request: its fenced lookup is what "
+                         "a late request meets")
+
+
+def _batch_in_tool(boundary: str, fault: str) -> Script | NotApplicable:
+    """A batch row's cell: a ``--batch`` worker's requests all held by the tool at
+    ``boundary`` (so every one of them was sent), then the fault."""
+    tool = ("--pause", boundary, "--hold-count", str(BATCH_SIZE))
+    held = (TOOL_STAGE, boundary, str(BATCH_SIZE))
+    if fault == WORKER_SIGKILL:
+        steps: tuple[tuple[str, ...], ...] = (held, (KILL_WORKER,), (RELEASE_TOOL,))
+    elif fault == REPLY_LOST:
+        steps = (held, (DROP_NEXT_REPLY,), (RELEASE_TOOL,), (WORKER_EXIT,))
+    elif fault == TOOL_RESTART:
+        steps = (held, (KILL_TOOL,), (WORKER_EXIT,), (RESTART_TOOL,))
+    elif fault == POSTGRES_RESTART:
+        steps = (held, (RESTART_POSTGRES,), (RELEASE_TOOL,), (WORKER_EXIT,))
+    elif boundary == protocol.AFTER_EFFECT:
+        return NotApplicable("the effects are committed before the replies: nothing is left "
+                             "for a late request to write")
+    else:
+        return Script(False, (*BATCH_FLAGS, "--tool-timeout", str(LATE_CLIENT_TIMEOUT_S)), tool,
+                      (held, (LATE_TIMED_OUT,), (RECOVER,), (DELIVER_LATE,), (LATE_ANSWERED,)),
+                      workflows=BATCH_SIZE, late=LATE_IN_TOOL)
+    return Script(False, BATCH_FLAGS, tool, steps, workflows=BATCH_SIZE)
+
+
 def _borrowed(boundary: str, fault: str, kind: str) -> Script | NotApplicable | None:
     """The cells of the looping worker's own boundaries, borrowed from the plain ones
     they stand in for (None for any other boundary)."""
@@ -216,9 +318,9 @@ def _borrowed(boundary: str, fault: str, kind: str) -> Script | NotApplicable | 
                       found.tool_flags,
                       tuple(_renamed(step, protocol.AFTER_CLAIM, boundary)
                             for step in found.steps),
-                      workflows=BATCH_SIZE)
+                      workflows=BATCH_SIZE, late=found.late)
     if boundary == protocol.AFTER_CLAIM_BARRIER:
-        if kind == NON_IDEMPOTENT:
+        if kind != IDEMPOTENT:
             return NotApplicable(
                 "a non-idempotent claim is never fused with its start barrier: they commit "
                 "apart (after_claim, after_barrier), so a crash between keeps the proof that "
@@ -229,7 +331,8 @@ def _borrowed(boundary: str, fault: str, kind: str) -> Script | NotApplicable | 
             return found
         flags = _renamed(found.worker_flags, protocol.AFTER_BARRIER, boundary)
         steps = tuple(_renamed(step, protocol.AFTER_BARRIER, boundary) for step in found.steps)
-        return Script(found.reconciler, (*FUSED_FLAGS, *flags), found.tool_flags, steps)
+        return Script(found.reconciler, (*FUSED_FLAGS, *flags), found.tool_flags, steps,
+                      late=found.late)
     return None
 
 
@@ -253,8 +356,9 @@ def missing_cells() -> list[str]:
 
 
 def cells() -> list[tuple[str, str, str]]:
-    """Every (boundary, fault, kind) of the matrix, in table order."""
-    return [(b, f, k) for b in protocol.NAMES for f in FAULT_NAMES for k in KINDS]
+    """Every (row, fault, kind) of the matrix, in table order: a row is a boundary, or a
+    batch stopped at one (``BATCH_ROWS``)."""
+    return [(b, f, k) for b in rows() for f in FAULT_NAMES for k in KINDS]
 
 
 def cell_id(boundary: str, fault: str, kind: str) -> str:

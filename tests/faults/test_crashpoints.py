@@ -22,15 +22,16 @@ LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {
     protocol.READY, protocol.STAGE, protocol.DONE, protocol.ITEM, protocol.SKIP,
     protocol.LAUNCHED, protocol.OBSERVATION, protocol.REQUEST, protocol.ARMED, protocol.FAILED,
-    protocol.DSN_ENV, protocol.TOKEN_ENV,
+    protocol.FENCED, protocol.DSN_ENV, protocol.TOKEN_ENV,
 }
 
 
 def test_every_boundary_has_a_cell_for_every_fault_and_tool_kind():
     assert crashpoints.missing_cells() == []
     assert len(crashpoints.cells()) == (
-        len(protocol.NAMES) * len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
+        len(crashscripts.rows()) * len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
     )
+    assert set(crashscripts.rows()) >= set(protocol.NAMES)
     for boundary, fault, kind in crashpoints.cells():
         found = crashpoints.script(boundary, fault, kind)
         if isinstance(found, crashpoints.NotApplicable):
@@ -44,7 +45,8 @@ def test_every_boundary_has_a_cell_for_every_fault_and_tool_kind():
 def test_every_boundary_can_be_reached_by_some_cell():
     runnable = {b for b, f, k in crashpoints.cells()
                 if isinstance(crashpoints.script(b, f, k), crashpoints.Script)}
-    assert runnable == set(protocol.NAMES)
+    assert runnable == set(crashscripts.rows())
+    assert {crashscripts.boundary_of(row) for row in runnable} == set(protocol.NAMES)
 
 
 def test_a_boundary_added_without_a_cell_fails_the_coverage_check(monkeypatch):
@@ -183,14 +185,19 @@ def test_chapter_has_a_row_per_boundary_and_a_column_per_fault_and_kind():
     matrix = _sample_matrix()
     assert crashmatrix.passed(matrix)
     lines = crashpoint_chapter.render_markdown(matrix, signed_note="signed")
-    header = next(line for line in lines if line.startswith("| Boundary"))
-    assert header.count("|") - 1 == 1 + len(crashpoints.FAULT_NAMES) * len(crashpoints.KINDS)
-    rows = [line for line in lines if line.startswith("| `after_")]
-    assert [row.split("`")[1] for row in rows] == list(protocol.NAMES)
+    # One table per fault, narrow enough for a phone: a column per tool kind.
+    headers = [line for line in lines if line.startswith("| Boundary")]
+    assert len(headers) == len(crashpoints.FAULT_NAMES)
+    assert all(h.count("|") - 1 == 1 + len(crashpoints.KINDS) for h in headers)
+    assert [line.split("`")[1] for line in lines if line.startswith("**Fault ")] == list(
+        crashpoints.FAULT_NAMES)
+    rows = [line for line in lines if line.startswith(("| `after_", "| `batch_"))]
+    assert [row.split("`")[1] for row in rows] == (
+        list(crashscripts.rows()) * len(crashpoints.FAULT_NAMES))
     assert all("missing" not in row for row in rows)
     count = len(protocol.NAMES)
     assert f"{count} of {count} boundaries reached" in "\n".join(lines)
-    assert "postgres_restart · idempotent" in header
+    assert "non_idempotent_fenced" in headers[0]
 
 
 def test_the_book_publishes_only_the_matrix_the_run_signed():
@@ -277,7 +284,96 @@ def test_a_heartbeat_before_the_request_does_not_stop_the_worker_early(
     cell = f"{protocol.AFTER_HEARTBEAT}/{crashpoints.WORKER_SIGKILL}/{crashpoints.NON_IDEMPOTENT}"
     matrix = crashpoints.run(lab_dsn, seed=3, jobs=1, only=[cell])
     pytest_plugin.reached_database(request.node)
-    (found,) = matrix["cells"]
+    # The prefix also names the kind with a fenced lookup: this test is about the other.
+    (found,) = [c for c in matrix["cells"] if c["id"] == cell]
     assert (found["status"], found["effects"], found["tool_calls"], found["why"]) == (
         crashpoints.PERSON, 1, 1, "non_idempotent_dispatched"), found
     assert found["process_exits"] == [-9]
+
+
+def test_every_late_cell_gives_up_then_recovers_then_delivers_the_request():
+    """A late-request cell holds the request past the worker's own (short) client timeout,
+    settles the workflow as an operator would while the request is still held, and only
+    then lets it go and waits for the tool's answer: the request arrives after "absent"
+    was answered, which is the case the fenced lookup exists for. Each of the three
+    places a request can wait is some cell's."""
+    placements = set()
+    for row, fault, kind in crashpoints.cells():
+        found = crashpoints.script(row, fault, kind)
+        if fault != crashscripts.LATE_REQUEST or isinstance(found, crashpoints.NotApplicable):
+            continue
+        assert found.late is not None, (row, kind)
+        placements.add(found.late)
+        assert "--tool-timeout" in found.worker_flags, (row, kind)
+        verbs = [step[0] for step in found.steps]
+        order = [crashscripts.LATE_TIMED_OUT, crashscripts.RECOVER, crashscripts.DELIVER_LATE,
+                 crashscripts.LATE_ANSWERED]
+        assert [v for v in verbs if v in order] == order, (row, kind, verbs)
+    assert placements == {crashscripts.LATE_NETWORK, crashscripts.LATE_IN_TOOL,
+                          crashscripts.LATE_DATABASE}
+
+
+def test_cells_moved_from_a_person_to_automatic_are_listed_with_their_proof():
+    """A cell that waits for a person without the fenced lookup and settles automatically
+    with it is listed, with the reconciliation's proof; a cell that waits for a person
+    either way is not."""
+    matrix = _sample_matrix()
+    for cell in matrix["cells"]:
+        if cell["kind"] == crashscripts.NON_IDEMPOTENT_FENCED and cell.get("reached"):
+            late = cell["fault"] == crashscripts.LATE_REQUEST
+            cell["status"] = crashmatrix.AUTOMATIC if late else crashmatrix.PERSON
+            cell["history"] = [{"workflow": "w", "kind": "reconciled",
+                                "detail": "lookup=absent closed_through=1"}] if late else []
+    moved = crashmatrix.moved_to_automatic(matrix)
+    late_rows = [row for row, fault, kind in crashpoints.cells()
+                 if fault == crashscripts.LATE_REQUEST and kind == crashscripts.NON_IDEMPOTENT
+                 and isinstance(crashpoints.script(row, fault, kind), crashpoints.Script)]
+    assert [m["boundary"] for m in moved] == late_rows
+    assert all(m["proof"] == ["lookup=absent closed_through=1"] for m in moved)
+    text = "\n".join(crashpoint_chapter.render_markdown(matrix, signed_note="signed"))
+    assert f"{len(moved)} cells wait for a person" in text
+    assert "proof: lookup=absent closed\\_through=1" in text or \
+        "proof: lookup=absent closed_through=1" in text
+
+
+def test_a_late_request_is_refused_after_a_fenced_absent_and_applied_without_one(
+    request, lab_dsn
+):
+    """The request after the start barrier waits in the worker-tool link past the client's
+    timeout; recovery settles the workflow; then the link heals. With a fenced lookup
+    (idempotent, and non-idempotent with one) the lookup's "absent" closed the start, the
+    late request is refused and the requeued attempt makes the one effect, automatically.
+    Without one a person decides, and the late request is applied: one effect each way."""
+    row = f"{protocol.AFTER_BARRIER}/{crashscripts.LATE_REQUEST}/"
+    matrix = crashpoints.run(lab_dsn, seed=5, jobs=3, only=[row])
+    pytest_plugin.reached_database(request.node)
+    cells = {cell["kind"]: cell for cell in matrix["cells"]}
+    assert matrix["violation_count"] == 0, matrix["cells"]
+    for kind in (crashscripts.IDEMPOTENT, crashscripts.NON_IDEMPOTENT_FENCED):
+        found = cells[kind]
+        assert (found["status"], found["final_state"], found["effects"]) == (
+            crashmatrix.AUTOMATIC, "succeeded", 1), found
+        assert found["late"] == {"placement": crashscripts.LATE_NETWORK,
+                                 "answers": ["refused"]}, found
+        assert found["recovery"] == ["reconciled_requeued", "ran_again"], found
+    without = cells[crashscripts.NON_IDEMPOTENT]
+    assert (without["status"], without["effects"], without["late"]["answers"]) == (
+        crashmatrix.PERSON, 1, ["applied"]), without
+    assert [m["boundary"] for m in crashmatrix.moved_to_automatic(matrix)] == [
+        protocol.AFTER_BARRIER]
+
+
+def test_a_batch_killed_with_all_its_requests_in_the_tool_settles_each_workflow(
+    request, lab_dsn
+):
+    """A ``--batch 3`` worker SIGKILLed while the tool holds all three of its requests
+    (every one sent, none answered): the tool then commits them, the leases expire, and
+    each workflow is reconciled by lookup: three succeeded, three effects, no person."""
+    cell = f"{crashscripts.BATCH_AFTER_REQUEST}/{crashpoints.WORKER_SIGKILL}/idempotent"
+    matrix = crashpoints.run(lab_dsn, seed=5, jobs=1, only=[cell])
+    pytest_plugin.reached_database(request.node)
+    (found,) = matrix["cells"]
+    assert (found["status"], found["workflows"], found["final_state"], found["effects"]) == (
+        crashmatrix.AUTOMATIC, crashscripts.BATCH_SIZE, "succeeded", crashscripts.BATCH_SIZE
+    ), found
+    assert found["tool_calls"] == crashscripts.BATCH_SIZE and found["process_exits"] == [-9]
