@@ -309,6 +309,64 @@ def test_a_sigkill_with_a_non_idempotent_batch_in_flight_needs_no_person_when_ab
     assert violations == [], [v.to_json() for v in violations]
 
 
+# The batch sizes chapter 15's before-and-after table is measured at (issue 40).
+REVIEW_BATCHES = (1, 8, 32)
+
+
+def _reviews_per_sigkill(lab: harness.Harness, rig: harness.Rig, batch: int,
+                         name: str) -> dict[str, int]:
+    """Approve ``batch`` non-idempotent workflows, SIGKILL a ``--batch batch`` worker while
+    the tool holds every request of its batch, recover and reconcile: how many wait for
+    a person and how many were requeued; a restarted worker then finishes the requeued."""
+    ids = [lab.approved(idempotent=False).id for _ in range(batch)]
+    holds = [rig.service.hold_next(seconds=120) for _ in range(batch)]
+    crashed = _batch_worker(lab, rig, name, batch)
+    reasons, requeued = _killed_with_requests_held(
+        lab, rig, ids, holds, crashed, name, f"SIGKILL with {batch} requests in flight")
+    if "ready" in requeued:
+        _batch_worker(lab, rig, f"{name}-restarted", batch).finish()
+    return {"reviews": len(reasons), "requeued_with_proof": requeued.count("ready"),
+            "succeeded": sum(1 for i in ids if lab.state(i).state == "succeeded")}
+
+
+def test_reviews_per_sigkill_before_and_after_the_fenced_lookup_at_batch_1_8_32(
+    lab: harness.Harness, observe: Observe
+) -> None:
+    """One SIGKILL of a batch worker with every non-idempotent request of its batch held in
+    the tool, at batch 1, 8 and 32. Before (a tool without the fenced lookup) each
+    workflow of the batch waits for a person: the reviews per SIGKILL grow with the
+    batch. After (the same tool offering the fenced lookup) each lookup answers absent
+    and closes its start, so none waits for a person and each is requeued with that
+    proof and completed once."""
+    before_rig = lab.credit_tool(idempotent=False)
+    after_rig = lab.credit_tool(idempotent=False, fenced_lookup=True)
+    table: dict[str, dict[str, dict[str, int]]] = {}
+    for batch in REVIEW_BATCHES:
+        table[str(batch)] = {
+            "before": _reviews_per_sigkill(lab, before_rig, batch, f"before-{batch}"),
+            "after": _reviews_per_sigkill(lab, after_rig, batch, f"after-{batch}"),
+        }
+    violations = _violations(lab)
+    observe({
+        "batches": list(REVIEW_BATCHES),
+        "reviews_per_sigkill": {b: {"before": row["before"]["reviews"],
+                                    "after": row["after"]["reviews"]}
+                                for b, row in table.items()},
+        "requeued_with_proof": {b: row["after"]["requeued_with_proof"]
+                                for b, row in table.items()},
+        "completed_after": {b: row["after"]["succeeded"] for b, row in table.items()},
+        "late_requests_refused": after_rig.service.fenced,
+        "violations": len(violations),
+    }, facts=("batches", "reviews_per_sigkill", "requeued_with_proof", "completed_after",
+              "late_requests_refused", "violations"))
+    for batch in REVIEW_BATCHES:
+        row = table[str(batch)]
+        assert row["before"] == {"reviews": batch, "requeued_with_proof": 0, "succeeded": 0}
+        assert row["after"] == {"reviews": 0, "requeued_with_proof": batch, "succeeded": batch}
+    assert after_rig.service.fenced == sum(REVIEW_BATCHES)
+    assert violations == [], [v.to_json() for v in violations]
+
+
 def _concurrent_worker(lab: harness.Harness, rig: harness.Rig, name: str, slots: int,
                        *extra: str) -> harness.WorkerProcess:
     """A looping fused worker process with ``slots`` workflows in flight, each its own."""
