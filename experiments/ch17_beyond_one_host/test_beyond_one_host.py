@@ -98,15 +98,18 @@ def test_synchronous_failover_loses_no_acknowledged_commit(beyond_one_host, obse
 def _failover_after_the_barrier(beyond_one_host, mode):
     """A non-idempotent workflow; with ``async`` the standby's cable is pulled first (it
     falls behind, as a lagging standby does). The primary dies after the start barrier and
-    the standby is promoted; the first worker's request then goes out, and a worker on
-    another host carries on from what the new primary holds."""
+    the standby is promoted; the first worker's request then goes out, and the first worker
+    dies once the reply is in (before it can complete: whether its pool would reach the new
+    primary in time is up to timing, which load changes); a worker on another host carries
+    on from what the new primary holds."""
     rig, lab = beyond_one_host(mode, idempotent=False)
     job = lab.approved(idempotent=False)
     rig.pair.wait_until("the standby to replay the approval",
                         lambda: rig.pair.replay_lag_bytes() == 0, within=30)
     if mode == "async":
         rig.faults.isolate("db2")
-    first = rig.spawn_worker("w1", "w1-worker", "--pause", protocol.AFTER_BARRIER)
+    first = rig.spawn_worker("w1", "w1-worker", "--pause", protocol.AFTER_BARRIER,
+                             "--crash-at", protocol.AFTER_TOOL)
     first.wait_for(f"{protocol.STAGE} {protocol.AFTER_BARRIER}")
     rig.pair.fence()
     if mode == "async":
@@ -155,8 +158,8 @@ def test_synchronous_failover_after_the_start_barrier_keeps_one_effect_and_asks_
     beyond_one_host, observe
 ):
     """The same failover with synchronous replication: the new primary holds the start
-    barrier, so no worker calls the non-idempotent tool again; once the lease runs out the
-    workflow waits for a person, with exactly one effect."""
+    barrier, so no worker calls the non-idempotent tool again; once the dead first
+    worker's lease runs out the workflow waits for a person, with exactly one effect."""
     rig, lab, job, _, lost = _failover_after_the_barrier(beyond_one_host, "sync")
     final = lab.state(job.id)
     effects = rig.ledger_effects()
