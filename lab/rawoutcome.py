@@ -19,6 +19,7 @@ plugin turns from failed into skipped) or that carries no raw outcome fails the 
 from __future__ import annotations
 
 import contextlib
+import unittest
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -39,15 +40,16 @@ _noted = pytest.StashKey[dict[str, str]]()
 def noting(item: pytest.Item, phase: str) -> Iterator[None]:
     """Note the raw outcome of ``phase`` of ``item``: what the block inside did.
 
-    A skip (``pytest.skip``, a skip mark) is skipped; any other exception, a failed
-    ``pytest.fail`` or ``pytest.xfail`` among them, is failed; a return is passed. The
-    exception is always re-raised: noting changes nothing of what pytest sees.
+    A skip (``pytest.skip``, a skip mark, ``unittest.SkipTest``: what pytest's report
+    builder counts as one) is skipped; any other exception, ``pytest.fail`` and
+    ``pytest.xfail`` among them, is failed; a return is passed. The exception is always
+    re-raised: noting changes nothing of what pytest sees.
     """
     outcome = FAILED
     try:
         yield
         outcome = PASSED
-    except pytest.skip.Exception:
+    except (pytest.skip.Exception, unittest.SkipTest):
         outcome = SKIPPED
         raise
     finally:

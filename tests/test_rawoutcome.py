@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import unittest
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -72,3 +75,27 @@ def test_a_crashed_workers_report_and_collection_reports_are_not_phases() -> Non
     collected = {"$report_type": "CollectReport", "nodeid": "experiments/x.py",
                  "outcome": "failed"}
     assert rawoutcome.problems([crashed, collected]) == []
+
+
+def _unittest_skip() -> None:
+    raise unittest.SkipTest("no")
+
+
+@pytest.mark.parametrize(
+    ("body", "raw"),
+    [
+        pytest.param(lambda: None, "passed", id="returns"),
+        pytest.param(lambda: pytest.skip("no"), "skipped", id="pytest-skip"),
+        pytest.param(_unittest_skip, "skipped", id="unittest-skip"),
+        pytest.param(lambda: pytest.fail("no"), "failed", id="pytest-fail"),
+        pytest.param(lambda: pytest.xfail("known"), "failed", id="pytest-xfail"),
+        pytest.param(lambda: 1 / 0, "failed", id="error"),
+    ],
+)
+def test_noting_tells_a_skip_from_any_other_exception(body: Any, raw: str) -> None:
+    """What pytest's report builder counts as a skip is skipped; every other exception is
+    failed (an xfail too: its report says skipped, so it cannot pass silently)."""
+    item = cast(pytest.Item, SimpleNamespace(stash=pytest.Stash()))
+    with contextlib.suppress(BaseException), rawoutcome.noting(item, "call"):
+        body()
+    assert item.stash[rawoutcome._noted] == {"call": raw}
