@@ -553,17 +553,20 @@ def observe(request: pytest.FixtureRequest) -> Any:
     return record
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    # An experiment with a constant observation fails before it runs, naming the key:
-    # ``lab run`` and ``lab run --chapter`` refuse it as tests/evidence/test_observations.py does.
-    found = item.stash.get(_CONSTANT_KEY, None)
-    if found:
+@pytest.hookimpl(tryfirst=True, specname="pytest_runtest_call")
+def pytest_runtest_call_refusal(item: pytest.Item) -> None:
+    """An experiment with a constant observation or an undeclared key fails before its body
+    runs, naming the key. Not a wrapper: it fails inside the innermost wrapper, which notes
+    it as the call's raw outcome (``lab.rawoutcome``); a wrapper's failure never reaches it."""
+    if found := item.stash.get(_CONSTANT_KEY, None):
         pytest.fail("constant observation: " + "; ".join(found)
                     + "; observe() must record what was read back", pytrace=False)
-    undeclared = item.stash.get(_UNDECLARED_KEY, None)
-    if undeclared:
+    if undeclared := item.stash.get(_UNDECLARED_KEY, None):
         pytest.fail("; ".join(undeclared), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
     # Restarts of a database server during the test body, read from the launcher only if
     # this process has loaded it (a test that restarts a server has): the limits the
     # evidence signs are derived from them.

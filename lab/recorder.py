@@ -1,11 +1,13 @@
 """The pytest side of the evidence: annotate results, collect them, apply the gate.
 
-Two parts, registered by the lab plugin's ``pytest_configure`` through
+Three parts, registered by the lab plugin's ``pytest_configure`` through
 ``register``:
 
 * the annotator runs wherever tests run (a plain process or each xdist worker)
   and puts the test's claim, chapter and experiment name into the report's
   ``user_properties``, which xdist carries to the controller with the report;
+* ``lab.rawoutcome`` notes each phase's raw outcome where it is first seen and
+  carries it in the phase's report;
 * the collector runs only where no ``workerinput`` exists (a plain process or the
   xdist controller): it keeps every report and, at session end, compiles, signs
   and writes the evidence and turns a gate verdict other than PASS into a
@@ -35,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from lab import errors
+from lab import errors, rawoutcome
 from lab.evidence import gate, hermetic, observations, provenance
 
 ANNOTATOR = "lab-recorder-annotator"
@@ -117,6 +119,7 @@ def register(config: pytest.Config, database: Mapping[str, Any] | None) -> None:
     """
     manager = config.pluginmanager
     experiments = experiments_path(config)
+    rawoutcome.register(config)
     if not manager.has_plugin(ANNOTATOR):
         manager.register(Annotator(config, experiments), ANNOTATOR)
     if not hasattr(config, "workerinput") and not manager.has_plugin(COLLECTOR):
@@ -429,6 +432,8 @@ class Collector:
             problems.append(f"{owner.get('file')} implements {owner.get('hook')}, a hook that "
                             "can change a test's outcome: only pytest, its installed plugins "
                             "and the lab may")
+        # Each phase report says what the lab saw its phase do, or the report was changed.
+        problems += rawoutcome.problems(self.records)
         facts = compiler.RunFacts(
             records=self.records,
             collected=sorted(self.collected),

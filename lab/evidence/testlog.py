@@ -136,8 +136,8 @@ def test_rows(records: Sequence[Mapping[str, Any]], prefix: str) -> list[dict[st
     tests: list[dict[str, Any]] = []
     for nodeid in sorted(by_node):
         phases = by_node[nodeid]
-        # Each phase's report copies the item's user_properties as they stand, so
-        # the longest list is the whole record and the others are its prefixes.
+        # Each phase's report copies the item's user_properties as they stand (plus that
+        # phase's own raw outcome, lab.rawoutcome), so the longest list is the whole record.
         props = max((properties(r) for r in phases), key=len, default=[])
         first = {key: value for key, value in reversed(props)}
         observations = [v for k, v in props if k == "lab_observation"]

@@ -588,6 +588,59 @@ def test_a_tracked_conftest_that_changes_outcomes_fails_naming_it(
                for f in report["gate"]["failures"]), report["gate"]["failures"]
 
 
+# Prepended to an experiment module: no hook, only pytest's report builder patched at
+# import time, so a failed call comes out passed (the gate's hook rule cannot see it).
+FORGED_REPORTS = """
+import _pytest.reports
+
+_built = _pytest.reports.TestReport.from_item_and_call.__func__
+
+
+def _forged(cls, item, call):
+    report = _built(cls, item, call)
+    if report.when == "call" and report.outcome == "failed":
+        report.outcome, report.longrepr = "passed", None
+    return report
+
+
+_pytest.reports.TestReport.from_item_and_call = classmethod(_forged)
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_a_report_forged_without_a_hook_fails_naming_its_raw_outcome(
+    tree: pytest.Pytester, workers: list[str]
+) -> None:
+    """Issue 42: an experiment module that implements no hook but patches pytest's report
+    builder at import time turns its failed call into a pass in a clean, committed tree;
+    the raw outcome the lab noted where the call ended says failed, so the gate refuses
+    the run, naming the test, the phase and both outcomes, and nothing else."""
+    _edit(tree, OBSERVED, "    assert False, 'broken'")
+    path = tree.path / "experiments" / "ch01_x" / "test_a.py"
+    path.write_text(FORGED_REPORTS + path.read_text())
+    labtree.commit(tree.path)
+    result = _run(tree, *workers, "experiments")
+    assert result.ret != 0
+    report = _report(tree)
+    assert report["dirty"] is False
+    assert all(t["outcome"] == "passed" for t in report["tests"])  # the forgery worked...
+    # ...and the gate refuses it for that reason alone.
+    forged = "experiments/ch01_x/test_a.py::test_db"
+    problem = (f"{forged} call: raw outcome failed, reported passed: something changed the "
+               "report after the phase ran")
+    assert report["status"] == gate.FAIL
+    assert report["gate"]["failures"] == [problem]
+    result.stdout.fnmatch_lines(["*gate: FAIL*", f"*failed: {problem}*"])
+    # The signed log carries each phase's raw outcome beside its reported one.
+    lines = [json.loads(x) for x in (tree.path / "evidence" / compiler.TESTS_FILE).open()]
+    raw = {(x["nodeid"], x["when"]): [v for k, v in x["user_properties"]
+                                      if k == "lab_raw_outcome"]
+           for x in lines if x["$report_type"] == "TestReport"}
+    assert raw[(forged, "call")] == ["failed"]
+    assert raw[(forged, "setup")] == raw[(forged, "teardown")] == ["passed"]
+    assert all(len(r) == 1 for r in raw.values())
+
+
 def test_pytest_plugins_module_from_elsewhere_fails_naming_it(
     tree: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

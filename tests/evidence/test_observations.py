@@ -3,6 +3,7 @@ back from what it ran, never only constants written in the test."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,23 @@ def test_an_undeclared_key_fails_its_experiment_in_one_line(pytester):
     # Each failure's whole report is the one line (the literal one also names file:line).
     result.stdout.fnmatch_lines([f"test_a.py:4: {hint}", hint])
     assert "Traceback" not in result.stdout.str()
+
+
+def test_a_refused_experiment_is_noted_as_its_raw_failure(pytester):
+    """Through the real plugin: the refusal of a constant or undeclared observation happens
+    before the body runs, yet inside the call's innermost wrapper, so the signed log notes
+    the call's raw outcome as failed, matching its report (no raw-outcome problem)."""
+    pytester.makeini("[pytest]\n")
+    chapter = pytester.path / "experiments" / "ch01_x"
+    chapter.mkdir(parents=True)
+    (chapter / "test_a.py").write_text(UNDECLARED)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "--lab-postgres=none",
+        "--lab-evidence=ev", "experiments")
+    result.assert_outcomes(failed=2)
+    lines = [json.loads(x) for x in (pytester.path / "ev" / "tests.jsonl").open()]
+    calls = [x for x in lines if x.get("when") == "call"]
+    assert [x["outcome"] for x in calls] == ["failed", "failed"]
+    assert all(["lab_raw_outcome", "failed"] in x["user_properties"] for x in calls)
+    report = json.loads((pytester.path / "ev" / "runtime.json").read_text())
+    assert not [f for f in report["gate"]["failures"] if "raw outcome" in f]
