@@ -56,7 +56,8 @@ KINDS: tuple[str, ...] = (IDEMPOTENT, NON_IDEMPOTENT, NON_IDEMPOTENT_FENCED)
 LATE_NETWORK = "worker_tool_link"  # a partitioned proxy between worker and tool
 LATE_IN_TOOL = "in_the_tool"  # a slow tool holding it before its ledger
 LATE_DATABASE = "tool_database_link"  # a partitioned proxy between tool and PostgreSQL
-# Far below the default 5 s: each late cell waits about this long for its timeout.
+# Far below the default 5 s: each late cell the harness need not arm waits about this long
+# for its timeout (the slow-tool cell, armed mid-way, keeps the full timeout).
 LATE_CLIENT_TIMEOUT_S = 1.0
 
 FORMAT = crashmatrix.FORMAT
@@ -265,9 +266,13 @@ def _late(boundary: str, reach: str) -> Script | NotApplicable:
             (TOOL_STAGE, boundary), (HOLD_DATABASE_LINK,), (RELEASE_TOOL,), *after),
             late=LATE_DATABASE)
     if reach == SLOW_TOOL:
-        # A slow tool holds the request before its ledger while the heartbeats run.
+        # A slow tool holds the request before its ledger while the heartbeats run. The
+        # harness arms the worker once the tool holds the request, and must do so before
+        # the worker gives up on it: this cell keeps the client's full timeout, as every
+        # other slow-tool cell does (with 1 s a loaded run saw the worker exit first).
+        slow = ("--tool-timeout", str(protocol.TOOL_TIMEOUT_S))
         return Script(False, ("--pause", boundary, "--heartbeat", str(SLOW_TOOL_HEARTBEAT_S),
-                              "--armed-by-stdin", *timeout),
+                              "--armed-by-stdin", *slow),
                       ("--pause", protocol.AFTER_REQUEST), (
             (TOOL_STAGE, protocol.AFTER_REQUEST), (ARM_WORKER,), (WORKER_STAGE, boundary),
             (RELEASE_WORKER,), *after), late=LATE_IN_TOOL)
