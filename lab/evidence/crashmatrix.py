@@ -40,6 +40,8 @@ NON_IDEMPOTENT = "non_idempotent"  # no fenced lookup: a person decides its unkn
 NON_IDEMPOTENT_FENCED = "non_idempotent_fenced"  # its "absent" is a proof
 # The event a reconciliation commits; its detail carries the lookup's proof.
 RECONCILED_EVENT = "reconciled"
+# How a reconciliation's detail begins when a fenced lookup proved the effect absent.
+FENCED_ABSENT = "lookup=absent closed_through="
 
 
 def outcome(cell: Mapping[str, Any]) -> str:
@@ -142,8 +144,11 @@ def passed(matrix: Mapping[str, Any]) -> bool:
 
 def moved_to_automatic(matrix: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The (row, fault) cells that wait for a person with a non-idempotent tool without a
-    fenced lookup and settle automatically with one, each with its proof: the detail of
-    every reconciliation the fenced cell committed (``lookup=absent closed_through=F``)."""
+    fenced lookup and are settled automatically by one, each with its proof: the detail of
+    every fenced "absent" the cell's reconciliations committed (``lookup=absent
+    closed_through=F``). A cell that settled automatically without such a proof (in the
+    PostgreSQL column a worker may carry on after the restart, or not, by timing) was not
+    moved by the fenced lookup and is not listed."""
     cells = {(c["boundary"], c["fault"], c["kind"]): c for c in matrix["cells"]}
     moved = []
     for (row, fault, kind), cell in cells.items():
@@ -152,7 +157,10 @@ def moved_to_automatic(matrix: Mapping[str, Any]) -> list[dict[str, Any]]:
             continue
         if cell["status"] == PERSON and fenced["status"] == AUTOMATIC:
             proofs = sorted({str(e.get("detail")) for e in fenced.get("history", [])
-                             if isinstance(e, dict) and e.get("kind") == RECONCILED_EVENT})
+                             if isinstance(e, dict) and e.get("kind") == RECONCILED_EVENT
+                             and str(e.get("detail")).startswith(FENCED_ABSENT)})
+            if not proofs:
+                continue
             moved.append({"boundary": row, "fault": fault, "before": outcome(cell),
                           "after": outcome(fenced), "proof": proofs})
     return moved
