@@ -70,16 +70,21 @@ def test_computed(observe):
 '''
 
 
-def test_an_undeclared_key_fails_its_experiment_in_one_line(pytester):
-    """Through the real plugin: an undeclared key fails its experiment with one line that
-    suggests the declaration; found in the source before the test runs, or when recorded."""
+def _run_undeclared(pytester, *options: str):
+    """Run the two undeclared-observation experiments through the real plugin."""
     pytester.makeini("[pytest]\n")
     chapter = pytester.path / "experiments" / "ch01_x"
     chapter.mkdir(parents=True)
     (chapter / "test_a.py").write_text(UNDECLARED)
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:randomly", "--lab-postgres=none",
-        "--lab-no-evidence", "-rf", "experiments")
+    return pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "--lab-postgres=none", *options,
+        "experiments")
+
+
+def test_an_undeclared_key_fails_its_experiment_in_one_line(pytester):
+    """Through the real plugin: an undeclared key fails its experiment with one line that
+    suggests the declaration; found in the source before the test runs, or when recorded."""
+    result = _run_undeclared(pytester, "--lab-no-evidence", "-rf")
     result.assert_outcomes(failed=2)
     hint = ("observe: 'seen' has no declared kind: add facts=('seen',) if every run of the "
             "commit observes the same value, else measurements=('seen',)")
@@ -92,13 +97,7 @@ def test_a_refused_experiment_is_noted_as_its_raw_failure(pytester):
     """Through the real plugin: the refusal of a constant or undeclared observation happens
     before the body runs, yet inside the call's innermost wrapper, so the signed log notes
     the call's raw outcome as failed, matching its report (no raw-outcome problem)."""
-    pytester.makeini("[pytest]\n")
-    chapter = pytester.path / "experiments" / "ch01_x"
-    chapter.mkdir(parents=True)
-    (chapter / "test_a.py").write_text(UNDECLARED)
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:randomly", "--lab-postgres=none",
-        "--lab-evidence=ev", "experiments")
+    result = _run_undeclared(pytester, "--lab-evidence=ev")
     result.assert_outcomes(failed=2)
     lines = [json.loads(x) for x in (pytester.path / "ev" / "tests.jsonl").open()]
     calls = [x for x in lines if x.get("when") == "call"]
