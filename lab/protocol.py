@@ -41,6 +41,10 @@ ARMED_SWITCHES = "switches"
 # worker --tool-timeout``): the client's timeout every late-write path is measured against.
 TOOL_TIMEOUT_S = 5.0
 
+# The detail of the ``reconciled`` event a fenced lookup's "absent" commits, followed by the
+# fence it closed through: the proof the runtime, its checkers and the book read.
+FENCED_ABSENT = "lookup=absent closed_through="
+
 # -- environment of child processes ---------------------------------------------------
 
 DSN_ENV = "BOOK_LAB_DSN"

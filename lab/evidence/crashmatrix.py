@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema
 
-from lab import errors, files
+from lab import errors, files, protocol
 
 FORMAT = "lab-crashpoints/1"
 OUTPUT_FILE = "crashpoints.json"
@@ -40,8 +40,6 @@ NON_IDEMPOTENT = "non_idempotent"  # no fenced lookup: a person decides its unkn
 NON_IDEMPOTENT_FENCED = "non_idempotent_fenced"  # its "absent" is a proof
 # The event a reconciliation commits; its detail carries the lookup's proof.
 RECONCILED_EVENT = "reconciled"
-# How a reconciliation's detail begins when a fenced lookup proved the effect absent.
-FENCED_ABSENT = "lookup=absent closed_through="
 
 
 def outcome(cell: Mapping[str, Any]) -> str:
@@ -158,7 +156,7 @@ def moved_to_automatic(matrix: Mapping[str, Any]) -> list[dict[str, Any]]:
         if cell["status"] == PERSON and fenced["status"] == AUTOMATIC:
             proofs = sorted({str(e.get("detail")) for e in fenced.get("history", [])
                              if isinstance(e, dict) and e.get("kind") == RECONCILED_EVENT
-                             and str(e.get("detail")).startswith(FENCED_ABSENT)})
+                             and str(e.get("detail")).startswith(protocol.FENCED_ABSENT)})
             if not proofs:
                 continue
             moved.append({"boundary": row, "fault": fault, "before": outcome(cell),

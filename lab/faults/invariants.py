@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lab import protocol
 from lab.runtime import store
 
 # Repeated here, not imported from ``store``: the checker states its own idea of "finished".
@@ -284,7 +285,7 @@ def replayed_dispatches(history: History) -> list[Violation]:
                 pending = event.fence
             elif event.fence == pending and (
                 event.kind in ("retry_scheduled", "forced_requeue")
-                or (event.kind == "reconciled" and "closed_through=" in event.detail)
+                or (event.kind == "reconciled" and event.detail.startswith(protocol.FENCED_ABSENT))
             ):
                 # A 429, an unreachable tool, a person's decision, or a fenced lookup's
                 # proof of absence: the dispatch at that fence took no effect.

@@ -9,7 +9,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from lab import errors
+from lab import errors, protocol
 from lab.runtime.barrier import Completion
 from lab.runtime.plan import Receipt
 from lab.runtime.store.records import Workflow
@@ -142,7 +142,7 @@ def settle_proven_absent(conn: Connection, unknown: Workflow, closed_through: in
         " review_reason = CASE WHEN NOT cancel_requested AND attempt >= max_attempts"
         " THEN 'attempt_budget_spent' ELSE '' END", (),
         refusal="workflow changed during reconciliation",
-        event=("reconciled", f"lookup=absent closed_through={closed_through}"),
+        event=("reconciled", f"{protocol.FENCED_ABSENT}{closed_through}"),
     )
     if row["state"] == "cancelled":
         event_seq(conn, unknown.id, "cancelled", unknown.fence, "at=reconcile")
