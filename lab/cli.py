@@ -147,6 +147,16 @@ def _reproduce(args: argparse.Namespace) -> int:
     return reproduce.cli_main(options_from(reproduce.ReproduceOptions, args))
 
 
+def _in_flight_arguments(parser: argparse.ArgumentParser) -> None:
+    """The work each worker keeps in flight, shared by ``lab chaos`` and ``lab soak``."""
+    parser.add_argument("--batch", type=int, default=1,
+                        help="each worker's --batch: workflows claimed and in flight together, "
+                             "in shared transactions")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="each worker's --concurrency: workflows in flight, each in its "
+                             "own transactions (an alternative to --batch)")
+
+
 def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
     """The disk-full and clock-step flags, shared by ``lab chaos`` and ``lab soak``."""
     parser.add_argument("--disk-full-every", type=float, default=0.0, metavar="MS",
@@ -308,8 +318,7 @@ def _add_chaos(commands: Commands[parsing.Parser]) -> None:
     chaos.add_argument("--workers", type=int, default=4, help="worker processes at a time")
     chaos.add_argument("--duration", type=float, default=60.0, help="seconds of faults at most")
     chaos.add_argument("--kill-every", type=float, default=200.0, help="mean ms between SIGKILLs")
-    chaos.add_argument("--batch", type=int, default=1,
-                       help="each worker's --batch: workflows claimed and in flight together")
+    _in_flight_arguments(chaos)
     chaos.add_argument("--drop-replies", type=float, default=0.1, help="share of replies lost")
     chaos.add_argument("--reject-429", type=float, default=0.1, help="share of 429 answers")
     chaos.add_argument("--terminate-backends", type=float, default=2000.0,
@@ -346,6 +355,7 @@ def _add_soak(commands: Commands[parsing.Parser]) -> None:
     soak.add_argument("--round", type=int, default=2_000, metavar="N",
                       help="workflows per chaos round (each checked, then dropped)")
     soak.add_argument("--workers", type=int, default=4, help="worker processes at a time")
+    _in_flight_arguments(soak)
     soak.add_argument("--kill-every", type=float, default=1000.0, metavar="MS",
                       help="mean ms between SIGKILLs of a worker")
     soak.add_argument("--drop-replies", type=float, default=0.05, help="share of replies lost")
@@ -364,6 +374,10 @@ def _add_soak(commands: Commands[parsing.Parser]) -> None:
     _database_fault_arguments(soak)
     soak.add_argument("--fault-phase", type=float, default=60.0, metavar="S",
                       help="seconds of faults per round at most; the drain settles the rest")
+    soak.add_argument("--release-over", type=float, default=None, metavar="S",
+                      help="approve each round's workflows in waves over S seconds of its "
+                           "fault phase, so faults meet work in flight (default: three "
+                           "quarters of --fault-phase; 0: all at once)")
     soak.set_defaults(disk_full_every=30_000.0, disk_full_mb=256, clock_step_every=20_000.0,
                       clock_step_max=10)
     soak.add_argument("--sample-every", type=float, default=2.0, metavar="S",

@@ -65,6 +65,7 @@ SLOW = frozenset({
     "evidence/test_publication.py::test_a_venv_is_judged_by_the_locks_wheels_not_by_its_record",
     "test_runner.py::test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop",
     "runtime/test_store_stateful.py::test_store_state_machine_keeps_every_invariant",
+    "faults/test_traffic.py::test_a_soak_strikes_every_fault_while_work_is_in_flight",
 })
 # Module fixtures whose setup alone takes the time, by directory: tests/book's ``tree``
 # runs a small experiment tree for real three times (50 to 60 s, once per module).

@@ -64,9 +64,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lab import errors
-from lab.faults import chaos_report, clocksteps, diagnostics, diskfull, proxy
+from lab.faults import chaos_report, clocksteps, diagnostics, diskfull, proxy, traffic
 from lab.faults.chaos_population import Population
-from lab.faults.chaos_settings import Counts, Settings, interval, split, spread
+from lab.faults.chaos_settings import (
+    Counts,
+    Settings,
+    interval,
+    require_server,
+    split,
+    spread,
+)
 from lab.pg import edge, embedded
 from lab.runtime import processes, sealing
 
@@ -94,21 +101,9 @@ class Chaos:
         server: embedded.Server | None = None,
     ):
         settings.validate()
-        if settings.restart_every_ms > 0 and restart is None:
-            raise errors.ProvisioningError(
-                "--restart-postgres-every needs a server this run started (the embedded "
-                "provider): a given DSN's server cannot be restarted by the lab"
-            )
-        if settings.disk_full_every_ms > 0 and (server is None or not server.volume):
-            raise errors.ProvisioningError(
-                "--disk-full-every needs an embedded server on a size-limited filesystem "
-                "this run mounted (lab chaos starts one; a given DSN's server cannot be filled)"
-            )
-        if settings.clock_step_every_ms > 0 and (server is None or not server.steppable):
-            raise errors.ProvisioningError(
-                "--clock-step-every needs an embedded server under libfaketime this run "
-                "started (a given DSN's server clock cannot be stepped)"
-            )
+        require_server(settings, restart=restart is not None,
+                       volume=server is not None and bool(server.volume),
+                       steppable=server is not None and server.steppable)
         self.dsn, self._restart = dsn, restart
         self._restarting = threading.Event()  # the restarter has the server down on purpose
         self.settings = settings
@@ -163,6 +158,8 @@ class Chaos:
                 server, dsn, [p.schema for p in self.populations],
                 random.Random(self._clock_rng.getrandbits(64)), settings.clock_step_max_s)
         self._fault_threads: list[threading.Thread] = []
+        self.strikes = traffic.Strikes()  # every strike, and whether work was in flight
+        self.release: traffic.Release | None = None  # approvals in waves (release_over)
 
     def _via(self, link: str) -> str:
         """The DSN a client on ``link`` uses: its proxy when the run has one."""
@@ -211,6 +208,8 @@ class Chaos:
             self._log(f"fault phase over after {drain_began - faults_began:.1f}s "
                       f"({open_after_faults} open); draining")
             self._heal()
+            if self.release is not None:
+                self.release.finish()
             self._drain(recoverer)
             check_began = time.monotonic()
             report = chaos_report.report(self.check, self, durability)
@@ -288,8 +287,24 @@ class Chaos:
         return problems
 
     def _create_workflows(self) -> None:
-        for population in self.populations:
-            population.create_workflows(self._plans)
+        over = self.settings.release_over
+        lists = [p.create_workflows(self._plans, approve=over <= 0) for p in self.populations]
+        if over > 0:  # the populations' approvals interleaved in proportion, as traffic
+            order = sorted((i / len(pending), n, item) for n, pending in enumerate(lists)
+                           for i, item in enumerate(pending))
+            self.release = traffic.Release([item for _, _, item in order], over)
+
+    def _busy(self) -> bool:
+        """Whether work is in flight: ready or running work (the last count) and a worker."""
+        return any(p.open["ready"] + p.open["running"] > 0
+                   for p in self.populations) and bool(self._live())
+
+    def _strike(self, kind: str) -> None:
+        """Record a strike of ``kind`` about to happen; with approvals in waves, a database
+        fault first waits (briefly, see ``traffic``) for work in flight."""
+        busy = (traffic.wait_until_busy(self._busy, self._stop_restarts)
+                if self.release is not None else self._busy())
+        self.strikes.record(kind, busy)
 
     # -- fault phase -------------------------------------------------------------------
 
@@ -301,6 +316,8 @@ class Chaos:
         the interpreter start-up of a loaded machine.
         """
         deadline = time.monotonic() + WARM_UP_TIMEOUT_S
+        if self.release is not None:
+            self.release.step(0.0)  # the first wave
         self._open_total(refresh=True)
         while time.monotonic() < deadline:
             self._check_faults()
@@ -319,9 +336,11 @@ class Chaos:
         next_kill = now + interval(self._kill_rng, settings.kill_every_ms)
         next_term = now + interval(self._term_rng, settings.terminate_every_ms)
         next_partition = now + spread(self._partition_rng, settings.partition_every_ms)
-        next_count = now
+        next_count = began = now
         while True:
             self._check_faults()
+            if self.release is not None:
+                self.release.step(time.monotonic() - began)
             if self.disk is None:  # a disk fault's strike revives the server it kills
                 self.check.require_server()
             now = time.monotonic()
@@ -331,7 +350,8 @@ class Chaos:
                 restarted = (len(self.counts.restarts) >= settings.min_restarts
                              and (self.disk is None or bool(self.disk.log))
                              and (self.clock is None or bool(self.clock.log)))
-                if self._open_total(refresh=True) == 0 and restarted:
+                released = self.release is None or self.release.complete
+                if self._open_total(refresh=True) == 0 and restarted and released:
                     return True
                 next_count = now + 0.25
             if now >= deadline:
@@ -347,6 +367,7 @@ class Chaos:
                 next_term = max(next_term, now)
             self.partitions.heal(now)
             if now >= next_partition:
+                self.strikes.record("partition", self._busy())
                 self.partitions.cut(now)
                 next_partition = now + spread(self._partition_rng,
                                                     settings.partition_every_ms)
@@ -364,6 +385,7 @@ class Chaos:
             while not self._stop_restarts.wait(
                 spread(self._restart_rng, self.settings.restart_every_ms)
             ):
+                self._strike("postgres_restart")
                 at = time.monotonic() - self._began
                 self._restarting.set()
                 try:
@@ -398,6 +420,7 @@ class Chaos:
         """Strike every ``every_ms`` (give or take half) until the fault phase ends."""
         try:
             while not self._stop_restarts.wait(spread(rng, every_ms)):
+                self._strike(what.replace(" ", "_"))
                 record = strike(time.monotonic() - self._began)
                 self._log(f"{what}: {record}")
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
@@ -431,6 +454,7 @@ class Chaos:
             return
         population, slot, _ = self._kill_rng.choice(live)
         self.counts.kills += 1
+        self.strikes.record("worker_sigkill", self._busy())
         self._reap(population, slot)
 
     def _terminate_one(self) -> None:
@@ -444,6 +468,7 @@ class Chaos:
             self.counts.unreachable_reads += 1
         if done:
             self.counts.backend_terminations += 1
+            self.strikes.record("backend_termination", self._busy())
         else:
             self.counts.termination_misses += 1
 
@@ -469,7 +494,7 @@ class Chaos:
         try:
             while not self._stop_recoverer.wait(RECOVER_EVERY_S):
                 for population in self.populations:
-                    self._recover(population)
+                    population.recover(self.counts)
         except BaseException as exc:  # surfaced by the supervisor, never swallowed
             self._recoverer_failure = exc
 
@@ -482,34 +507,6 @@ class Chaos:
             if isinstance(failure, errors.LabError):
                 raise failure
             raise errors.CheckFailed(f"the chaos {what} failed: {failure!r}") from failure
-
-    def _recover(self, population: Population) -> None:
-        """Expired leases become unknown; unreviewed unknowns are reconciled by lookup;
-        work in review that the database proves was never dispatched leaves review."""
-        assert population.db is not None and population.reconciler is not None
-        try:
-            self.counts.leases_expired += population.db.recover_expired()
-            ids = population.db.unreviewed_unknown()
-        except errors.LabError as exc:
-            self.counts.recoverer_errors[type(exc).__name__] += 1
-            return
-        for workflow_id in ids:
-            try:
-                settled = population.reconciler.reconcile(workflow_id)
-            except errors.ManualReview as exc:
-                self.counts.reconciled[f"manual_review:{exc.reason}"] += 1
-            except errors.LabError as exc:  # a race (Stale) or a lookup that failed: next pass
-                self.counts.recoverer_errors[type(exc).__name__] += 1
-            else:
-                self.counts.reconciled[{"succeeded": "found", "ready": "requeued"}.get(
-                    settled.state, settled.state)] += 1
-        try:
-            for workflow_id in population.db.undispatched_in_review():
-                moved = population.db.settle_undispatched(workflow_id)
-                if moved is not None:
-                    self.counts.undispatched[moved.state] += 1
-        except errors.LabError as exc:
-            self.counts.recoverer_errors[type(exc).__name__] += 1
 
     # -- drain -------------------------------------------------------------------------
 
@@ -541,7 +538,7 @@ class Chaos:
             while time.monotonic() < deadline:
                 self.check.require_server()
                 for population in self.populations:
-                    self._recover(population)
+                    population.recover(self.counts)
                 if self._open_total(refresh=True) == 0:
                     break
                 self._maintain()
@@ -563,7 +560,7 @@ class Chaos:
                     break
                 time.sleep(self.settings.lease + 0.2)
                 for population in self.populations:
-                    self._recover(population)
+                    population.recover(self.counts)
             ready = sum(p.open["ready"] for p in self.populations)
             if ready == 0 or time.monotonic() >= deadline:
                 return

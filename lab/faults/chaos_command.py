@@ -44,6 +44,7 @@ class ChaosOptions:
     clock_step_every: float = 0.0
     clock_step_max: int = 60
     batch: int = 1
+    concurrency: int = 1
     non_idempotent_fenced: bool = False
     output: str = "evidence/chaos.json"
     lab_postgres: str = providers.AUTO
@@ -77,6 +78,7 @@ def settings_from(options: ChaosOptions) -> Settings:
         clock_step_every_ms=options.clock_step_every,
         clock_step_max_s=options.clock_step_max,
         batch=options.batch,
+        concurrency=options.concurrency,
     )
 
 

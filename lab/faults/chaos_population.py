@@ -5,6 +5,7 @@ approves, and the items its workers report.
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import signal
@@ -14,6 +15,7 @@ from datetime import timedelta
 from lab import errors, protocol
 from lab.faults import invariants, proxy
 from lab.faults.chaos_settings import LEASE_S, Counts, Settings
+from lab.faults.traffic import Pending
 from lab.pg import edge
 from lab.runtime import backoff, plan, processes, sealing, store, tool, toolclient, worker
 
@@ -113,9 +115,13 @@ class Population:
         self.open = self.db.open_counts()
         return self.open
 
-    def create_workflows(self, plans: random.Random) -> None:
-        """Create and approve this population's workflows, plans drawn from ``plans``."""
+    def create_workflows(self, plans: random.Random, approve: bool = True) -> list[Pending]:
+        """Create this population's workflows, plans drawn from ``plans``, and approve
+        them; with ``approve`` false, leave each to its returned ``Pending`` approval."""
         assert self.db is not None
+        pending: list[Pending] = []
+        if not approve:
+            self.open["ready"] = 0  # each approval counts itself
         for index in range(self.size):
             tenant = plans.choice(TENANTS)
             proposer = store.Actor(tenant, f"employee-{tenant}", "proposer")
@@ -129,7 +135,51 @@ class Population:
                 idempotent=self.idempotent,
             )
             created = self.db.create(proposer, f"chaos-{self.code}-{index}", proposed)
-            self.db.approve(approver, created.id, created.fingerprint, APPROVAL_TTL)
+            if approve:
+                self.db.approve(approver, created.id, created.fingerprint, APPROVAL_TTL)
+            else:
+                pending.append(Pending(created.id, functools.partial(
+                    self.approve, approver, created.id, created.fingerprint)))
+        return pending
+
+    def approve(self, approver: store.Actor, workflow_id: str, fingerprint: str) -> None:
+        """Approve one workflow, once: an approval whose commit was acknowledged to no one
+        (the database went away after it) is found approved the next time and left so."""
+        assert self.db is not None
+        try:
+            self.db.approve(approver, workflow_id, fingerprint, APPROVAL_TTL)
+        except errors.Conflict:
+            if self.db.get(workflow_id).state == "waiting_approval":
+                raise
+        self.open["ready"] += 1  # until the next count: the supervisor starts a worker for it
+
+    def recover(self, counts: Counts) -> None:
+        """Expired leases become unknown; unreviewed unknowns are reconciled by lookup;
+        work in review that the database proves was never dispatched leaves review."""
+        assert self.db is not None and self.reconciler is not None
+        try:
+            counts.leases_expired += self.db.recover_expired()
+            ids = self.db.unreviewed_unknown()
+        except errors.LabError as exc:
+            counts.recoverer_errors[type(exc).__name__] += 1
+            return
+        for workflow_id in ids:
+            try:
+                settled = self.reconciler.reconcile(workflow_id)
+            except errors.ManualReview as exc:
+                counts.reconciled[f"manual_review:{exc.reason}"] += 1
+            except errors.LabError as exc:  # a race (Stale) or a lookup that failed: next pass
+                counts.recoverer_errors[type(exc).__name__] += 1
+            else:
+                counts.reconciled[{"succeeded": "found", "ready": "requeued"}.get(
+                    settled.state, settled.state)] += 1
+        try:
+            for workflow_id in self.db.undispatched_in_review():
+                moved = self.db.settle_undispatched(workflow_id)
+                if moved is not None:
+                    counts.undispatched[moved.state] += 1
+        except errors.LabError as exc:
+            counts.recoverer_errors[type(exc).__name__] += 1
 
     def spawn(self, slot: int, dsn: str, token: str, s: Settings,
               keys: sealing.KeyCatalog) -> None:
@@ -141,7 +191,7 @@ class Population:
             dsn, self.schema, self.worker_endpoint, self.service.token,
             name, "--loop", "--fused", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
             "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
-            "--batch", str(s.batch), keys=keys,
+            "--batch", str(s.batch), "--concurrency", str(s.concurrency), keys=keys,
         )
 
     def reap(self, slot: int, counts: Counts, items_done: dict[str, int]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lab import budget, errors
-from lab.faults import audit, clocksteps, diskfull, invariants, proxy
+from lab.faults import audit, clocksteps, diskfull, invariants, proxy, traffic
 from lab.faults.chaos_population import Population
 from lab.faults.chaos_settings import Counts, Settings
 from lab.pg import embedded
@@ -29,6 +29,8 @@ class Round(Protocol):
     partitions: proxy.Partitions
     disk: diskfull.DiskFull | None
     clock: clocksteps.ClockSteps | None
+    strikes: traffic.Strikes
+    release: traffic.Release | None
 
 
 class Check:
@@ -193,6 +195,9 @@ def _faults_report(round_: Round, tally: Tally) -> dict[str, Any]:
         "proxy_resets": sum(p.resets for p in round_.proxies.values()),
         "disk_full": round_.disk.report() if round_.disk is not None else {"count": 0},
         "clock_steps": round_.clock.report() if round_.clock is not None else {"count": 0},
+        # Per kind: how many strikes met work in flight (ready or running, a worker alive).
+        "in_flight": round_.strikes.report(),
+        "release": round_.release.describe() if round_.release is not None else None,
     }
 
 

@@ -51,6 +51,11 @@ class Settings:
     idle_exit: float = IDLE_EXIT_S
     drain_timeout: float = DRAIN_TIMEOUT_S
     batch: int = 1  # each worker's ``--batch``: workflows claimed and in flight together
+    # Each worker's ``--concurrency``: workflows in flight, each in its own transactions.
+    concurrency: int = 1
+    # Approve the round's workflows in waves over this many seconds of the fault phase
+    # (``lab.faults.traffic``), so faults meet work in flight; 0 approves all at once.
+    release_over: float = 0.0
     # The non-idempotent tool offers the fenced lookup, so its unknowns whose lookup is
     # absent are requeued with proof instead of waiting for a person.
     non_idempotent_fenced: bool = False
@@ -78,6 +83,8 @@ class Settings:
             "backoff_s": self.backoff,
             "idle_exit_s": self.idle_exit,
             "worker_batch": self.batch,
+            "worker_concurrency": self.concurrency,
+            "release_over_s": self.release_over,
             "max_attempts": max_attempts,
             "layout": "one schema per tool mode, each with its own tool service and workers",
             "restart_postgres_every_ms": self.restart_every_ms,
@@ -101,8 +108,17 @@ class Settings:
             raise errors.UsageError("workers must be between 1 and 64")
         if not 1 <= self.batch <= protocol.MAX_BATCH:
             raise errors.UsageError(f"batch must be between 1 and {protocol.MAX_BATCH}")
+        if not 1 <= self.concurrency <= protocol.MAX_CONCURRENCY:
+            raise errors.UsageError(
+                f"concurrency must be between 1 and {protocol.MAX_CONCURRENCY}")
+        if self.batch > 1 and self.concurrency > 1:
+            raise errors.UsageError("batch and concurrency are alternatives (shared or own "
+                                    "transactions): set one of them")
         if not 0 < self.duration <= 3600:
             raise errors.UsageError("duration must be between 0 and 3600 seconds")
+        if not 0 <= self.release_over <= self.duration:
+            raise errors.UsageError("release-over must be between 0 and the fault phase's "
+                                    "length")
         if min(self.kill_every_ms, self.terminate_every_ms, self.restart_every_ms,
                self.partition_every_ms) < 0:
             raise errors.UsageError("fault intervals must not be negative (0 means never)")
@@ -138,6 +154,27 @@ class Settings:
         sizes = split(self)
         if any(size > 0 and slots == 0 for _, size, slots in sizes):
             raise errors.UsageError("a mixed population needs at least two worker processes")
+
+
+def require_server(settings: Settings, *, restart: bool, volume: bool,
+                   steppable: bool) -> None:
+    """Raise ``errors.ProvisioningError`` when the database faults asked for need a server
+    this run does not have: one it can restart, fill, or whose clock it can step."""
+    if settings.restart_every_ms > 0 and not restart:
+        raise errors.ProvisioningError(
+            "--restart-postgres-every needs a server this run started (the embedded "
+            "provider): a given DSN's server cannot be restarted by the lab"
+        )
+    if settings.disk_full_every_ms > 0 and not volume:
+        raise errors.ProvisioningError(
+            "--disk-full-every needs an embedded server on a size-limited filesystem "
+            "this run mounted (lab chaos starts one; a given DSN's server cannot be filled)"
+        )
+    if settings.clock_step_every_ms > 0 and not steppable:
+        raise errors.ProvisioningError(
+            "--clock-step-every needs an embedded server under libfaketime this run "
+            "started (a given DSN's server clock cannot be stepped)"
+        )
 
 
 def split(settings: Settings) -> list[tuple[bool, int, int]]:

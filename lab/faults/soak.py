@@ -16,6 +16,12 @@ of the run, grouped as the controller (this process), the
 PostgreSQL server (postmaster and backends), the worker processes and the rest, and
 the server's client connections. ``figure_svg`` draws both over time. The verdict is
 the sum of every round's: no violation and the two checkers agreeing in each.
+
+Faults meet work in flight: each round approves its workflows in waves through its
+fault phase (``--release-over``, ``lab.faults.traffic``), and a database fault that
+comes due waits briefly for work in flight. The report counts, per fault kind, the
+strikes that met work in flight (``faults_in_flight``), and the samples that saw a
+worker process alive.
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ from typing import Any
 import psycopg
 
 from lab import errors, escape, files
-from lab.faults import chaos
+from lab.faults import chaos, traffic
 from lab.faults.chaos_settings import Settings
 from lab.pg import embedded, providers
 from lab.runtime import processes
 
 ROLES = ("controller", "postgres", "workers", "other")
+# The share of the fault phase over which a round's approvals arrive by default: the
+# last quarter lets the last waves meet faults too.
+RELEASE_SHARE = 0.75
 PROC_LIMIT = 64 * files.KIB
 
 
@@ -306,6 +315,8 @@ def _round_summary(index: int, report: dict[str, Any],
             "leases_expired_late_by_step": f["clock_steps"].get("leases_expired_late", 0),
         },
         "manual_reviews": report["manual_reviews"],
+        "in_flight": f["in_flight"],
+        "release": f["release"],
     }
 
 
@@ -323,6 +334,7 @@ def _report(settings: SoakSettings, rounds: list[dict[str, Any]],
     violations = sum(r["violations"] for r in rounds)
     agree = all(r["checkers_agree"] for r in rounds)
     conns = [s["connections"] for s in samples if s["connections"] is not None]
+    working = sum(1 for s in samples if s["processes"]["workers"] > 0)
     return {
         "settings": {"workflows": settings.workflows, "round_size": settings.round_size,
                      "sample_every_s": settings.sample_every,
@@ -333,6 +345,9 @@ def _report(settings: SoakSettings, rounds: list[dict[str, Any]],
         "rounds": rounds,
         "states": dict(sorted(states.items())),
         "faults": dict(sorted(faults.items())),
+        # Per fault kind, how many strikes met work in flight, over every round.
+        "faults_in_flight": traffic.merge([r["in_flight"] for r in rounds]),
+        "samples_with_workers": {"alive": working, "samples": len(samples)},
         "disk_full_server_log": dict(sorted(server_log.items())),
         "memory_mb": {
             role_: {"first": samples[0]["rss_mb"][role_], "last": samples[-1]["rss_mb"][role_],
@@ -417,6 +432,8 @@ class SoakOptions:
     workflows: int = 100_000
     round: int = 2_000
     workers: int = 4
+    batch: int = 1
+    concurrency: int = 1
     kill_every: float = 1000.0
     drop_replies: float = 0.05
     reject_429: float = 0.05
@@ -433,6 +450,7 @@ class SoakOptions:
     clock_step_every: float = 20_000.0
     clock_step_max: int = 10
     fault_phase: float = 60.0
+    release_over: float | None = None  # None: three quarters of the fault phase
     sample_every: float = 2.0
     output: str = "evidence/soak.json"
     figure: str = "evidence/soak.svg"
@@ -454,7 +472,10 @@ def settings_from(options: SoakOptions) -> SoakSettings:
         disk_full_mb=options.disk_full_mb, disk_full_fs=options.disk_full_fs,
         clock_step_every_ms=options.clock_step_every,
         clock_step_max_s=options.clock_step_max,
-        drain_timeout=600.0,
+        drain_timeout=600.0, batch=options.batch, concurrency=options.concurrency,
+        # Approvals arrive through the fault phase, so its faults meet work in flight.
+        release_over=(options.fault_phase * RELEASE_SHARE if options.release_over is None
+                      else options.release_over),
     )
     return SoakSettings(workflows=options.workflows, round_size=options.round,
                         sample_every=options.sample_every, chaos=chaos_settings)
@@ -515,6 +536,10 @@ def cli_main(options: SoakOptions) -> int:
         print(f"controller after each round's trim, MB: first {trimmed[0]}, "
               f"peak {max(trimmed)}, last {trimmed[-1]}")
     print(f"connections: {report['connections']}")
+    print("faults that met work in flight: " + ", ".join(
+        f"{kind} {t['busy']}/{t['strikes']}" for kind, t in report["faults_in_flight"].items())
+        + f"; samples with workers alive: {report['samples_with_workers']['alive']}/"
+        f"{report['samples_with_workers']['samples']}")
     print(f"violations: {report['violations']}; checkers agree: {report['checkers_agree']}; "
           f"verdict: {report['verdict']}")
     print(f"report written to {output}, figure to {figure}")
