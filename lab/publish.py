@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import dsse, hermetic, trust, verification
+from lab.evidence import bundle, dsse, hermetic, trust, verification
 from lab.model import signed
 
 if TYPE_CHECKING:
@@ -159,7 +159,11 @@ def publish(
     run_experiments: RunStep = _run_experiments,
     run_model: ModelStep = _run_model,
 ) -> list[str]:
-    """Run, verify and build as ``plan`` says; the book's files, or ``Refused`` naming why."""
+    """Run, verify and build as ``plan`` says; the book's files, or ``Refused`` naming why.
+
+    The evidence is verified once: the bundle opened here (``lab.evidence.bundle``) is
+    what the refusals judge and what the book is written from.
+    """
     # Model evidence of an earlier publication must not reach this book.
     if plan.model_evidence.exists():
         shutil.rmtree(plan.model_evidence)
@@ -185,22 +189,21 @@ def publish(
         )
         if code != 0:
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
+        # Judged on its own first: the model evidence must be of this very model file.
         model_verdict = signed.verify(
             plan.model_evidence, public_key=plan.pinned, trusted=known, model_path=plan.model
         )
         if not model_verdict.ok:
             raise Refused(f"{plan.model_evidence}: {model_verdict.problems[0]}")
-    verdict = verification.verify(
-        plan.evidence, public_key=plan.pinned, trusted=known, check_sources=True,
-        root=plan.root)
-    if not verdict.ok:
-        raise Refused(f"{plan.evidence}: {verdict.problems[0]}")
-    if verdict.report is None or verification.run_kind(verdict.report) != hermetic.HERMETIC:
-        reasons = hermetic.failures(verdict.report.get("run") if verdict.report else None)
+    # Opened once: the runtime evidence (its sources against this tree), the model
+    # evidence, a reproduction and the crash-point matrix, each verified on a private copy.
+    opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=known,
+                                root=plan.root, model_verifier=signed.verify)
+    if verification.run_kind(opened.report) != hermetic.HERMETIC:
+        reasons = hermetic.failures(opened.report.get("run"))
         raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
     _refuse_dirty(plan.root, "after the run")
-    return builder.build(plan.evidence, plan.book, public_key=plan.pinned, trusted=known,
-                         root=plan.root, model_verifier=signed.verify)
+    return builder.from_bundle(opened, plan.book, root=plan.root)
 
 
 def cli_main(options: PublishOptions) -> int:

@@ -48,7 +48,11 @@ TESTS = Path(__file__).resolve().parent
 # module's own). item.fixturenames is the closure, so a fixture built on them counts.
 POSTGRES_FIXTURES = frozenset({"lab_dsn", "killable_postgres", "faulty_server",
                                "beyond_one_host"})
-BROWSER = frozenset({"book/test_book_browser.py"})
+# Tests that drive Chromium: a whole file, or one test ("dir/test_x.py::name").
+BROWSER = frozenset({
+    "book/test_book_browser.py",
+    "book/test_book_layout.py::test_the_layout_checks_pass_a_good_page_and_fail_a_bad_one",
+})
 MODEL_DIRECTORIES = frozenset({"model"})
 # Measured at 20 s or more (pytest -n 2 --durations on two busy cores, load 5 to 7, see
 # docs/development.md): a whole file ("dir/test_x.py", most of its tests run a lab of
@@ -78,7 +82,7 @@ def _marks(relative: str, name: str, fixturenames: list[str]) -> list[str]:
     marks = []
     if POSTGRES_FIXTURES.intersection(fixturenames):
         marks.append("postgres")
-    if relative in BROWSER:
+    if relative in BROWSER or f"{relative}::{name}" in BROWSER:
         marks.append("browser")
     if directory in MODEL_DIRECTORIES:
         marks.append("model")

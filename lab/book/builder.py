@@ -85,36 +85,69 @@ def build(
     page, or no folder at all, gets pages of directives alone). ``model_verifier``
     verifies model evidence (``lab.model.signed.verify``, handed down by the command:
     the book does not import the model); model evidence without one is refused. The
-    evidence is opened once (``lab.evidence.bundle``). Returns the
-    paths written, relative to ``out`` and sorted; raises ``Refused`` with a one-line
-    reason instead.
+    evidence is opened once (``lab.evidence.bundle``), and the book is written from that
+    bundle alone (``from_bundle``). Returns the paths written, relative to ``out`` and
+    sorted; raises ``Refused`` with a one-line reason instead.
     """
     if not evidence_dir.is_dir():
         what = "not a directory" if evidence_dir.exists() else "no such directory"
         raise errors.InputError(f"evidence {evidence_dir}: {what}")
-    evidence_dir, out = evidence_dir.resolve(), out.resolve()
+    root = root or Path.cwd()
+    # The output and the sources are checked before the evidence is verified: a wrong
+    # --out is refused without the cost of a verification.
+    out, texts = _destination(evidence_dir.resolve(), out, root, sources)
+    opened = bundle.open_bundle(
+        evidence_dir.resolve(), public_key=public_key, trusted=trusted, root=root,
+        model_verifier=model_verifier,
+    )
+    return _write_book(opened, out, texts, root=root, png=png)
+
+
+def from_bundle(
+    opened: bundle.Bundle, out: Path, *, root: Path, png: bool = False,
+    sources: Path | None = None,
+) -> list[str]:
+    """Write the book into ``out`` from ``opened``, an evidence bundle already verified
+    (``lab.evidence.bundle.open_bundle``): nothing of the evidence is read again.
+
+    ``root``, ``png`` and ``sources`` as for ``build``; a part of the bundle that was
+    refused refuses the book. Returns the paths written, relative to ``out`` and sorted.
+    """
+    out, texts = _destination(opened.directory.resolve(), out, root, sources)
+    return _write_book(opened, out, texts, root=root, png=png)
+
+
+def _destination(
+    evidence_dir: Path, out: Path, root: Path, sources: Path | None
+) -> tuple[Path, dict[str, str]]:
+    """``out`` resolved and the book's source pages, once ``out`` is proven to overwrite
+    neither the evidence nor the sources; ``Refused`` naming which otherwise."""
+    out = out.resolve()
     if evidence_dir in (out, out / EVIDENCE_DIR):
         raise Refused(f"--out {out} would overwrite the evidence it is built from")
-    sources = (sources or (root or Path.cwd()) / SOURCES_DIR).resolve()
+    sources = (sources or root / SOURCES_DIR).resolve()
     if out == sources:
         raise Refused(f"--out {out} would overwrite the book's sources: build into "
                       f"{DEFAULT_OUT} or another folder")
-    texts = pages.load_sources(sources)
-    opened = bundle.open_bundle(
-        evidence_dir, public_key=public_key, trusted=trusted, root=root or Path.cwd(),
-        model_verifier=model_verifier,
-    )
+    return out, pages.load_sources(sources)
+
+
+def _write_book(
+    opened: bundle.Bundle, out: Path, texts: Mapping[str, str], *, root: Path, png: bool
+) -> list[str]:
+    """Render every page and figure from the verified ``opened`` and write them into
+    ``out`` with the verified evidence beside them; the paths written, sorted."""
     if opened.refusals:
         raise Refused(opened.refusals[0])
     report = opened.report
-    copies = {f"{EVIDENCE_DIR}/{name}": data for name, data in opened.verified_files().items()}
+    copies = {f"{EVIDENCE_DIR}/{name}": data for name, data in opened.verified_files.items()}
     files_out = dict(copies)
     reproduced = opened.part(bundle.REPRODUCTIONS)
     files_out.update(_render(report, copies, pinned_by=opened.pinned_by,
                              model_pinned_by=opened.part(bundle.MODEL).pinned_by,
                              reproduction=(reproduced.pinned_by, reproduced.withheld),
                              sources=texts, png=png,
-                             code=experiment_sources(report, root or Path.cwd())))
+                             code=experiment_sources(report, root)))
     if png:
         files_out.update(raster.pngs(files_out))
     _write(out, files_out)

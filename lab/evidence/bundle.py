@@ -101,6 +101,7 @@ class Bundle:
         """Every refused part's reason, in ``PARTS`` order."""
         return [p.refused for n in PARTS if (p := self.parts[n]).refused is not None]
 
+    @property
     def verified_files(self) -> dict[str, bytes]:
         """Every verified file of every present part, by its path in the evidence."""
         return {name: data for n in PARTS for name, data in self.parts[n].files.items()}
