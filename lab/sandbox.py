@@ -14,7 +14,8 @@ Inside:
 - a root built from read-only system directories (``/usr``, ``/etc`` and the merged-usr
   links), the interpreter's own prefix read-only, the dependencies' venv read-only, the
   run's scratch directory and the evidence directory writable, a fresh ``/proc``,
-  ``/dev``, ``/dev/shm``, ``/tmp``, ``/var/tmp`` and ``/run``; nothing of ``HOME``, of the
+  ``/dev``, ``/dev/shm``, ``/tmp``, ``/var/tmp`` and ``/run``, an empty ``/sys`` (a mount
+  point for the network namespaces' own sysfs); nothing of ``HOME``, of the
   machine's ``/tmp`` or of the checkout;
 - a fixed environment (``fixed_environment``), not a filtered copy of the caller's.
 
@@ -113,6 +114,10 @@ def command(layout: Layout, env: Mapping[str, str], argv: Sequence[str]) -> list
         "--cap-add", "ALL",
         *_system_mounts(),
         "--proc", "/proc", "--dev", "/dev",
+        # An empty mount point, nothing of the machine's sysfs: chapter 17's hosts run
+        # `ip netns exec`, which mounts the host namespace's own sysfs there (without it
+        # every ch17 experiment failed in a publishable run: "mount of /sys failed").
+        "--dir", "/sys",
     ]
     for fresh in FRESH_TMPFS:
         arguments += ["--tmpfs", fresh]

@@ -85,6 +85,26 @@ def test_the_sandbox_sees_only_what_it_is_given(tmp_path: Path) -> None:
     assert seen["interfaces"] == ["lo"]
 
 
+def test_chapter_17s_hosts_can_be_made_inside_the_sandbox(tmp_path: Path) -> None:
+    """A host of chapter 17 is a network namespace entered with ``ip netns exec``, which
+    mounts that namespace's own sysfs on /sys: inside the sandbox it works, and the
+    machine's /sys is not what it sees (every ch17 experiment failed in a publishable run
+    before the sandbox had a /sys mount point)."""
+    _require_bwrap()
+    work = tmp_path / "work"
+    work.mkdir()
+    layout = sandbox.Layout(read_only=(), writable=(work,), workdir=work)
+    script = ("ip netns add lab-probe && "
+              "ip netns exec lab-probe /usr/sbin/sysctl -q -w net.ipv4.ip_forward=0 && "
+              "ip netns exec lab-probe ls /sys/class/net && ip netns del lab-probe")
+    done = subprocess.run(sandbox.command(layout, sandbox.fixed_environment({}),
+                                          ["/bin/sh", "-c", script]),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    # The new namespace's sysfs: its own loopback only, none of the machine's interfaces.
+    assert done.stdout.split() == ["lo"], done.stdout
+
+
 def test_a_missing_bwrap_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without bubblewrap a hermetic run is refused before anything runs, naming the fix."""
     monkeypatch.setattr(sandbox, "BWRAP", "/nonexistent/bwrap")
