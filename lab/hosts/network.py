@@ -48,6 +48,9 @@ _NAME = re.compile(r"[a-z][a-z0-9]{0,7}")
 MAX_HOSTS = 32
 
 
+# Where the hosts' system programs are looked for (``program``), in this order.
+SYSTEM_DIRECTORIES = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
 # Waits for EOF on stdin (its owner closed it, or died), then deletes the namespaces named
 # on its command line that still exist; their veth pairs and the bridge go with them.
 _REAPER = r"""
@@ -70,10 +73,23 @@ def refusal() -> str | None:
     return None
 
 
+def program(name: str) -> str:
+    """The system program ``name`` by its absolute path in the system's own directories,
+    never through ``PATH``: a publishable run's sandbox has ``PATH=/usr/bin:/bin``, and
+    ``sysctl``, ``tc`` and ``nft`` live in ``/usr/sbin``. A program that is not installed
+    keeps its bare name, so running it fails naming it."""
+    for directory in SYSTEM_DIRECTORIES:
+        path = os.path.join(directory, name)
+        if os.access(path, os.X_OK):
+            return path
+    return name
+
+
 def command(*argv: str, netns: str | None = None, timeout: float = _COMMAND_TIMEOUT) -> str:
     """Run ``argv`` (in network namespace ``netns``) with a deadline; its stdout, or a
     one-line ``errors.ProvisioningError`` naming the program."""
-    full = ["ip", "netns", "exec", netns, *argv] if netns else list(argv)
+    inner = [program(argv[0]), *argv[1:]]
+    full = [program("ip"), "netns", "exec", netns, *inner] if netns else inner
     try:
         done = subprocess.run(full, capture_output=True, text=True, timeout=timeout,
                               check=False)

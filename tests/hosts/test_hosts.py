@@ -185,3 +185,17 @@ def test_a_killed_owner_leaves_no_namespace_behind() -> None:
     while network.leftovers(run_id) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert network.leftovers(run_id) == []
+
+
+def test_the_hosts_programs_are_found_without_sbin_on_the_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publishable run's sandbox has PATH=/usr/bin:/bin; the hosts' system programs
+    (sysctl, tc, nft live in /usr/sbin) are found by absolute path all the same (every
+    chapter 17 experiment failed in a genuine lab publish with "exec of sysctl failed")."""
+    from lab.hosts import network
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert network.program("sysctl") == "/usr/sbin/sysctl"
+    assert network.command("sysctl", "-n", "kernel.ostype").strip() == "Linux"
+    assert network.program("no-such-program-here") == "no-such-program-here"
