@@ -27,6 +27,7 @@ from lab.faults.crashscripts import LATE_DATABASE, LATE_IN_TOOL, LATE_NETWORK
 from lab.runtime import toolprocess
 
 REFUSED = "refused"
+MARK_TIMEOUT_S = 30.0  # the tool answers a mark at once; this is a loaded machine's bound
 APPLIED = "applied"
 
 
@@ -81,8 +82,17 @@ class LateRig:
         self.link.partition(proxy.BLACKHOLE)
 
     def deliver(self) -> None:
-        """Let the held request go on: heal its link, or release the tool holding it."""
-        self.mark = len(self.answering.current.all_lines())
+        """Let the held request go on: heal its link, or release the tool holding it.
+
+        The answers counted are the lines after a mark the tool writes now: a line the
+        tool wrote before (the requeued attempt's effect, say) that the harness has not
+        read yet is never taken for the late request's answer (a publishable run counted
+        the requeued attempt's effect as a late request applied)."""
+        answering = self.answering.current
+        answering.send(toolprocess.MARK_COMMAND)
+        answering.wait_for(f"{protocol.ARMED} {toolprocess.MARK_COMMAND}",
+                           timeout=MARK_TIMEOUT_S)
+        self.mark = len(answering.all_lines())
         if self.placement in (LATE_NETWORK, LATE_DATABASE) and self.link is not None:
             self.link.heal()
         elif self.placement == LATE_IN_TOOL:

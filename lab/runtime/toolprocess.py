@@ -19,7 +19,9 @@ Fault switches, each for the first time the boundary is reached:
   before the reply);
 - a line ``drop`` on stdin arms the loss of the next effect reply (the effect
   is committed, the connection closed without an answer); ``BOOK_ARMED drop``
-  confirms it.
+  confirms it;
+- a line ``mark`` on stdin is answered ``BOOK_ARMED mark`` and changes nothing: a
+  harness that reads the tool's output later knows which lines came after it.
 
 A restart is a new process on the same port with the same token, so a worker
 that was given the endpoint before the crash reaches the new incarnation.
@@ -38,6 +40,9 @@ from lab import errors, protocol, redact
 from lab.runtime import egress, processes, tool
 
 DROP_COMMAND = "drop"
+# Asks for a mark in the tool's output (BOOK_ARMED mark), releasing nothing: what the
+# tool says after it happened after the command arrived.
+MARK_COMMAND = "mark"
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -73,6 +78,8 @@ def serve_main(argv: list[str] | None = None) -> int:
             if raw.strip() == DROP_COMMAND:
                 service.drop_next_reply()
                 line(f"{protocol.ARMED} {DROP_COMMAND}")
+            elif raw.strip() == MARK_COMMAND:
+                line(f"{protocol.ARMED} {MARK_COMMAND}")
             else:
                 released.set()
         released.set()  # stdin closed: never hold a request forever
