@@ -409,8 +409,9 @@ def _sitting(
 
 def blast_radius(medians: Mapping[Config, float | None]) -> dict[str, list[dict[str, Any]]]:
     """At equal processes and equal work in flight per process: the lab's ``--concurrency``
-    (one workflow per transaction) against DBOS's ``worker_concurrency``, and the lab's
-    ``--batch`` (the whole batch per transaction) against both."""
+    (one workflow per transaction) against DBOS's ``worker_concurrency`` (and Temporal's
+    ``max_concurrent_activities``, when it ran), and the lab's ``--batch`` (the whole batch
+    per transaction) against both."""
     def rate(system: str, processes: int, in_flight: int, batched: bool) -> float | None:
         found = [v for c, v in medians.items() if v is not None and c.system == system
                  and c.processes == processes and c.in_flight == in_flight
@@ -418,15 +419,19 @@ def blast_radius(medians: Mapping[Config, float | None]) -> dict[str, list[dict[
         return max(found) if found else None
 
     keys = sorted({(c.processes, c.in_flight) for c in medians})
+    temporal = any(c.system == "temporal" for c in medians)
     one: list[dict[str, Any]] = []
     shared: list[dict[str, Any]] = []
     for processes, in_flight in keys:
         lab = rate("lab", processes, in_flight, False)
         dbos = rate("dbos", processes, in_flight, False)
-        if lab is not None or dbos is not None:
+        peer = rate("temporal", processes, in_flight, False)
+        if lab is not None or dbos is not None or peer is not None:
             one.append({"processes": processes, "in_flight": in_flight,
                         "lab_concurrency": rnd(lab, 2), "dbos": rnd(dbos, 2),
                         "lab_over_dbos": rnd(ratio(lab, dbos), 3)})
+            if temporal:
+                one[-1].update(temporal=rnd(peer, 2), lab_over_temporal=rnd(ratio(lab, peer), 3))
         batch = rate("lab", processes, in_flight, True)
         if batch is not None:
             shared.append({"processes": processes, "in_flight": in_flight,
@@ -532,15 +537,20 @@ def blast_radius_tables(sitting: Mapping[str, Any]) -> list[Table]:
     one = Table(title=f"blast radius 1 (each workflow its own transactions), beside {noise} "
                 "busy process(es): wf/s at equal processes and in-flight work per process "
                 "[load mean / other cores]")
+    rows = sitting["blast_radius"]["one_per_transaction"]
+    temporal = any("temporal" in row for row in rows)
     for column in ("processes", "in flight", "lab --concurrency", "DBOS worker_concurrency",
-                   "lab / DBOS"):
+                   "lab / DBOS", *(("Temporal max_concurrent_activities", "lab / Temporal")
+                                   if temporal else ())):
         one.add_column(column, justify="right")
-    for row in sitting["blast_radius"]["one_per_transaction"]:
+    for row in rows:
         p, n = row["processes"], row["in_flight"]
         one.add_row(str(p), str(n),
                     f"{fmt(row['lab_concurrency'])} [{beside(p, n, 'lab', False)}]",
                     f"{fmt(row['dbos'])} [{beside(p, n, 'dbos', False)}]",
-                    fmt(row["lab_over_dbos"]))
+                    fmt(row["lab_over_dbos"]),
+                    *((f"{fmt(row['temporal'])} [{beside(p, n, 'temporal', False)}]",
+                       fmt(row["lab_over_temporal"])) if temporal else ()))
     whole = Table(title=f"blast radius = in flight (the batch shares its transactions), beside "
                   f"{noise} busy process(es): wf/s [load mean / other cores]")
     for column in ("processes", "in flight", "lab --batch", "lab --concurrency", "DBOS",

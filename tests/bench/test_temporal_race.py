@@ -178,3 +178,18 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_blast_radius_one_puts_temporals_activities_beside_dbos_at_equal_work_in_flight() -> None:
+    medians: dict[Config, float | None] = {
+        Config("lab", 2, 8): 300.0, Config("dbos", 2, 8, 0.005): 100.0,
+        Config("temporal", 2, 8, workflow_tasks=1): 30.0,
+        Config("temporal", 2, 8, workflow_tasks=4): 60.0,
+    }
+    rows = throughput.blast_radius(medians)["one_per_transaction"]
+    assert rows == [{"processes": 2, "in_flight": 8, "lab_concurrency": 300.0, "dbos": 100.0,
+                     "lab_over_dbos": 3.0, "temporal": 60.0, "lab_over_temporal": 5.0}]
+    sitting = {"noise": 0, "blast_radius": throughput.blast_radius(medians),
+               "configs": [_row(c, v or 0.0, None) for c, v in medians.items()]}
+    text = _text(throughput.blast_radius_tables(sitting)[0])
+    assert "Temporal max_concurrent_activities" in text and "5.000" in text
