@@ -32,7 +32,6 @@ from lab import errors, protocol
 from lab.bench import measure
 from lab.bench.rounds import (
     Config,
-    Run,
     RunResult,
     release_together,
     round_costs,
@@ -250,8 +249,3 @@ class TemporalRounds:
             # Stopped after the round's meters were read: its CPU, once reaped, would
             # otherwise count as a worker's.
             server.stop()
-
-
-def runner(scratch: measure.Scratch) -> Run:
-    """A function that runs one Temporal round of a configuration on these databases."""
-    return TemporalRounds(scratch, measure.server_pid(scratch.admin_dsn))
