@@ -420,8 +420,10 @@ def _add_bench(commands: Commands[parsing.Parser]) -> None:
     throughput.add_argument("--concurrency", type=int, default=1,
                             help="workflows in flight per lab worker, each with its own "
                                  "transactions (its --concurrency)")
-    throughput.add_argument("--peer", choices=["dbos"], default=None,
-                            help="also measure this peer in the same rounds")
+    throughput.add_argument("--peer", dest="peers", choices=["dbos", "temporal"],
+                            action="append", default=[],
+                            help="also measure this peer in the same rounds (repeatable with "
+                                 "--sweep: every peer named races in one sitting)")
     throughput.add_argument("--repeat", type=int, default=1, help="rounds per configuration")
     throughput.add_argument("--sweep", action="store_true",
                             help="each system over its own configurations, best against best")
@@ -434,8 +436,14 @@ def _add_bench(commands: Commands[parsing.Parser]) -> None:
                             help="sweep: DBOS worker_concurrency values")
     throughput.add_argument("--dbos-poll", default="0.005,0.05",
                             help="sweep: DBOS queue polling intervals, seconds")
+    throughput.add_argument("--temporal-processes", default="2",
+                            help="sweep: Temporal worker processes")
+    throughput.add_argument("--temporal-activities", default="1,8",
+                            help="sweep: Temporal workers' max_concurrent_activities values")
+    throughput.add_argument("--temporal-workflow-tasks", default="1,4",
+                            help="sweep: Temporal workers' max_concurrent_workflow_tasks values")
     throughput.add_argument("--noise", default="0",
-                            help="busy processes beside both systems' rounds; the sweep takes "
+                            help="busy processes beside every system's rounds; the sweep takes "
                                  "a comma-separated list, each level a sitting of its own")
     claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
     claim.add_argument("--history", type=int, action="append", default=[], metavar="N",

@@ -5,7 +5,8 @@ JSON, and a reader compares the figures with the goals. The benchmarks live in
 their own modules and share only ``lab.bench.measure``:
 
 - ``throughput`` (``bench_throughput``): workflows/s through worker OS processes,
-  against DBOS with ``--peer dbos``, over each system's configurations with ``--sweep``
+  against DBOS with ``--peer dbos`` or Temporal with ``--peer temporal``, over each
+  system's configurations with ``--sweep`` (``--peer`` repeated: every peer in one sitting)
 - ``claim`` (``bench_claim``): claim latency as the finished history grows, and the plan
 - ``suite`` (``bench_suite``): the experiment suite's wall time, serial and parallel
 - ``startup`` (``bench_startup``): provisioning and a worker's spawn-to-ready time
@@ -55,8 +56,8 @@ class ClaimOptions:
 
 @dataclass(frozen=True)
 class ThroughputOptions:
-    """``lab bench throughput``: the workload, the peer, and the sweep's configurations
-    (comma-separated lists, as the flags take them)."""
+    """``lab bench throughput``: the workload, the peers (``--peer``, repeatable), and the
+    sweep's configurations (comma-separated lists, as the flags take them)."""
 
     output_dir: str = OUTPUT_DIR
     workflows: int = 1000
@@ -64,7 +65,7 @@ class ThroughputOptions:
     workers: int = 2
     batch: int = 1
     concurrency: int = 1
-    peer: str | None = None
+    peers: tuple[str, ...] = ()
     repeat: int = 1
     sweep: bool = False
     lab_processes: str = "2,4"
@@ -73,6 +74,9 @@ class ThroughputOptions:
     dbos_processes: str = "2,4"
     dbos_concurrency: str = "1,8,16"
     dbos_poll: str = "0.005,0.05"
+    temporal_processes: str = "2"
+    temporal_activities: str = "1,8"
+    temporal_workflow_tasks: str = "1,4"
     noise: str = "0"
     lab_postgres: str = providers.AUTO
 
@@ -143,13 +147,20 @@ def _validate(options: ThroughputOptions) -> None:
         raise errors.UsageError("--noise takes a list only with --sweep")
     if options.min_seconds < 0:
         raise errors.UsageError("--min-seconds must not be negative")
+    if len(set(options.peers)) != len(options.peers):
+        raise errors.UsageError("--peer names each peer once")
+    if not options.sweep and len(options.peers) > 1:
+        raise errors.UsageError("more than one --peer only with --sweep")
     if options.sweep:
-        if options.peer != "dbos":
-            raise errors.UsageError("--sweep compares with a peer: add --peer dbos")
+        if not options.peers:
+            raise errors.UsageError("--sweep compares with peers: add --peer dbos and/or "
+                                    "--peer temporal")
         counts += [*_ints(options.lab_processes), *_ints(options.lab_batch),
                    *_ints(options.lab_concurrency),
                    *_ints(options.dbos_processes),
-                   *_ints(options.dbos_concurrency)]
+                   *_ints(options.dbos_concurrency),
+                   *_ints(options.temporal_processes), *_ints(options.temporal_activities),
+                   *_ints(options.temporal_workflow_tasks)]
         if not all(poll > 0 for poll in _floats(options.dbos_poll)):
             raise errors.UsageError("--dbos-poll intervals must be positive")
     if any(count < 1 for count in counts):
@@ -175,10 +186,15 @@ def _measure(options: BenchOptions, dsn: str) -> tuple[str, dict[str, Any]]:
             noise=_ints(options.noise),
             lab_concurrency=_ints(options.lab_concurrency),
             min_seconds=options.min_seconds,
+            peers=options.peers,
+            temporal_processes=_ints(options.temporal_processes),
+            temporal_activities=_ints(options.temporal_activities),
+            temporal_workflow_tasks=_ints(options.temporal_workflow_tasks),
         )
     if isinstance(options, ThroughputOptions):
         return "throughput", throughput.throughput(
-            dsn, options.workflows, options.workers, options.peer, options.repeat,
+            dsn, options.workflows, options.workers,
+            options.peers[0] if options.peers else None, options.repeat,
             noise=_ints(options.noise)[0], batch=options.batch,
             concurrency=options.concurrency, min_seconds=options.min_seconds,
         )
@@ -208,6 +224,8 @@ def _print(name: str, report: Mapping[str, Any], out: Console) -> None:
             out.print(f"lab / {report['peer']} throughput: {fmt(report['ratio_vs_peer_median'])} "
                       f"(per round {report['ratio_vs_peer_per_round']}; goal >= "
                       f"{throughput.GOAL_RATIO_VS_DBOS})")
+        for limit in report.get("limits", []):
+            out.print(f"limit of the comparison: {limit}")
     elif name == "claim":
         out.print(claim.claim_table(report))
         out.print(f"p50 {report['largest']:,} / {report['smallest']:,}: "
@@ -230,13 +248,21 @@ def _print_sweep(report: Mapping[str, Any], out: Console) -> None:
                   f"{fmt(ceiling['after']['commits_per_second'])}), one session; share = wf/s "
                   "x xacts/wf / ceiling (above 1 when concurrent commits share WAL flushes)")
         comparison = sitting["comparison"]
+        peers = comparison.get("peers", {})
         out.print(f"best lab: {comparison['best_lab']} at {fmt(comparison['best_lab_wf_s'])} "
-                  f"wf/s; best DBOS: {comparison['best_dbos']} at "
-                  f"{fmt(comparison['best_dbos_wf_s'])} wf/s")
-        out.print(f"best against best (lab / DBOS): {fmt(comparison['best_against_best'])} "
-                  f"(goal >= {sitting['goal_best_against_best']})")
-        for count, pair in comparison["at_equal_processes"].items():
-            out.print(f"at {count} processes: {pair['lab']} / {pair['dbos']} = "
-                      f"{fmt(pair['ratio'])}")
+                  "wf/s; " + "; ".join(
+                      f"best {throughput.PEER_TITLES[system]}: {figures['best']} at "
+                      f"{fmt(figures['best_wf_s'])} wf/s" for system, figures in peers.items()))
+        for system, figures in peers.items():
+            title = throughput.PEER_TITLES[system]
+            goal = (f" (goal >= {sitting['goal_best_against_best']})"
+                    if system == "dbos" else "")
+            out.print(f"best against best (lab / {title}): "
+                      f"{fmt(figures['best_against_best'])}{goal}")
+            for count, pair in figures["at_equal_processes"].items():
+                out.print(f"at {count} processes: {pair['lab']} / {pair[system]} = "
+                          f"{fmt(pair['ratio'])}")
         for table in throughput.blast_radius_tables(sitting):
             out.print(table)
+    for limit in report.get("limits", []):
+        out.print(f"limit of the comparison: {limit}")

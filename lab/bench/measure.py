@@ -98,13 +98,19 @@ def xact_delta(
 
 
 def split_transactions(
-    delta: Mapping[str, int], *, system_db: str, tool_db: str, tool_calls: int
+    delta: Mapping[str, int], *, system_db: str | None, tool_db: str, tool_calls: int
 ) -> dict[str, Any]:
     """Split a run's transactions into the orchestrator's and the tool ledger's.
 
     With separate databases both are measured. When they share one, the tool's
-    share is estimated: its ledger write is one autocommit INSERT per call.
+    share is estimated: its ledger write is one autocommit INSERT per call. A
+    ``system_db`` of None is an orchestrator whose state is not in PostgreSQL
+    (Temporal's dev server keeps it in SQLite): the tool's database holds the tool's
+    transactions alone, measured, and the orchestrator's (and so the total) are unknown.
     """
+    if system_db is None:
+        return {"total": None, "system": None, "tool": delta[tool_db], "tool_measured": True,
+                "system_measured": False}
     if system_db != tool_db:
         system, ledger = delta[system_db], delta[tool_db]
         return {"total": system + ledger, "system": system, "tool": ledger, "tool_measured": True}
@@ -433,6 +439,13 @@ def server_cpu(postmaster: int | None, children: Sequence[int] | None = None) ->
     return total
 
 
+def pid_cpu(pid: int | None) -> float | None:
+    """CPU seconds a process and its reaped children used so far; None for no pid or a
+    process gone (a peer's own server, such as Temporal's dev server)."""
+    facts = None if pid is None else process_cpu(pid)
+    return None if facts is None else facts[0] + facts[1]
+
+
 def own_cpu() -> float:
     """CPU seconds of this process so far, all its threads (the tool service runs here)."""
     times = os.times()
@@ -448,15 +461,18 @@ class CpuMeter:
     (workers, less what they used before release), ``bench_cpu_seconds`` (this process:
     the tool service's threads, the output readers, a drain poll), ``server_cpu_seconds``
     (every PostgreSQL process; None for a server that is not a local process) and
-    ``all_cpu_seconds``, their sum.
+    ``all_cpu_seconds``, their sum, with ``peer_server_cpu_seconds`` (a peer's own server,
+    such as Temporal's dev server, when ``peer_server`` names its pid).
     """
 
     postmaster: int | None = None
+    peer_server: int | None = None
     children: float = field(default_factory=children_cpu)
     ticks: tuple[int, int] | None = None
     before_release: float = 0.0
     own: float = 0.0
     server: float | None = None
+    peer: float | None = None
 
     def released(self, pids: Sequence[int] = ()) -> None:
         """Mark the start of the drain: the worker processes ``pids`` were just released."""
@@ -466,6 +482,7 @@ class CpuMeter:
         )
         self.own = own_cpu()
         self.server = server_cpu(self.postmaster)
+        self.peer = pid_cpu(self.peer_server)
 
     def read(self) -> dict[str, float | None]:
         """Busy share since ``released``; CPU seconds per share (call once workers exited)."""
@@ -477,12 +494,15 @@ class CpuMeter:
         drain = workers - self.before_release
         bench = own_cpu() - self.own
         server = difference(server_cpu(self.postmaster), self.server)
+        peer = difference(pid_cpu(self.peer_server), self.peer)
+        everything = None if server is None else drain + bench + server + (peer or 0.0)
         return {"machine_busy_share": busy,
                 "worker_cpu_seconds": round(workers, 3),
                 "drain_worker_cpu_seconds": round(drain, 3),
                 "bench_cpu_seconds": round(bench, 3),
                 "server_cpu_seconds": rnd(server, 3),
-                "all_cpu_seconds": None if server is None else round(drain + bench + server, 3)}
+                "peer_server_cpu_seconds": rnd(peer, 3),
+                "all_cpu_seconds": rnd(everything, 3)}
 
 
 @contextlib.contextmanager

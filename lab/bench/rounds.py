@@ -2,7 +2,8 @@
 
 ``lab_round`` drains N approved workflows with M ``lab worker`` processes through the real
 HTTP tool; ``dbos_round`` the equivalent DBOS workflow (a queue, one step calling the same
-tool; ``python -m lab.peers.dbos_peer worker``) on the same server. Each round is measured
+tool; ``python -m lab.peers.dbos_peer worker``) on the same server; Temporal's round
+(``lab.bench.temporal_round``) uses the helpers shared here. Each round is measured
 over its honest window (``lab.bench.window``): from the release of its workers to its last
 completion, the rate a user waits for and the CPU every process of the round used in it,
 with the load average and the other processes' share of the machine sampled through it.
@@ -48,16 +49,21 @@ DBOS_POLL_SECONDS = 0.005
 
 @dataclass(frozen=True)
 class Config:
-    """One system's configuration: worker processes and, for DBOS, its queue settings."""
+    """One system's configuration: worker processes and, for DBOS, its queue settings; for
+    Temporal, each worker's ``max_concurrent_activities`` (``concurrency``) and
+    ``max_concurrent_workflow_tasks`` (``workflow_tasks``)."""
 
     system: str
     processes: int
     #: Workflows in flight per process, each with its own transactions: DBOS's
-    #: ``worker_concurrency``, the lab's ``--concurrency``.
+    #: ``worker_concurrency``, the lab's ``--concurrency``, Temporal's
+    #: ``max_concurrent_activities``.
     concurrency: int | None = None
     poll: float | None = None
     #: The lab's ``--batch``: workflows per shared claim and completion transaction.
     batch: int = 1
+    #: Temporal's ``max_concurrent_workflow_tasks``.
+    workflow_tasks: int | None = None
 
     @property
     def in_flight(self) -> int:
@@ -71,11 +77,15 @@ class Config:
 
     @property
     def label(self) -> str:
-        """A short name: ``lab p4``, ``lab p4 c8``, ``lab p4 b16`` or ``dbos p4 c16 poll 5ms``."""
+        """A short name: ``lab p4``, ``lab p4 c8``, ``lab p4 b16``, ``dbos p4 c16 poll 5ms``
+        or ``temporal p2 a8 wt2`` (activities, workflow tasks)."""
         if self.system == "lab":
             threads = self.concurrency or 1
             return (f"lab p{self.processes}" + (f" c{threads}" if threads > 1 else "")
                     + (f" b{self.batch}" if self.batch > 1 else ""))
+        if self.system == "temporal":
+            return (f"temporal p{self.processes} a{self.concurrency or 1} "
+                    f"wt{self.workflow_tasks or 1}")
         return f"dbos p{self.processes} c{self.concurrency} poll {(self.poll or 0) * 1000:g}ms"
 
     def to_json(self) -> dict[str, Any]:
@@ -83,6 +93,10 @@ class Config:
         if self.system == "lab":
             return {"system": self.system, "processes": self.processes,
                     "concurrency": self.concurrency or 1, "batch": self.batch}
+        if self.system == "temporal":
+            return {"system": self.system, "processes": self.processes,
+                    "max_concurrent_activities": self.concurrency or 1,
+                    "max_concurrent_workflow_tasks": self.workflow_tasks or 1}
         return {"system": self.system, "processes": self.processes,
                 "worker_concurrency": self.concurrency, "polling_interval_sec": self.poll}
 
@@ -103,7 +117,7 @@ class RunResult:
 
     @property
     def system(self) -> str:
-        """``lab`` or ``dbos``."""
+        """``lab``, ``dbos`` or ``temporal``."""
         return self.config.system
 
     @property
@@ -120,6 +134,11 @@ class RunResult:
             value = self.cpu.get(key)
             return None if value is None else round(value * 1000 / n, 3)
 
+        def per_workflow(key: str) -> float | None:
+            # None: not in PostgreSQL (Temporal's dev server keeps its state in SQLite).
+            value = self.xacts.get(key)
+            return None if value is None else round(value / n, 3)
+
         return {
             "system": self.system,
             "config": self.config.to_json(),
@@ -133,7 +152,7 @@ class RunResult:
             "http_calls_per_workflow": round(self.http_calls / n, 3),
             "xacts": self.xacts,
             "xacts_per_workflow_raw": {
-                key: round(self.xacts[key] / n, 3) for key in ("total", "system", "tool")
+                key: per_workflow(key) for key in ("total", "system", "tool")
             },
             "wal_syncs_per_workflow_raw": None if wal is None else round(wal / n, 3),
             "worker_cpu_ms_per_workflow_raw": None if cpu is None else round(cpu * 1000 / n, 3),
@@ -142,6 +161,7 @@ class RunResult:
                 "workers": per_workflow_ms("window_workers_cpu_seconds"),
                 "bench_and_tool": per_workflow_ms("window_bench_cpu_seconds"),
                 "postgres": per_workflow_ms("window_server_cpu_seconds"),
+                "peer_server": per_workflow_ms("window_peer_server_cpu_seconds"),
                 "all": per_workflow_ms("window_all_cpu_seconds"),
             },
             # Beside every figure: what else the machine did through the window.
@@ -158,10 +178,10 @@ class RunResult:
 # -- one round of each system ---------------------------------------------------------------------
 
 
-def _release_together(
+def release_together(
     children: list[processes.WorkerProcess], meter: measure.CpuMeter, window: Window
 ) -> float:
-    """Start lab's and DBOS's workers the same way: all ready, the meters started, all go.
+    """Start every system's workers the same way: all ready, the meters started, all go.
     Returns the release epoch, the window's start."""
     for child in children:
         child.wait_for(protocol.READY, timeout=60)
@@ -187,19 +207,20 @@ def _approved_backlog(dsn: str, schema: str, count: int) -> None:
                 pass
 
 
-def _costs(
+def round_costs(
     scratch: measure.Scratch,
     meter: measure.CpuMeter,
     window: Window,
     before: Mapping[str, int],
     wal_before: int | None,
-    system_db: str,
+    system_db: str | None,
     calls: int,
     own: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, float | None], dict[str, Any]]:
     """CPU, WAL syncs and transactions one round cost, split between system and tool.
 
-    ``own`` names the benchmark's own polling transactions to leave out.
+    ``own`` names the benchmark's own polling transactions to leave out; ``system_db`` is
+    None for a system whose state is not in PostgreSQL.
     """
     window.stop()
     cpu: dict[str, Any] = dict(meter.read())
@@ -212,7 +233,7 @@ def _costs(
     return cpu, xacts
 
 
-def _result(
+def round_result(
     config: Config,
     workflows: int,
     rows: Sequence[Mapping[str, Any]],
@@ -223,7 +244,8 @@ def _result(
 ) -> RunResult:
     """The round's figures over its window: from release to the last completion."""
     ready = [float(row["ready"]) for row in rows]
-    claim = [float(row["claim"]) for row in rows]
+    # A round may read the claim of a sample of its workflows only (Temporal's histories).
+    claim = [float(row["claim"]) for row in rows if row.get("claim") is not None]
     last = max((float(row["done"]) for row in rows), default=None)
     cpu.update(window.figures(last))
     return RunResult(
@@ -284,7 +306,7 @@ def lab_round(
                     fork=False,
                 )
             )
-        released = _release_together(children, meter, window)
+        released = release_together(children, meter, window)
         for child in children:
             child.finish(timeout=60 + workflows * 0.5)
         calls = service.calls + service.lookups
@@ -293,13 +315,13 @@ def lab_round(
         for child in children:
             child.cleanup()
         service.stop()
-    cpu, xacts = _costs(scratch, meter, window, before, wal_before, scratch.store_db, calls)
+    cpu, xacts = round_costs(scratch, meter, window, before, wal_before, scratch.store_db, calls)
     with store.Store.open(scratch.store_dsn, schema, max_connections=1) as db:
         rows = db.execute(_LAB_TIMES, (released,))
     edge.drop_schema(scratch.store_dsn, schema)
     if scratch.tool_dsn != scratch.store_dsn:
         edge.drop_schema(scratch.tool_dsn, schema)
-    return _result(config, workflows, rows, calls, xacts, cpu, window)
+    return round_result(config, workflows, rows, calls, xacts, cpu, window)
 
 
 def _dbos_child(
@@ -368,7 +390,7 @@ def dbos_round(
             children.append(
                 _dbos_child(scratch, dbos_schema, "worker", f"dbos-{tag}-{index}", config, service)
             )
-        released = _release_together(children, meter, window)
+        released = release_together(children, meter, window)
         for child in children:
             child.wait_for(protocol.LAUNCHED, timeout=60)
         deadline = time.monotonic() + 60 + workflows * 0.5
@@ -391,7 +413,7 @@ def dbos_round(
         for child in children:
             child.cleanup()
         service.stop()
-    cpu, xacts = _costs(
+    cpu, xacts = round_costs(
         scratch, meter, window, before, wal_before, scratch.dbos_db, calls,
         own={scratch.dbos_db: polls},
     )
@@ -414,7 +436,7 @@ def dbos_round(
         action="read DBOS's workflow times",
     )
     edge.drop_schema(scratch.tool_dsn, schema)
-    return _result(config, workflows, rows, calls, xacts, cpu, window)
+    return round_result(config, workflows, rows, calls, xacts, cpu, window)
 
 
 # -- the benchmark's setting -------------------------------------------------------------------

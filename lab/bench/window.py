@@ -3,8 +3,9 @@
 A round's window runs from the release of its workers to its last completion: what a
 user waiting for the backlog waits for. A ``Window`` samples, from release on and every
 ``interval`` seconds, the load average, the machine's busy and total CPU ticks and the
-cumulative CPU of every process of the round (the workers, PostgreSQL's processes, this
-process: the tool service and the output readers, less the sampler's own thread).
+cumulative CPU of every process of the round (the workers, PostgreSQL's processes, a
+peer's own server such as Temporal's dev server, this process: the tool service and the
+output readers, less the sampler's own thread).
 ``figures`` then reads each quantity at the window's end by interpolating between the
 samples around it, so a worker's idle polls and exit after the last completion are not
 counted, and reports the CPU the round's processes did not use: the other processes'
@@ -47,6 +48,8 @@ class Sample:
     workers: float
     server: float | None
     own: float
+    #: A peer's own server process (Temporal's dev server), when the round has one.
+    peer_server: float | None = None
 
 
 @dataclass
@@ -55,6 +58,8 @@ class Window:
 
     postmaster: int | None
     interval: float = SAMPLE_SECONDS
+    #: The pid of a peer's own server (Temporal's dev server), counted as a share of its own.
+    peer_server: int | None = None
     samples: list[Sample] = field(default_factory=list)
     _pids: tuple[int, ...] = ()
     _last: dict[int, float] = field(default_factory=dict)
@@ -101,6 +106,7 @@ class Window:
             workers=sum(self._last.values()),
             server=measure.server_cpu(self.postmaster, self._server_pids),
             own=measure.own_cpu() - sampler_cpu,
+            peer_server=measure.pid_cpu(self.peer_server),
         )
 
     def figures(self, end: float | None) -> dict[str, Any]:
@@ -116,7 +122,9 @@ class Window:
         own = self._at(end, "own") - start.own
         server = (None if start.server is None
                   else self._at(end, "server") - start.server)
-        ours = None if server is None else workers + own + server
+        peer = (None if start.peer_server is None
+                else self._at(end, "peer_server") - start.peer_server)
+        ours = None if server is None else workers + own + server + (peer or 0.0)
         inside = [s for s in self.samples if s.at <= end] or [start]
         figures: dict[str, Any] = {
             "window_seconds": round(seconds, 3),
@@ -124,6 +132,7 @@ class Window:
             "window_workers_cpu_seconds": round(workers, 3),
             "window_bench_cpu_seconds": round(own, 3),
             "window_server_cpu_seconds": measure.rnd(server, 3),
+            "window_peer_server_cpu_seconds": measure.rnd(peer, 3),
             "window_all_cpu_seconds": measure.rnd(ours, 3),
             "load_mean": round(statistics.fmean(s.load for s in inside), 2),
             "load_max": round(max(s.load for s in inside), 2),

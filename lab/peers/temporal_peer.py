@@ -8,7 +8,9 @@ it polls, and ``BOOK_STAGE after_tool <attempt>`` once the tool answered (or fai
 where ``<attempt>`` is Temporal's own attempt number of the activity; with ``--pause
 after_tool`` it waits there for a newline on the attempt ``--pause-attempt``: after the
 effect, before the activity's completion reaches the server. SIGKILL in that pause is the
-crash window. Workers run until they are killed.
+crash window. Workers run until they are killed, except the throughput bench's: with
+``--start-gate`` a worker polls from a first newline (``BOOK_LAUNCHED``) and shuts down
+at a second (``BOOK_DONE``), and ``--quiet`` drops the per-activity line.
 
 The experiment's side (``Peer``) starts workflows, signals, cancels and reads Temporal's
 own view of them (status, history) through the SDK's client. Configuration that holds a
@@ -259,6 +261,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="the worker's max_concurrent_activities")
     parser.add_argument("--max-concurrent-workflow-tasks", type=int, default=1,
                         help="the worker's max_concurrent_workflow_tasks")
+    parser.add_argument("--start-gate", action="store_true",
+                        help="the bench's gate: poll only after a newline, print BOOK_LAUNCHED, "
+                             "and shut down after a second newline (BOOK_DONE)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print no BOOK_STAGE line per activity (the bench's setting)")
     return parser
 
 
@@ -297,7 +304,8 @@ async def _serve(args: argparse.Namespace, endpoint: str, token: str) -> None:
             receipt = clients[0].call(work)
         except errors.ToolError as exc:
             failure = exc
-        print(f"{protocol.STAGE} {protocol.AFTER_TOOL} {attempt}", flush=True)
+        if not args.quiet:
+            print(f"{protocol.STAGE} {protocol.AFTER_TOOL} {attempt}", flush=True)
         if args.pause is not None and attempt == args.pause_attempt:
             sys.stdin.readline()
         if failure is not None:
@@ -321,7 +329,23 @@ async def _serve(args: argparse.Namespace, endpoint: str, token: str) -> None:
             max_concurrent_workflow_tasks=args.max_concurrent_workflow_tasks,
         )
         print(protocol.READY, flush=True)
-        await worker.run()
+        if not args.start_gate:
+            await worker.run()
+            return
+        await _gated(worker)
+
+
+async def _gated(worker: Any) -> None:
+    """The bench's worker, as DBOS's: connected and built before ``BOOK_READY``, so the
+    round's window (from the release) holds the drain and not the start-up; polling from
+    the first newline (``BOOK_LAUNCHED``), a graceful shutdown at the second (``BOOK_DONE``)."""
+    await asyncio.to_thread(sys.stdin.readline)
+    running = asyncio.create_task(worker.run())
+    print(protocol.LAUNCHED, flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+    await worker.shutdown()
+    await running
+    print(protocol.DONE, flush=True)
 
 
 @dataclass(frozen=True)
