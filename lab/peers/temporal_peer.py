@@ -262,10 +262,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent-workflow-tasks", type=int, default=1,
                         help="the worker's max_concurrent_workflow_tasks")
     parser.add_argument("--start-gate", action="store_true",
-                        help="the bench's gate: poll only after a newline, print BOOK_LAUNCHED, "
-                             "and shut down after a second newline (BOOK_DONE)")
+                        help=f"the bench's gate: poll only after a newline, print "
+                             f"{protocol.LAUNCHED}, and shut down after a second newline "
+                             f"({protocol.DONE})")
     parser.add_argument("--quiet", action="store_true",
-                        help="print no BOOK_STAGE line per activity (the bench's setting)")
+                        help=f"print no {protocol.STAGE} line per activity (the bench's setting)")
     return parser
 
 
