@@ -416,3 +416,59 @@ def test_temporal_approval_signal_binds_nothing(lab, peer, observe, approval):
                    f"Temporal status {status}, {effects} effect(s)",
     }, facts=("peer_window", "system", "effects", "outcome", *SEEN_FACTS),
        measurements=("approval_signals", *SEEN_MEASUREMENTS))
+
+
+@pytest.mark.parametrize("idempotent", [True, False], ids=["idempotent", "non_idempotent"])
+def test_temporal_activity_delegating_to_the_lab_keeps_one_effect(lab, peer, observe,
+                                                                  idempotent):
+    """The same workflow with a credit activity that hands the effect to the lab (an approved
+    lab workflow: bound approval, a lab worker with lease, fence, start barrier and effect
+    key), its worker SIGKILLed in the same window: Temporal retries the activity after its
+    start-to-close timeout (5 s) on the other worker, as it does without the lab, but the
+    retried activity finds the lab workflow under a dead lease and never calls the tool
+    again: one tool call, one effect. The lab settles it by its fenced lookup (idempotent)
+    or holds it for a person (non-idempotent); Temporal reports the workflow COMPLETED with
+    the lab's state as the activity's result."""
+    rig = lab.credit_tool(idempotent=idempotent)
+    settings = temporal_peer.Settings(start_to_close_s=5.0)
+    approved = lab.approved(idempotent)
+    hand_to = temporal_peer.LabStore(lab.dsn, lab.schema, lab.store.keys)
+    workflow_id = names.new_id("temporal")
+    first = peer.spawn("temporal-a", rig.service, "--pause", "after_tool", delegate_to=hand_to)
+    first.wait_for("BOOK_READY", timeout=STEP_WITHIN)
+    peer.start(workflow_id, {"lab_workflow": approved.id}, settings)
+    first.wait_for("BOOK_STAGE after_tool 1", timeout=STEP_WITHIN)
+    assert lab.effects() == 1, "the crash window is after the effect"
+    assert first.kill() == -signal.SIGKILL
+    second = peer.spawn("temporal-b", rig.service, delegate_to=hand_to)
+    second.wait_for("BOOK_READY", timeout=STEP_WITHIN)
+    status = peer.result(workflow_id, within=CLOSE_WITHIN)
+    seen = _seen(peer, workflow_id, settings)
+    final = lab.state(approved.id)
+    effects, calls, lookups = lab.effects(), rig.service.calls, rig.service.lookups
+    assert status == "COMPLETED"
+    assert seen["activity_attempt_recorded"] >= 2, "Temporal re-ran the activity"
+    assert calls == 1, "the lab never calls the tool a second time"
+    assert effects == 1
+    if idempotent:
+        assert final.state == "succeeded"
+        assert lookups >= 1, "the lab proved the effect by its lookup"
+    else:
+        assert final.state == "unknown"
+        assert final.review_reason == "non_idempotent_dispatched"
+    window = "kill_after_effect_" + ("idempotent" if idempotent else "non_idempotent")
+    observe({
+        "peer_window": window,
+        "system": "lab",
+        "via": "temporal_activity_delegating_to_the_lab",
+        "effects": effects,
+        "tool_calls": calls,
+        "lookups": lookups,
+        "lab_state": final.state,
+        "review_reason": final.review_reason,
+        **seen,
+        "outcome": f"Temporal re-ran the activity; {calls} tool call(s), {effects} effect(s) "
+                   f"after the SIGKILL; lab state {final.state}; Temporal status {status}",
+    }, facts=("peer_window", "system", "via", "effects", "tool_calls", "lab_state",
+              "review_reason", "outcome", *SEEN_FACTS),
+       measurements=("lookups", *SEEN_MEASUREMENTS))

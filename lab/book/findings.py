@@ -11,8 +11,8 @@ the rule, the windows' names in words and, per system, why a window cannot apply
 Where the entries come from: a peer chapter's observation names its ``peer_window`` and
 ``system`` (``ch13_peer_dbos``, ``ch14_peer_langgraph``); the lab's own experiments for a
 window are ``OWN_EXPERIMENTS`` (their observations), plus any peer-chapter observation
-with ``system: "lab"`` (a LangGraph node delegating to the lab). Pure: report in, entries
-and unescaped text out; callers escape.
+with ``system: "lab"`` (a LangGraph node or a Temporal activity delegating to the lab).
+Pure: report in, entries and unescaped text out; callers escape.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ import importlib
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -42,8 +41,9 @@ from typing import Any, TypedDict
 from psycopg import sql
 
 from lab import errors, names, protocol
+from lab.peers import delegation
 from lab.pg import edge
-from lab.runtime import plan, processes, proposal, sealing, store, tool, toolclient, worker
+from lab.runtime import plan, processes, proposal, sealing, store, tool, toolclient
 
 DSN_ENV = "LAB_LG_DSN"
 SCHEMA_ENV = "LAB_LG_SCHEMA"
@@ -56,8 +56,6 @@ AGENT = store.Actor(tenant=TENANT, subject="langgraph-agent", role="proposer")
 # The approval the graph asks for carries an expiry, as the lab's does; LangGraph keeps it
 # in the interrupt's payload and nothing of LangGraph reads it again.
 APPROVAL_TTL = timedelta(seconds=1)
-LAB_LEASE = timedelta(seconds=3)
-SETTLE_SECONDS = 30.0
 
 
 class State(TypedDict, total=False):
@@ -169,35 +167,11 @@ class Nodes:
 
     def _delegated(self, state: State, client: toolclient.ToolClient) -> State:
         assert self.db is not None
-        db = self.db
-        workflow_id = state["workflow_id"]
-
-        def hook(stage: str, claim: store.Workflow) -> None:
-            if stage == "after_tool":
-                self._peer_stage(stage)
-
-        runner = worker.Worker(db=db, client=client, name="langgraph-node",
-                               lease=LAB_LEASE, hook=hook)
-        # A predecessor that died holding the claim: its lease runs out on PostgreSQL's
-        # clock, and the lab turns the work into ``unknown`` rather than running it again.
-        deadline = time.monotonic() + SETTLE_SECONDS
-        current = db.get(workflow_id)
-        while current.state == "running" and time.monotonic() < deadline:
-            db.recover_expired()
-            time.sleep(0.1)
-            current = db.get(workflow_id)
-        try:
-            if current.state == "ready":
-                runner.run_one()
-            elif current.state == "unknown":
-                runner.reconcile(workflow_id)
-        except errors.ManualReview:
-            # The lab has recorded why a person must decide; the graph reports that state.
-            pass
-        final = db.get(workflow_id)
-        receipt = db.receipt_of(final)
-        return {"lab_state": final.state, "review_reason": final.review_reason,
-                "receipt": None if receipt is None else receipt.to_json()}
+        settled = delegation.carry_out(self.db, client, state["workflow_id"],
+                                       name="langgraph-node",
+                                       after_tool=lambda: self._peer_stage(protocol.AFTER_TOOL))
+        return {"lab_state": settled["lab_state"], "review_reason": settled["review_reason"],
+                "receipt": settled["receipt"]}
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,19 @@ it polls, and ``BOOK_STAGE after_tool <attempt>`` once the tool answered (or fai
 where ``<attempt>`` is Temporal's own attempt number of the activity; with ``--pause
 after_tool`` it waits there for a newline on the attempt ``--pause-attempt``: after the
 effect, before the activity's completion reaches the server. SIGKILL in that pause is the
-crash window. Workers run until they are killed, except the throughput bench's: with
-``--start-gate`` a worker polls from a first newline (``BOOK_LAUNCHED``) and shuts down
-at a second (``BOOK_DONE``), and ``--quiet`` drops the per-activity line.
+crash window. With ``--mode delegate`` the credit activity hands the effect to the lab
+(``lab.peers.delegation``): its input names an approved lab workflow, and the activity runs
+a lab worker on it (lease, fence, start barrier, effect key), or reconciles what a killed
+predecessor left, instead of calling the tool itself. Workers run until they are killed,
+except the throughput bench's: with ``--start-gate`` a worker polls from a first newline
+(``BOOK_LAUNCHED``) and shuts down at a second (``BOOK_DONE``), and ``--quiet`` drops the
+per-activity line.
 
 The experiment's side (``Peer``) starts workflows, signals, cancels and reads Temporal's
 own view of them (status, history) through the SDK's client. Configuration that holds a
-secret (the tool's token) travels in the environment: ``LAB_TEMPORAL_TOOL``,
-``LAB_TOOL_TOKEN``.
+secret (the tool's token, the lab's DSN and keys) travels in the environment:
+``LAB_TEMPORAL_TOOL``, ``LAB_TOOL_TOKEN``, and in delegate mode ``BOOK_LAB_DSN``,
+``LAB_RESULT_KEYS`` and ``LAB_TEMPORAL_STORE_SCHEMA``.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lab import errors, protocol
-from lab.runtime import processes, tool, toolclient
+from lab.peers import delegation
+from lab.runtime import processes, sealing, store, tool, toolclient
 
 TOOL_ENV = "LAB_TEMPORAL_TOOL"
+STORE_SCHEMA_ENV = "LAB_TEMPORAL_STORE_SCHEMA"
 TOKEN_ENV = protocol.TOKEN_ENV  # the same variable `lab worker` reads
 T = TypeVar("T")
 # Every client call has a deadline: the server is local, an answer takes milliseconds.
@@ -92,6 +99,20 @@ def worker_env(endpoint: str, token: str) -> dict[str, str]:
     return {**os.environ, TOOL_ENV: endpoint, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
 
 
+@dataclass(frozen=True)
+class LabStore:
+    """The lab store a delegating worker hands its effects to (DSN and keys are secrets:
+    they reach the worker through its environment, and no repr shows them)."""
+
+    dsn: str = field(repr=False)
+    schema: str
+    keys: sealing.KeyCatalog = field(repr=False)
+
+    def env(self) -> dict[str, str]:
+        """What a worker process needs in its environment to open this store."""
+        return {**processes.child_env(self.dsn, self.keys), STORE_SCHEMA_ENV: self.schema}
+
+
 def _run(call: Awaitable[T], within: float = RPC_TIMEOUT_S) -> T:
     async def bounded() -> T:
         return await asyncio.wait_for(call, timeout=within)
@@ -110,12 +131,17 @@ class Peer:
     children: list[processes.WorkerProcess] = field(default_factory=list)
 
     def spawn(self, name: str, service: tool.ToolService, *extra: str,
-              variant: str = "v1", concurrency: int = 1) -> processes.WorkerProcess:
-        """Start a worker process running ``variant`` of the workflow; ``name`` labels it."""
+              variant: str = "v1", concurrency: int = 1,
+              delegate_to: LabStore | None = None) -> processes.WorkerProcess:
+        """Start a worker process running ``variant`` of the workflow; ``name`` labels it.
+        With ``delegate_to``, its credit activity hands the effect to that lab store."""
         env = worker_env(service.endpoint, service.token)
+        mode = "alone"
+        if delegate_to is not None:
+            env, mode = {**env, **delegate_to.env()}, "delegate"
         child = processes.WorkerProcess(
             argv("worker", "--address", self.address, "--task-queue", self.task_queue,
-                 "--name", name, "--variant", variant,
+                 "--name", name, "--variant", variant, "--mode", mode,
                  "--max-concurrent-activities", str(concurrency), *extra),
             env, name, self.on_event, fork=False,
         )
@@ -253,6 +279,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default="worker", help="the worker's identity")
     parser.add_argument("--variant", choices=["v1", "v2", "v2-patched"], default="v1",
                         help="which version of the workflow's code this worker runs")
+    parser.add_argument("--mode", choices=["alone", "delegate"], default="alone",
+                        help="alone: the credit activity calls the tool; delegate: it hands "
+                             "the effect to the lab (the input names a lab workflow)")
     parser.add_argument("--pause", choices=[protocol.AFTER_TOOL], default=None,
                         help="wait for a newline after the tool answered")
     parser.add_argument("--pause-attempt", type=int, default=1,
@@ -293,22 +322,36 @@ async def _serve(args: argparse.Namespace, endpoint: str, token: str) -> None:
     from lab.peers import temporal_workflows as flows
 
     clients: list[toolclient.ToolClient] = []
+    stores: list[store.Store] = []
+
+    def after_tool(attempt: int) -> None:
+        if not args.quiet:
+            print(f"{protocol.STAGE} {protocol.AFTER_TOOL} {attempt}", flush=True)
+        if args.pause is not None and attempt == args.pause_attempt:
+            sys.stdin.readline()
+
+    def delegated(body: dict[str, Any], attempt: int) -> dict[str, Any]:
+        if not stores:
+            stores.append(store.Store.open(
+                os.environ[protocol.DSN_ENV], os.environ[STORE_SCHEMA_ENV], max_connections=2,
+                application_name=f"{processes.WORKER_APP_PREFIX}temporal"))
+        return delegation.carry_out(stores[0], clients[0], str(body["lab_workflow"]),
+                                    name=args.name, after_tool=lambda: after_tool(attempt))
 
     @activity.defn(name=flows.CREDIT_ACTIVITY)
-    def credit(body: dict[str, Any]) -> dict[str, str]:
+    def credit(body: dict[str, Any]) -> dict[str, Any]:
         if not clients:
             clients.append(toolclient.ToolClient(endpoint, token))
         attempt = activity.info().attempt
+        if args.mode == "delegate":
+            return delegated(body, attempt)
         work = Work(body["effect_key"], body["fingerprint"], body["plan"])
         failure: errors.ToolError | None = None
         try:
             receipt = clients[0].call(work)
         except errors.ToolError as exc:
             failure = exc
-        if not args.quiet:
-            print(f"{protocol.STAGE} {protocol.AFTER_TOOL} {attempt}", flush=True)
-        if args.pause is not None and attempt == args.pause_attempt:
-            sys.stdin.readline()
+        after_tool(attempt)
         if failure is not None:
             raise failure
         return receipt.to_json()
