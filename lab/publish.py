@@ -62,6 +62,9 @@ class Plan:
     out: Path
     root: Path
     pinned: ed25519.Ed25519PublicKey
+    # The default branch's keys and revocations (``trust.trusted_keys``), read before the
+    # run: a revoked publication key publishes nothing.
+    trusted: tuple[trust.TrustedKey, ...]
     model: Path | None
     expect_sha256: str | None
     threads: int | None
@@ -134,6 +137,7 @@ def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Pla
         out=out,
         root=root,
         pinned=pinned,
+        trusted=tuple(trust.trusted_keys(root, environ)),
         model=Path(options.model) if options.model else None,
         expect_sha256=options.expect_sha256,
         threads=options.threads,
@@ -178,8 +182,6 @@ def publish(
     )
     if code != 0:
         raise Refused(f"not PASS: the experiments exited {code}; see {plan.evidence}")
-    # The default branch's keys and revocations: a revoked publication key publishes nothing.
-    known = trust.trusted_keys(plan.root)
     if plan.model is not None:
         code = run_model(
             model_command.RunOptions(
@@ -191,13 +193,14 @@ def publish(
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
         # Judged on its own first: the model evidence must be of this very model file.
         model_verdict = signed.verify(
-            plan.model_evidence, public_key=plan.pinned, trusted=known, model_path=plan.model
+            plan.model_evidence, public_key=plan.pinned, trusted=plan.trusted,
+            model_path=plan.model,
         )
         if not model_verdict.ok:
             raise Refused(f"{plan.model_evidence}: {model_verdict.problems[0]}")
     # Opened once: the runtime evidence (its sources against this tree), the model
     # evidence, a reproduction and the crash-point matrix, each verified on a private copy.
-    opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=known,
+    opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=plan.trusted,
                                 root=plan.root, model_verifier=signed.verify)
     if verification.run_kind(opened.report) != hermetic.HERMETIC:
         reasons = hermetic.failures(opened.report.get("run"))
