@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import bundle, dsse, hermetic, trust, verification
+from lab.evidence import bundle, dsse, trust
 from lab.model import signed
 
 if TYPE_CHECKING:
@@ -202,9 +202,8 @@ def publish(
     # evidence, a reproduction and the crash-point matrix, each verified on a private copy.
     opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=plan.trusted,
                                 root=plan.root, model_verifier=signed.verify)
-    if verification.run_kind(opened.report) != hermetic.HERMETIC:
-        reasons = hermetic.failures(opened.report.get("run"))
-        raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
+    if opened.not_hermetic is not None:
+        raise Refused(f"{plan.evidence}: {opened.not_hermetic}")
     _refuse_dirty(plan.root, "after the run")
     return builder.from_bundle(opened, plan.book, root=plan.root)
 
