@@ -111,7 +111,11 @@ def _refuse_dirty(root: Path, when: str) -> None:
 
 
 def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Plan:
-    """Check everything that can be checked before running; raise ``Refused`` naming it."""
+    """Check everything that can be checked before running; raise ``Refused`` naming it.
+
+    The plan carries the trust material too, read here once: the pin and the default
+    branch's keys and revocations (``trust.trusted_keys``) that every verification uses.
+    """
     if not environ.get(dsse.KEY_ENV):
         raise Refused(f"unsigned: set {dsse.KEY_ENV} to the publication key's private PEM")
     signer = dsse.load_signer(environ)
