@@ -15,7 +15,9 @@ An evidence directory holds up to four declared parts, each verified on its own 
 
 ``open_bundle`` returns a ``Bundle`` of typed ``Part`` objects: each one's verified bytes
 (by their path under ``evidence/`` in the book), or the reason it is absent, or the reason
-it was refused. Nothing is read twice: what the bundle holds is what was verified.
+it was refused, and says why the runtime evidence is not of a hermetic run when it is not
+(``not_hermetic``: a publication refuses it). Nothing is read twice: what the bundle
+holds is what was verified.
 """
 
 from __future__ import annotations
