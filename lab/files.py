@@ -6,6 +6,10 @@ and always name the path it failed on. ``read_bytes`` opens without blocking,
 refuses anything but a regular file, and reads at most ``limit`` bytes plus one to
 tell a file that is too large; every failure is an ``errors.InputError`` whose
 one-line message starts with what the file is and where it is.
+
+``write_tree`` is the other way round: a folder of generated files (the book) written
+whole, every path proven inside the folder first, and what the previous write listed in
+its manifest removed, so nothing stale and nothing outside is ever touched.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lab.errors import InputError
+from lab.errors import InputError, Refused
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -124,6 +129,52 @@ def parse_json(data: bytes, where: str, max_depth: int = MAX_DEPTH) -> Any:
     if _depth(value) > max_depth:
         raise InputError(f"{where}: JSON nested deeper than {max_depth} levels")
     return value
+
+
+def write_tree(
+    out: Path, contents: Mapping[str, bytes], *, manifest: str, emptied: Sequence[str] = (),
+    what: str = "previous manifest",
+) -> None:
+    """Write ``contents`` (``{relative path: bytes}``) into ``out``, replacing the last write.
+
+    What the previous write listed in ``out/<manifest>`` (``sha256sum`` lines) is removed
+    first, then each directory of ``emptied`` left empty; the new files are written and
+    listed in a new manifest. Every target is proven inside ``out`` (``Refused`` naming
+    it otherwise) before anything is removed or written; the old manifest is read bounded
+    (``what`` names it in errors).
+    """
+    targets = {name: _inside(out, name) for name in sorted(contents)}
+    _inside(out, manifest)
+    listing = out / manifest
+    if listing.is_file():
+        old = read_bytes(listing, MANIFEST_LIMIT, what)
+        for line in old.decode("utf-8", "replace").splitlines():
+            _, _, name = line.partition("  ")
+            target = (out / name).resolve()
+            if name and target.is_relative_to(out) and target.is_file():
+                target.unlink()
+    for directory in (out / name for name in emptied):
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+    for name, data in sorted(contents.items()):
+        path = targets[name]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _inside(out, name)  # a directory made above cannot lead outside either
+        path.write_bytes(data)
+    lines = [
+        f"{hashlib.sha256(data).hexdigest()}  {name}\n"
+        for name, data in sorted(contents.items())
+    ]
+    listing.write_text("".join(lines), encoding="utf-8")
+
+
+def _inside(out: Path, name: str) -> Path:
+    """``out / name``, proven to stay inside ``out`` once symbolic links are resolved."""
+    target = out / name
+    resolved = target.resolve()
+    if os.path.isabs(name) or ".." in Path(name).parts or not resolved.is_relative_to(out):
+        raise Refused(f"{name!r} would be written outside --out {out}")
+    return target
 
 
 def _depth(value: Any) -> int:

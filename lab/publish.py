@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import bundle, dsse, hermetic, trust, verification
+from lab.evidence import bundle, dsse, trust
 from lab.model import signed
 
 if TYPE_CHECKING:
@@ -62,6 +62,9 @@ class Plan:
     out: Path
     root: Path
     pinned: ed25519.Ed25519PublicKey
+    # The default branch's keys and revocations (``trust.trusted_keys``), read before the
+    # run: a revoked publication key publishes nothing.
+    trusted: tuple[trust.TrustedKey, ...]
     model: Path | None
     expect_sha256: str | None
     threads: int | None
@@ -108,7 +111,11 @@ def _refuse_dirty(root: Path, when: str) -> None:
 
 
 def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Plan:
-    """Check everything that can be checked before running; raise ``Refused`` naming it."""
+    """Check everything that can be checked before running; raise ``Refused`` naming it.
+
+    The plan carries the trust material too, read here once: the pin and the default
+    branch's keys and revocations (``trust.trusted_keys``) that every verification uses.
+    """
     if not environ.get(dsse.KEY_ENV):
         raise Refused(f"unsigned: set {dsse.KEY_ENV} to the publication key's private PEM")
     signer = dsse.load_signer(environ)
@@ -134,6 +141,7 @@ def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Pla
         out=out,
         root=root,
         pinned=pinned,
+        trusted=tuple(trust.trusted_keys(root, environ)),
         model=Path(options.model) if options.model else None,
         expect_sha256=options.expect_sha256,
         threads=options.threads,
@@ -178,8 +186,6 @@ def publish(
     )
     if code != 0:
         raise Refused(f"not PASS: the experiments exited {code}; see {plan.evidence}")
-    # The default branch's keys and revocations: a revoked publication key publishes nothing.
-    known = trust.trusted_keys(plan.root)
     if plan.model is not None:
         code = run_model(
             model_command.RunOptions(
@@ -191,17 +197,17 @@ def publish(
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
         # Judged on its own first: the model evidence must be of this very model file.
         model_verdict = signed.verify(
-            plan.model_evidence, public_key=plan.pinned, trusted=known, model_path=plan.model
+            plan.model_evidence, public_key=plan.pinned, trusted=plan.trusted,
+            model_path=plan.model,
         )
         if not model_verdict.ok:
             raise Refused(f"{plan.model_evidence}: {model_verdict.problems[0]}")
     # Opened once: the runtime evidence (its sources against this tree), the model
     # evidence, a reproduction and the crash-point matrix, each verified on a private copy.
-    opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=known,
+    opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=plan.trusted,
                                 root=plan.root, model_verifier=signed.verify)
-    if verification.run_kind(opened.report) != hermetic.HERMETIC:
-        reasons = hermetic.failures(opened.report.get("run"))
-        raise Refused(f"{plan.evidence}: {reasons[0] if reasons else 'not hermetic'}")
+    if opened.not_hermetic is not None:
+        raise Refused(f"{plan.evidence}: {opened.not_hermetic}")
     _refuse_dirty(plan.root, "after the run")
     return builder.from_bundle(opened, plan.book, root=plan.root)
 

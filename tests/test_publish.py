@@ -122,7 +122,7 @@ def test_model_evidence_under_another_key_is_refused(
     model_file = tmp_path / "m.gguf"
     model_file.write_bytes(b"GGUF canned")
     plan = publish.Plan(
-        out=tmp_path / "o", root=tree, pinned=dsse.load_signer(env).key.public_key(),
+        out=tmp_path / "o", root=tree, pinned=dsse.load_signer(env).key.public_key(), trusted=(),
         model=model_file, expect_sha256="0" * 64, threads=1, numprocesses=None,
     )  # fmt: skip
     stale = plan.model_evidence / "traces" / "stale.json"

@@ -150,47 +150,9 @@ def _write_book(
                              code=experiment_sources(report, root)))
     if png:
         files_out.update(raster.pngs(files_out))
-    _write(out, files_out)
+    files.write_tree(out, files_out, manifest=MANIFEST_FILE,
+                     emptied=(FIGURES_DIR, EVIDENCE_DIR), what="previous book manifest")
     return sorted(files_out)
-
-
-def _inside(out: Path, name: str) -> Path:
-    """``out / name``, proven to stay inside ``out`` once symbolic links are resolved."""
-    target = out / name
-    resolved = target.resolve()
-    if os.path.isabs(name) or ".." in Path(name).parts or not resolved.is_relative_to(out):
-        raise Refused(f"{name!r} would be written outside --out {out}")
-    return target
-
-
-def _write(out: Path, files_out: Mapping[str, bytes]) -> None:
-    """Remove what the previous build wrote (per its manifest), then write ``files_out``.
-
-    Every target is proven inside ``out`` before anything is removed or written.
-    """
-    targets = {name: _inside(out, name) for name in sorted(files_out)}
-    _inside(out, MANIFEST_FILE)
-    manifest = out / MANIFEST_FILE
-    if manifest.is_file():
-        old = files.read_bytes(manifest, files.MANIFEST_LIMIT, "previous book manifest")
-        for line in old.decode("utf-8", "replace").splitlines():
-            _, _, name = line.partition("  ")
-            target = (out / name).resolve()
-            if name and target.is_relative_to(out) and target.is_file():
-                target.unlink()
-    for directory in (out / FIGURES_DIR, out / EVIDENCE_DIR):
-        if directory.is_dir() and not any(directory.iterdir()):
-            directory.rmdir()
-    for name, data in sorted(files_out.items()):
-        path = targets[name]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _inside(out, name)  # a directory made above cannot lead outside either
-        path.write_bytes(data)
-    lines = [
-        f"{hashlib.sha256(data).hexdigest()}  {name}\n"
-        for name, data in sorted(files_out.items())
-    ]
-    manifest.write_text("".join(lines), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- rendering

@@ -15,7 +15,9 @@ An evidence directory holds up to four declared parts, each verified on its own 
 
 ``open_bundle`` returns a ``Bundle`` of typed ``Part`` objects: each one's verified bytes
 (by their path under ``evidence/`` in the book), or the reason it is absent, or the reason
-it was refused. Nothing is read twice: what the bundle holds is what was verified.
+it was refused, and says why the runtime evidence is not of a hermetic run when it is not
+(``not_hermetic``: a publication refuses it). Nothing is read twice: what the bundle
+holds is what was verified.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lab.evidence import (
     compiler,
     crashmatrix,
     dsse,
+    hermetic,
     model_evidence,
     reproduction_evidence,
     trust,
@@ -45,7 +48,7 @@ CRASHPOINTS = "crashpoints"
 MODEL = "model"
 REPRODUCTIONS = "reproductions"
 PARTS = (RUNTIME, MODEL, REPRODUCTIONS, CRASHPOINTS)
-"""Every part an evidence directory may hold, in the order they are opened and refused."""
+"""Every part an evidence directory may hold, in the order they are listed and refused."""
 
 MAX_MODEL_DIR_BYTES = 256 << 20
 _STAGED = (
@@ -86,6 +89,9 @@ class Bundle:
     directory: Path
     report: Report
     parts: Mapping[str, Part]
+    # Why the runtime evidence is not of a hermetic run (None: it is). Such evidence
+    # verifies and a local book may show it; a publication refuses it with this reason.
+    not_hermetic: str | None = None
 
     def part(self, name: str) -> Part:
         """The declared part ``name`` (one of ``PARTS``)."""
@@ -128,16 +134,27 @@ def open_bundle(
     of all). An optional part that does not verify is kept, refused, with its reason.
     """
     report, runtime = _runtime(evidence_dir, public_key=public_key, trusted=trusted, root=root)
+    not_hermetic = _not_hermetic(report)
     envelope = runtime.files[compiler.ENVELOPE_FILE]
-    parts = {
+    # The parts that stand on their own first; then the reproduction, which is judged
+    # against the runtime's envelope. Their refusals are listed in ``PARTS`` order.
+    opened = {
         RUNTIME: runtime,
         MODEL: _guarded(MODEL, lambda: _model(evidence_dir, public_key, trusted,
                                               model_verifier)),
+        CRASHPOINTS: _guarded(CRASHPOINTS, lambda: _crashpoints(evidence_dir)),
         REPRODUCTIONS: _guarded(REPRODUCTIONS, lambda: _reproductions(
             evidence_dir, envelope, report["signing"]["keyid"], trusted)),
-        CRASHPOINTS: _guarded(CRASHPOINTS, lambda: _crashpoints(evidence_dir)),
     }
-    return Bundle(evidence_dir, report, parts)
+    return Bundle(evidence_dir, report, {name: opened[name] for name in PARTS}, not_hermetic)
+
+
+def _not_hermetic(report: Report) -> str | None:
+    """Why ``report`` is not of a hermetic run (``verification.run_kind``), or None."""
+    if verification.run_kind(report) == hermetic.HERMETIC:
+        return None
+    reasons = hermetic.failures(report.get("run"))
+    return reasons[0] if reasons else "not hermetic"
 
 
 def _guarded(name: str, opening: Callable[[], Part]) -> Part:

@@ -153,6 +153,8 @@ class Verified:
     record: dict[str, Any] | None = None
     pinned_by: str | None = None
     signer_keyid: str | None = None
+    # The bytes the checks ran on, by file name (the envelope and the record), once ok.
+    files: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -190,7 +192,8 @@ def verify(
     """Check the envelope, its signer (runtime trust rules), the statement and the record."""
     result = Verified(directory)
     try:
-        envelope = files.read_json(directory / ENVELOPE_FILE, files.ENVELOPE_LIMIT, ENVELOPE_FILE)
+        sealed = files.read_bytes(directory / ENVELOPE_FILE, files.ENVELOPE_LIMIT, ENVELOPE_FILE)
+        envelope = files.parse_json(sealed, f"{ENVELOPE_FILE} {directory / ENVELOPE_FILE}")
         raw = envelope.get("payload") if isinstance(envelope, dict) else None
         payload = dsse.b64decode(raw if isinstance(raw, str) else "")
         statement = files.parse_json(payload, f"{ENVELOPE_FILE} payload")
@@ -230,6 +233,7 @@ def verify(
         result.problems.append(f"{RECORD_FILE}: differs from the signed predicate")
     if result.ok:
         result.record = predicate
+        result.files = {ENVELOPE_FILE: sealed, RECORD_FILE: body}
     return result
 
 
@@ -288,8 +292,6 @@ def book_files(
             f"not independent: it is signed by the original run's own key, key "
             f"{keyid[:16]} ({checked.pinned_by}); a reproduction counts only when another "
             "trusted key signs it"))
-    found = {
-        f"{BOOK_DIR}/{name}": files.read_bytes(directory / name, RECORD_LIMIT, name)
-        for name in (RECORD_FILE, ENVELOPE_FILE)
-    }
+    # The very bytes that were verified: nothing is read again.
+    found = {f"{BOOK_DIR}/{name}": checked.files[name] for name in (RECORD_FILE, ENVELOPE_FILE)}
     return BookReproduction(found, reproducer=f"{checked.pinned_by}, key {keyid}")
