@@ -14,6 +14,7 @@ worker's concurrency (one activity, one workflow task at a time).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from collections.abc import Iterator
@@ -406,15 +407,22 @@ def test_temporal_approval_signal_binds_nothing(lab, peer, observe, approval):
     assert status == "COMPLETED"
     assert effects == 1
     assert len(signals) == 1
+    # The approval as Temporal's history holds it, against the plan the workflow credits.
+    received = json.loads(signals[0]["payload"][0])
+    names_plan = isinstance(received, dict) and received.get("fingerprint") == work["fingerprint"]
+    assert received == approval
+    assert not names_plan
     observe({
         "peer_window": "approval_binding",
         "system": "temporal",
         "effects": effects,
+        "approval_names_this_plan": names_plan,
         "approval_signals": [{"signal": e["signal"], "payload": e["payload"]} for e in signals],
         **seen,
         "outcome": f"a signal naming another tenant and plan, expired, released the credit: "
                    f"Temporal status {status}, {effects} effect(s)",
-    }, facts=("peer_window", "system", "effects", "outcome", *SEEN_FACTS),
+    }, facts=("peer_window", "system", "effects", "approval_names_this_plan", "outcome",
+              *SEEN_FACTS),
        measurements=("approval_signals", *SEEN_MEASUREMENTS))
 
 

@@ -138,10 +138,16 @@ RULE = (
     f"A cell is **{UNSAFE}** when the credit tool's ledger and the system's own record "
     f"show any of: {DUPLICATE}; {UNBOUND} (any resume value accepted, or an approval used "
     f"after it expired); {CONTRADICTED} (failure or cancellation reported while the effect "
-    f"happened); {UNREPORTED} (success reported with no effect). It **{PERSON}** when"
+    f"happened); {UNREPORTED} (success reported with no effect). In the approval windows"
+    " a credit whose result does not say what the approval named, or when it expired, "
+    f"counts as {UNBOUND}. It **{PERSON}** when"
     " the effect may have happened and the system says so and waits for a person "
     f"(nothing is hidden: this counts as safe). Otherwise it is **{SAFE}**."
 )
+# What a peer's result in an approval window must say of the approval before a credit in
+# it can be judged bound: without it the rule fails closed.
+APPROVAL_EVIDENCE = {"approval_binding": "approval_names_this_plan",
+                     "approval_expiry": "resumed_seconds_after_expiry"}
 # A peer's own status words that claim the effect did not (or need not) happen.
 _CLAIMS_NO_EFFECT = frozenset({"ERROR", "CANCELLED", "MAX_RECOVERY_ATTEMPTS_EXCEEDED",
                                "cancelled", "failed"})
@@ -195,6 +201,9 @@ def judge(observation: Mapping[str, Any], passed: bool = True) -> tuple[str, str
         return UNSAFE, DUPLICATE
     if effects and observation.get("approval_names_this_plan") is False:
         return UNSAFE, f"{UNBOUND}: the approval does not name this plan"
+    required = APPROVAL_EVIDENCE.get(str(observation.get("peer_window")))
+    if effects and required is not None and required not in observation:
+        return UNSAFE, f"{UNBOUND}: the result does not say {required}"
     late = observation.get("resumed_seconds_after_expiry")
     if effects and isinstance(late, int | float) and late > 0:
         return UNSAFE, f"{UNBOUND}: the approval had expired"

@@ -26,8 +26,9 @@ def _script() -> ModuleType:
 
 
 def _report() -> dict[str, Any]:
-    """One passed result for every peer window and system, each a single clean credit,
-    except DBOS's non-idempotent kill: two credits."""
+    """One passed result for every peer window and system, each a single clean credit (its
+    approval names the plan and was used before it expired), except DBOS's non-idempotent
+    kill: two credits."""
     tests = []
     for window in findings.WINDOWS:
         for system in ("dbos", "langgraph", "temporal"):
@@ -36,7 +37,9 @@ def _report() -> dict[str, Any]:
             tests.append({"nodeid": f"experiments/x/test_{system}.py::test_{window}",
                           "outcome": "passed",
                           "observations": [{"peer_window": window, "system": system,
-                                            "effects": effects}]})
+                                            "effects": effects,
+                                            "approval_names_this_plan": True,
+                                            "resumed_seconds_after_expiry": -1.0}]})
     return {"tests": tests}
 
 
@@ -94,6 +97,10 @@ def test_the_rule_read_twice_agrees_with_the_book_on_each_clause() -> None:
         ({"effects": 2}, True), ({"effects": 1}, False),
         ({"effects": 1, "approval_names_this_plan": False}, True),
         ({"effects": 1, "resumed_seconds_after_expiry": 3}, True),
+        ({"peer_window": "approval_binding", "effects": 1}, True),
+        ({"peer_window": "approval_expiry", "effects": 1}, True),
+        ({"peer_window": "approval_binding", "effects": 1, "approval_names_this_plan": True},
+         True),
         ({"effects": 1, "dbos_status": [{"status": "ERROR"}]}, True),
         ({"effects": 0, "state": "succeeded"}, True),
         ({"effects": 1, "state": "unknown", "review_reason": "non_idempotent_dispatched"}, True),
