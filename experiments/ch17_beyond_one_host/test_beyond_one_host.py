@@ -80,6 +80,7 @@ def test_synchronous_failover_loses_no_acknowledged_commit(beyond_one_host, obse
     assert lost == []
     assert final.state == "succeeded"
     assert effects == 1
+    topology = rig.topology()
     observe({
         "replication": "sync",
         "window": window,
@@ -89,9 +90,11 @@ def test_synchronous_failover_loses_no_acknowledged_commit(beyond_one_host, obse
         "state": final.state,
         "effects": effects,
         "recovery": recovery,
-        "hosts": rig.topology()["hosts"],
+        "hosts": topology["hosts"],
+        "host_roles": topology["roles"],
+        "network": topology["network"],
     }, facts=("replication", "window", "failover_steps", "acknowledged_lost", "state",
-              "effects"),
+              "effects", "host_roles", "network"),
        measurements=("acknowledged_commits", "recovery", "hosts"))
 
 

@@ -12,6 +12,7 @@ through a directive, ``{{ name args }}``, expanded from the verified report:
     {{ results CH }}                 a chapter's results table, observations kept short
     {{ details CH }}                 per experiment: claim, every observation, its figures
     {{ figure CH/EXP[param] }}       one experiment's sequence figure(s)
+    {{ hosts CH/EXP[param] }}        the lab hosts one result recorded, drawn
     {{ crashpoints }}                the crash-point matrix, compact cells, details a click away
     {{ sidebyside }}                 the lab and each peer per failure window
     {{ model }}                      the signed model evidence's results
@@ -47,6 +48,7 @@ from lab.book import (
     reproduction,
     sidebyside,
     site,
+    topology,
 )
 from lab.evidence import hermetic, reproduction_evidence, verification
 from lab.evidence.report import Report
@@ -65,7 +67,7 @@ _EXPERIMENT_ARG = re.compile(r"([A-Za-z0-9_]+)/([A-Za-z0-9_]+)(?:\[([^\]\s]+)\])
 _INLINE = frozenset({"verdict", "value"})
 _BLOCK = frozenset({
     "provenance", "chapters", "results", "details", "figure", "crashpoints", "sidebyside",
-    "model", "limits", "reproduction", "findings", "glossary",
+    "model", "limits", "reproduction", "findings", "glossary", "hosts",
 })
 
 DEFAULTS = {
@@ -273,6 +275,24 @@ def _chapter_rows(
     return args[0], rows
 
 
+def _hosts(args: list[str], evidence: Evidence, where: str, match: re.Match[str]) -> list[str]:
+    """One figure of the hosts a result of a run beyond one host recorded."""
+    if len(args) != 1:
+        raise _fail(where, match, "needs one CHAPTER/EXPERIMENT[param]")
+    tests = _tests(args[0], evidence, where, match)
+    found = [o for t in tests for o in t["observations"] if topology.drawable(o)]
+    if len(tests) != 1 or not found:
+        raise _fail(where, match, "needs one result that recorded its hosts: name it "
+                                  "with [param]")
+    # The file's name comes from evidence: only a safe, short form of it.
+    param = _param(str(tests[0]["nodeid"]))
+    stem = re.sub(r"[^a-z0-9_-]", "-", (param or "run").lower())[:40]
+    path = f"{FIGURES_DIR}/hosts-{stem}.svg"
+    title = f"The lab hosts of {args[0].split('/', 1)[0]}" + (f", [{param}]" if param else "")
+    evidence.rendered[path] = topology.svg(found[0], title)
+    return [f"![{escape.md(title)}]({path})", ""]
+
+
 def _block(
     kind: str, args: list[str], evidence: Evidence, where: str, match: re.Match[str]
 ) -> str:
@@ -305,6 +325,8 @@ def _block(
         lines = []
         for test in drawn:
             lines += chapter.figure(test, evidence)
+    elif kind == "hosts":
+        lines = _hosts(args, evidence, where, match)
     elif kind == "crashpoints":
         if evidence.matrix is None:
             raise _fail(where, match, "the verified evidence holds no crash-point matrix")

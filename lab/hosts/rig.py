@@ -32,7 +32,15 @@ from lab import errors, protocol, redact
 from lab.hosts import netfaults, network, replication
 from lab.runtime import processes, sealing, store
 
-HOSTS = ["db1", "db2", "ledger", "w1", "w2"]
+# What each host holds, as the evidence states it (the book draws the hosts from it).
+ROLES = {
+    "db1": "workflow database: primary at the start",
+    "db2": "workflow database: streaming standby",
+    "ledger": "credit tool and its ledger's server",
+    "w1": "lab worker",
+    "w2": "lab worker",
+}
+HOSTS = list(ROLES)
 _READY_S = 60.0
 
 # Publishes a port of the host's loopback on the host's address, one thread per direction
@@ -189,7 +197,8 @@ class HostRig:
     def topology(self) -> dict[str, Any]:
         """Hosts, addresses, roles and what happened to the network, for the evidence."""
         assert self.pair is not None
-        return {**self.hosts.topology(), "replication": self.pair.describe(),
+        return {**self.hosts.topology(), "roles": dict(ROLES),
+                "replication": self.pair.describe(),
                 "events": list(self.hosts.events), "failover": list(self.pair.steps)}
 
 
