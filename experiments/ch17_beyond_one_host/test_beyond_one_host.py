@@ -6,9 +6,12 @@ told is compared with what the new primary holds."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from lab import harness, protocol
+from lab.hosts import network, replication
 
 # What a worker's stage line says was committed, and the audit event that commit wrote.
 COMMITTED = {protocol.AFTER_CLAIM: "claimed", protocol.AFTER_BARRIER: "dispatching",
@@ -48,6 +51,51 @@ def settle(rig, lab: harness.Harness, workflow_id: str, host: str = "w2") -> lis
             expect_exit=None)
         steps.append("reconciled on another host")
     return steps
+
+
+def test_the_hosts_reach_each_other_and_no_address_outside_the_bridge(beyond_one_host, observe):
+    """From inside every host of the chapter's rig, a new process connects to the primary
+    on the bridge, and to nothing outside it: a listener on the machine's loopback (which
+    the machine itself reaches) is refused by the host's own loopback, and the machine's
+    own addresses and a public address have no route. The kernel's errors, as given."""
+    rig, _ = beyond_one_host("sync")
+    primary = rig.pair.primary.host.address
+    # A listener of the machine itself, on every address it has (a host must reach none).
+    listener = socket.create_server(("0.0.0.0", 0))  # noqa: S104
+    port = listener.getsockname()[1]
+    own = network.outside_addresses()
+    try:
+        machine = {address: network.probe(None, address, port) for address in ["127.0.0.1", *own]}
+        seen = {name: {
+            "primary": network.probe(host, primary, replication.PORT),
+            "loopback": network.probe(host, "127.0.0.1", port),
+            "public": network.probe(host, "1.1.1.1", 80),
+            **{address: network.probe(host, address, port) for address in own},
+        } for name, host in rig.hosts.hosts.items()}
+    finally:
+        listener.close()
+    outcomes = {what: sorted({row[what] for row in seen.values()})
+                for what in ("primary", "loopback", "public")}
+    machine_addresses = {address: sorted({row[address] for row in seen.values()})
+                         for address in own}
+    reached = sorted(f"{name} -> {what}" for name, row in seen.items()
+                     for what, result in row.items() if what != "primary" and result == "connected")
+    assert set(machine.values()) == {"connected"}
+    assert outcomes == {"primary": ["connected"], "loopback": ["ECONNREFUSED"],
+                        "public": ["ENETUNREACH"]}
+    assert machine_addresses == {address: ["ENETUNREACH"] for address in own}
+    assert reached == []
+    observe({
+        "hosts": sorted(seen),
+        "machine_reaches_its_listener": machine["127.0.0.1"],
+        "to_the_primary": outcomes["primary"],
+        "to_the_machine_loopback": outcomes["loopback"],
+        "to_a_public_address": outcomes["public"],
+        "outside_reached": reached,
+        "to_the_machine_addresses": machine_addresses,
+    }, facts=("hosts", "machine_reaches_its_listener", "to_the_primary",
+              "to_the_machine_loopback", "to_a_public_address", "outside_reached"),
+       measurements=("to_the_machine_addresses",))
 
 
 @pytest.mark.parametrize("window", WINDOWS)
