@@ -12,6 +12,7 @@ import pytest
 
 from lab import harness, protocol
 from lab.hosts import network, replication
+from lab.runtime import store
 
 # What a worker's stage line says was committed, and the audit event that commit wrote.
 COMMITTED = {protocol.AFTER_CLAIM: "claimed", protocol.AFTER_BARRIER: "dispatching",
@@ -226,3 +227,81 @@ def test_synchronous_failover_after_the_start_barrier_keeps_one_effect_and_asks_
         "review_reason": final.review_reason,
     }, facts=("replication", "window", "acknowledged_lost", "effects", "state",
               "review_reason"))
+
+
+def on_node(rig, lab: harness.Harness, node, workflow_id: str) -> dict:
+    """What one server holds of the experiment's schema, read over its own unix socket:
+    ``held`` (as ``held``), the claims of ``workflow_id`` (owner, fence) and its state."""
+    dsn = rig.pair.local_dsn(node)
+    db = store.Store.open(dsn, lab.schema, max_connections=1, keys=lab.store.keys)
+    try:
+        view = harness.Harness(dsn, lab.schema, db)
+        return {"held": held(view), "state": view.state(workflow_id).state,
+                "claims": [(c.owner, c.fence) for c in view.claims(workflow_id)]}
+    finally:
+        db.close()
+
+
+def _split_brain(beyond_one_host, fenced: bool):
+    """Asynchronous replication, a non-idempotent workflow approved and on the standby.
+    ``db1`` is cut from ``db2`` and from ``w2`` (``w1`` still reaches it), fenced or not,
+    and ``db2`` promoted. A worker on ``w1`` runs the workflow, then one on ``w2``."""
+    rig, lab = beyond_one_host("async", idempotent=False)
+    job = lab.approved(idempotent=False)
+    rig.pair.wait_until("the standby to replay the approval",
+                        lambda: rig.pair.replay_lag_bytes() == 0, within=30)
+    old = rig.pair.primary
+    rig.faults.partition("db1", "db2")
+    rig.faults.partition("db1", "w2")
+    if fenced:
+        rig.pair.fence()
+    new = rig.pair.promote()
+    lab.mark("experiment", f"split: db1 cut from db2 and w2, {'fenced' if fenced else 'serving'}"
+             ", db2 promoted")
+    first = rig.spawn_worker("w1", "w1-worker")
+    first.finish(expect_exit=None)
+    second = rig.spawn_worker("w2", "w2-worker")
+    second.finish(expect_exit=None)
+    servers = {"db2": on_node(rig, lab, new, job.id)}
+    if not fenced:
+        servers["db1"] = on_node(rig, lab, old, job.id)
+    return rig, told(first, second), servers
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "not_fenced"])
+def test_split_brain_without_fencing_loses_acknowledged_commits_and_sends_a_second_effect(
+    beyond_one_host, observe, fenced
+):
+    """The old primary is cut from the standby but one worker still reaches it, and the
+    standby is promoted (asynchronous replication, a non-idempotent tool). Fenced, the
+    worker's commits go to the new primary: nothing acknowledged is lost, one owner per
+    fence, one effect. Not fenced, the old primary goes on acknowledging: the new primary
+    never sees that worker's claim, barrier or completion, a worker there claims the same
+    fence again and the tool is called a second time."""
+    rig, acknowledged, servers = _split_brain(beyond_one_host, fenced)
+    lost = [commit for commit in acknowledged if commit not in servers["db2"]["held"]]
+    owners = sorted({f"{owner} on {name}" for name, seen in servers.items()
+                     for owner, fence in seen["claims"] if fence == 1})
+    effects, calls = rig.ledger_effects(), rig.tool_requests()["call"]
+    by_w1 = [("claimed", 1, "w1-worker"), ("dispatching", 1, "w1-worker"),
+             ("completed", 1, "w1-worker")]
+    assert acknowledged[:3] == by_w1
+    assert servers["db2"]["state"] == "succeeded"
+    if fenced:
+        assert (lost, owners, effects, calls) == ([], ["w1-worker on db2"], 1, 1)
+    else:
+        assert lost == by_w1
+        assert owners == ["w1-worker on db1", "w2-worker on db2"]
+        assert servers["db1"]["state"] == "succeeded"
+        assert (effects, calls) == (2, 2)
+    observe({
+        "replication": "async",
+        "old_primary": "fenced" if fenced else "serving w1",
+        "acknowledged_lost": [f"{kind} fence {fence} by {who}" for kind, fence, who in lost],
+        "owners_of_fence_1": owners,
+        "effects": effects,
+        "tool_calls": calls,
+        "state_on_new_primary": servers["db2"]["state"],
+        "hosts": rig.topology()["hosts"],
+    }, facts=("replication", "old_primary", "acknowledged_lost", "owners_of_fence_1",
+              "effects", "tool_calls", "state_on_new_primary"), measurements=("hosts",))
