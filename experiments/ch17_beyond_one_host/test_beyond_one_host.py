@@ -305,3 +305,52 @@ def test_split_brain_without_fencing_loses_acknowledged_commits_and_sends_a_seco
         "hosts": rig.topology()["hosts"],
     }, facts=("replication", "old_primary", "acknowledged_lost", "owners_of_fence_1",
               "effects", "tool_calls", "state_on_new_primary"), measurements=("hosts",))
+
+
+# Which packets a one-way partition drops: (sender, receiver).
+ONE_WAY = {"worker_to_primary": ("w1", "db1"), "primary_to_worker": ("db1", "w1")}
+
+
+@pytest.mark.parametrize("direction", ONE_WAY)
+def test_one_way_partition_during_the_lease_keeps_one_effect(
+    beyond_one_host, observe, direction
+):
+    """A worker holds the lease and has passed the start barrier when a one-way partition
+    drops its packets to the primary, or the primary's to it (the tool stays reachable).
+    Either way it calls the tool once and then can neither record the completion nor
+    renew its lease (a conversation with the database needs both directions): it stops
+    on the lost connection. The lease runs out on the primary, the unknown outcome is
+    reconciled from another host by a lookup that finds the effect, and the workflow ends
+    succeeded with one effect."""
+    rig, lab = beyond_one_host("sync")
+    job = lab.approved(idempotent=True)
+    first = rig.spawn_worker("w1", "w1-worker", "--pause", protocol.AFTER_BARRIER)
+    first.wait_for(f"{protocol.STAGE} {protocol.AFTER_BARRIER}")
+    rig.faults.partition(*ONE_WAY[direction], one_way=True)
+    lab.mark("experiment", f"one-way partition {'->'.join(ONE_WAY[direction])}")
+    first.release()
+    code = first.finish(timeout=90, expect_exit=None)
+    recovery = settle(rig, lab, job.id)
+    acknowledged = told(first)
+    lost = [commit for commit in acknowledged if commit not in held(lab)]
+    final, effects, requests = lab.state(job.id), rig.ledger_effects(), rig.tool_requests()
+    owners = [c.owner for c in lab.claims(job.id)]
+    assert acknowledged == [("claimed", 1, "w1-worker"), ("dispatching", 1, "w1-worker")]
+    assert lost == []
+    assert recovery == ["lease recovered", "reconciled on another host"]
+    assert (final.state, effects, requests) == ("succeeded", 1, {"call": 1, "lookup": 1})
+    assert owners == ["w1-worker"]
+    observe({
+        "direction": direction,
+        "acknowledged": [f"{kind} fence {fence}" for kind, fence, _ in acknowledged],
+        "acknowledged_lost": lost,
+        "recovery": recovery,
+        "state": final.state,
+        "effects": effects,
+        "tool_requests": requests,
+        "owners": owners,
+        "worker_exit": code,
+        "worker_stopped_on": first.tail(),
+    }, facts=("direction", "acknowledged", "acknowledged_lost", "recovery", "state",
+              "effects", "tool_requests", "owners"),
+       measurements=("worker_exit", "worker_stopped_on"))
