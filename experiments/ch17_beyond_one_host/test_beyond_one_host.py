@@ -307,6 +307,76 @@ def test_split_brain_without_fencing_loses_acknowledged_commits_and_sends_a_seco
               "effects", "tool_calls", "state_on_new_primary"), measurements=("hosts",))
 
 
+def _sync_split_brain(beyond_one_host):
+    """Synchronous replication, ``db1`` cut from ``db2`` and ``w2``, not fenced, ``db2``
+    promoted. A worker on ``w1`` reaches ``db1`` and its claim's commit waits for the lost
+    standby; a worker on ``w2`` runs the workflow on ``db2``; then the waiting commit is
+    cancelled on ``db1`` (as a statement timeout or an operator would) and the first
+    worker goes on until its next commit waits in turn."""
+    rig, lab = beyond_one_host("sync", idempotent=False)
+    job = lab.approved(idempotent=False)
+    old = rig.pair.primary
+    rig.faults.partition("db1", "db2")
+    rig.faults.partition("db1", "w2")
+    new = rig.pair.promote()
+    lab.mark("experiment", "split: db1 cut from db2 and w2, serving, db2 promoted")
+    first = rig.spawn_worker("w1", "w1-worker")
+    waiting = store.Store.open(rig.pair.local_dsn(old), lab.schema, max_connections=1)
+    try:
+        def stuck() -> int:
+            return int(waiting.execute("SELECT count(*) AS n FROM pg_stat_activity "
+                                       "WHERE wait_event = 'SyncRep'")[0]["n"])
+        lab.wait_until(lambda: stuck() == 1, within=30.0,
+                       what="the old primary's commit to wait for the lost standby")
+        rig.spawn_worker("w2", "w2-worker").finish(expect_exit=None)
+        before = told(first)
+        waiting.execute("SELECT pg_cancel_backend(pid) FROM pg_stat_activity "
+                        "WHERE wait_event = 'SyncRep'")
+        lab.mark("experiment", "db1: the commit waiting for the lost standby cancelled")
+        first.wait_for(f"{protocol.STAGE} {protocol.AFTER_CLAIM}")
+        lab.wait_until(lambda: stuck() == 1, within=30.0,
+                       what="the first worker's next commit to wait for the lost standby")
+    finally:
+        waiting.close()
+    servers = {"db2": on_node(rig, lab, new, job.id), "db1": on_node(rig, lab, old, job.id)}
+    # Fenced at last: the experiment's own teardown follows the read-write primary, and a
+    # commit on this one would wait for the lost standby too.
+    rig.pair.fence()
+    return rig, before, told(first), servers
+
+
+def test_split_brain_with_synchronous_replication_acknowledges_nothing_until_a_wait_is_cancelled(
+    beyond_one_host, observe
+):
+    """The same split brain with synchronous replication, the old primary not fenced: the
+    worker that still reaches it is told nothing while its claim's commit waits for a
+    standby that no longer follows, and a worker on the new primary runs the workflow
+    with one effect. Once that wait is cancelled (PostgreSQL then reports the commit, as
+    it is on the old primary's disk), the first worker is told its claim committed: an
+    acknowledged claim the new primary never sees, and two owners of one fence. Its next
+    commit, the start barrier, waits again, so the tool is called once."""
+    rig, before, acknowledged, servers = _sync_split_brain(beyond_one_host)
+    lost = [commit for commit in acknowledged if commit not in servers["db2"]["held"]]
+    owners = sorted({f"{owner} on {name}" for name, seen in servers.items()
+                     for owner, fence in seen["claims"] if fence == 1})
+    effects, calls = rig.ledger_effects(), rig.tool_requests()["call"]
+    assert before == []
+    assert acknowledged == lost == [("claimed", 1, "w1-worker")]
+    assert owners == ["w1-worker on db1", "w2-worker on db2"]
+    assert (servers["db2"]["state"], effects, calls) == ("succeeded", 1, 1)
+    observe({
+        "replication": "sync",
+        "old_primary": "serving w1",
+        "told_w1_while_waiting": before,
+        "acknowledged_lost": [f"{kind} fence {fence} by {who}" for kind, fence, who in lost],
+        "owners_of_fence_1": owners,
+        "effects": effects,
+        "tool_calls": calls,
+        "state_on_new_primary": servers["db2"]["state"],
+    }, facts=("replication", "old_primary", "told_w1_while_waiting", "acknowledged_lost",
+              "owners_of_fence_1", "effects", "tool_calls", "state_on_new_primary"))
+
+
 # Which packets a one-way partition drops: (sender, receiver).
 ONE_WAY = {"worker_to_primary": ("w1", "db1"), "primary_to_worker": ("db1", "w1")}
 
