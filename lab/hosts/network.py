@@ -296,6 +296,42 @@ class Hosts:
             raise errors.ProvisioningError(f"lab hosts teardown failed: {failures[0]}")
 
 
+# A fresh interpreter inside a host (isolated, no site: no egress guard of ours), so the
+# kernel alone answers: "connected", or the errno's name of the failed connect.
+_PROBE = r"""
+import errno, socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("connected")
+except TimeoutError:
+    print("timeout")
+except OSError as exc:
+    print(errno.errorcode.get(exc.errno or 0, type(exc).__name__))
+"""
+
+
+def probe(host: Host | None, address: str, port: int, timeout: float = 2.0) -> str:
+    """Try a TCP connection from inside ``host`` (None: from the namespace this process
+    lives in, outside every host) to ``address``:``port``, in a process of its own:
+    ``"connected"``, ``"timeout"``, or the name of the errno the kernel gave
+    (``ENETUNREACH``: no route; ``ECONNREFUSED``: nobody listens there)."""
+    return command(sys.executable, "-I", "-S", "-c", _PROBE, address, str(port),
+                   f"{timeout:g}", netns=host.netns if host else None,
+                   timeout=timeout + _COMMAND_TIMEOUT).strip()
+
+
+def outside_addresses() -> list[str]:
+    """The IPv4 addresses of the namespace this process lives in, loopback excepted (the
+    machine's own addresses; none in the sandbox of a publishable run, which has only
+    its own loopback)."""
+    found: list[str] = []
+    for entry in json.loads(command("ip", "-json", "-4", "addr", "show") or "[]"):
+        for info in entry.get("addr_info", []):
+            if not ipaddress.ip_address(info["local"]).is_loopback:
+                found.append(str(info["local"]))
+    return found
+
+
 def leftovers(run_id: str) -> list[str]:
     """Namespaces of run ``run_id`` that still exist (a teardown check for tests)."""
     try:

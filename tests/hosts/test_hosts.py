@@ -45,21 +45,6 @@ def _udp(source: network.Host, target: network.Host) -> bool:
         sender.close()
 
 
-# A fresh interpreter inside the host (no egress guard of ours): the kernel alone answers.
-_PROBE = """
-import socket, sys
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.0).close()
-    print("connected")
-except OSError as exc:
-    print(type(exc).__name__)
-"""
-
-
-def _connect(host: network.Host, address: str, port: int) -> str:
-    return host.run(sys.executable, "-I", "-S", "-c", _PROBE, address, str(port)).strip()
-
-
 def test_non_root_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(errors.ProvisioningError) as refused:
@@ -74,22 +59,69 @@ def test_bad_host_names_are_refused() -> None:
 
 
 def test_hosts_reach_each_other_and_nothing_outside_the_bridge(two: network.Hosts) -> None:
+    """A host reaches another host on the bridge, and no address outside it: not the
+    machine's own addresses nor its loopback (a listener there, which the machine itself
+    reaches), not a public address; the kernel's own error says why for each."""
     a, b = two["a"], two["b"]
     listener = b.inside(lambda: socket.create_server((b.address, 0)))
-    outside = socket.create_server(("127.0.0.1", 0))  # a listener of the machine itself
+    # A listener of the machine itself, on every address it has (a host must reach none).
+    outside = socket.create_server(("0.0.0.0", 0))  # noqa: S104
+    port = outside.getsockname()[1]
+    own = network.outside_addresses()
     try:
-        assert _connect(a, b.address, listener.getsockname()[1]) == "connected"
-        # No route leaves the link-local network: the kernel refuses at once.
-        assert _connect(a, "1.1.1.1", 80) != "connected"
-        assert _connect(a, "127.0.0.1", outside.getsockname()[1]) != "connected"
+        assert network.probe(a, b.address, listener.getsockname()[1]) == "connected"
+        # The machine reaches its own listener on every address it has...
+        for address in ["127.0.0.1", *own]:
+            assert network.probe(None, address, port) == "connected"
+        # ...a host reaches none of them: no route leaves the link-local network, and its
+        # loopback is its own (nobody listens on that port there).
+        assert {address: network.probe(a, address, port) for address in own} == {
+            address: "ENETUNREACH" for address in own}
+        assert network.probe(a, "127.0.0.1", port) == "ECONNREFUSED"
+        assert network.probe(a, "1.1.1.1", 80) == "ENETUNREACH"
+        assert network.probe(a, "10.0.0.1", 80) == "ENETUNREACH"
         # An address of the range that is no host on the bridge: nobody answers.
-        assert _connect(a, "169.254.255.254", 80) != "connected"
+        assert network.probe(a, "169.254.255.254", 80, timeout=1.0) in ("timeout",
+                                                                         "EHOSTUNREACH")
     finally:
         listener.close()
         outside.close()
     assert all(network.NETWORK.supernet_of(
         network.ipaddress.IPv4Network(f"{addr}/32")) for addr in two.addresses())
     assert [e["what"] for e in two.events[:2]] == ["built", "checked"]
+
+
+def test_the_probe_sees_a_route_out_when_a_host_has_one(two: network.Hosts) -> None:
+    """The isolation test can fail: given a route to the machine's side (a veth pair to
+    the test's own namespace, with addresses), the same probe reaches a listener there.
+    Removed afterwards, and the host passes its check again."""
+    a = two["a"]
+    peer = f"lx{two.run_id}"
+    network.command("ip", "netns", "add", peer)
+    try:
+        network.command("ip", "link", "add", "px0", "type", "veth", "peer", "name", "px1",
+                        "netns", a.netns, netns=peer)
+        network.command("ip", "addr", "add", "10.231.0.1/24", "dev", "px0", netns=peer)
+        network.command("ip", "link", "set", "px0", "up", netns=peer)
+        network.command("ip", "link", "set", "lo", "up", netns=peer)
+        a.run("ip", "addr", "add", "10.231.0.2/24", "dev", "px1")
+        a.run("ip", "link", "set", "px1", "up")
+        server = subprocess.Popen(
+            [network.program("ip"), "netns", "exec", peer, sys.executable, "-I", "-S", "-c",
+             "import socket,time\ns=socket.create_server(('10.231.0.1', 8089))\n"
+             "print('up', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "up"
+            assert network.probe(a, "10.231.0.1", 8089) == "connected"
+            with pytest.raises(errors.ProvisioningError, match="interfaces"):
+                two.check()
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+    finally:
+        network.command("ip", "netns", "delete", peer)  # px0 and px1 go with it
+    assert network.probe(a, "10.231.0.1", 8089) == "ENETUNREACH"
+    two.check()
 
 
 def test_a_changed_host_fails_the_check(two: network.Hosts) -> None:
