@@ -68,6 +68,7 @@ PUBLIC_MODULES = (
     "lab.faults",
     "lab.evidence.crashmatrix",
     "lab.peers",
+    "lab.hosts",
 )
 
 # Every audit event kind the store writes, for ``lab.count_events(kind)``
