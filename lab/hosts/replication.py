@@ -1,8 +1,9 @@
 """A replicated PostgreSQL on lab hosts: a primary and a streaming standby, and failover.
 
 Each server is the lab's own embedded cluster (``lab.pg.postmaster.Embedded``: root-safe,
-run as ``nobody`` when we are root, reaped if we die), launched from a thread inside its
-lab host, so it listens on that host's address. The standby is made with
+run as ``nobody`` when we are root, reaped if we die; fsync off unless ``durable``, which
+``lab bench throughput --replicated`` asks for, since it measures commits), launched from
+a thread inside its lab host, so it listens on that host's address. The standby is made with
 ``pg_basebackup`` from the primary and streams from it over the bridge.
 
 - ``sync``: the primary's ``synchronous_standby_names`` names the standby and
@@ -82,6 +83,7 @@ class Replicated:
     standby_host: str | None  # None: a server alone (the credit tool's ledger, say)
     mode: str = "sync"
     environ: Mapping[str, str] | None = None
+    durable: bool = False  # fsync and synchronous commits on: a benchmark measures commits
     nodes: list[Node] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     _password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
@@ -185,7 +187,7 @@ class Replicated:
     def _node(self, runner: Runner, host_name: str, role: str) -> Node:
         base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir=run_parent()))
         runner.give(base)
-        cluster = Embedded(runner, base, durable=False)
+        cluster = Embedded(runner, base, durable=self.durable)
         host = self.hosts[host_name]
         cluster.listen = f"127.0.0.1,{host.address}"
         node = Node(host_name, host, cluster, role)
