@@ -445,6 +445,15 @@ def _add_bench(commands: Commands[parsing.Parser]) -> None:
     throughput.add_argument("--noise", default="0",
                             help="busy processes beside every system's rounds; the sweep takes "
                                  "a comma-separated list, each level a sitting of its own")
+    throughput.add_argument("--replicated", default="", metavar="MODES",
+                            help="the lab on a replicated PostgreSQL: comma-separated modes "
+                                 "among none,sync,async (none: a primary alone; sync, async: "
+                                 "a primary and a streaming standby on another lab host), "
+                                 "each its own durable server on lab hosts, the modes "
+                                 "alternating round by round, with each mode's throughput "
+                                 "over none's; needs root; not with --peer, --sweep or "
+                                 "--lab-postgres (default: the bench's one server, not on "
+                                 "lab hosts)")
     claim = bench_commands.add_parser("claim", help="claim latency as finished history grows")
     claim.add_argument("--history", type=int, action="append", default=[], metavar="N",
                        help="finished workflows before measuring (repeatable; "

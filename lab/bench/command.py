@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from lab import errors, protocol
-from lab.bench import claim, measure, startup, suite, throughput
+from lab.bench import claim, measure, replicated, startup, suite, throughput
 from lab.bench.measure import fmt
 from lab.pg import providers
 
@@ -79,6 +79,7 @@ class ThroughputOptions:
     temporal_workflow_tasks: str = "1,4"
     noise: str = "0"
     lab_postgres: str = providers.AUTO
+    replicated: str = ""
 
 
 BenchOptions = SuiteOptions | StartupOptions | ClaimOptions | ThroughputOptions
@@ -100,6 +101,13 @@ def cli_main(options: BenchOptions, console: Console | None = None) -> int:
                   f"{suite.GOAL_N4_OVER_SERIAL}); floor set by the longest test and "
                   f"start-up: {fmt(report['parallel_floor_fraction'])}")
         name = "suite"
+    elif isinstance(options, ThroughputOptions) and options.replicated:
+        report = replicated.bench(
+            replicated.modes(options.replicated), options.workflows, options.workers,
+            options.repeat, noise=_ints(options.noise)[0], batch=options.batch,
+            concurrency=options.concurrency, min_seconds=options.min_seconds)
+        replicated.print_report(report, out)
+        name = "throughput-replicated"
     else:
         mode = providers.AUTO if isinstance(options, StartupOptions) else options.lab_postgres
         with measure.postgres(mode) as (dsn, provision):
@@ -147,6 +155,9 @@ def _validate(options: ThroughputOptions) -> None:
         raise errors.UsageError("--noise takes a list only with --sweep")
     if options.min_seconds < 0:
         raise errors.UsageError("--min-seconds must not be negative")
+    replicated.refuse(replicated.modes(options.replicated), peers=options.peers,
+                      sweep=options.sweep, lab_postgres=options.lab_postgres,
+                      default_postgres=providers.AUTO)
     if len(set(options.peers)) != len(options.peers):
         raise errors.UsageError("--peer names each peer once")
     if not options.sweep and len(options.peers) > 1:
