@@ -1,8 +1,9 @@
 """``lab bench throughput --replicated``: what a replicated workflow database costs.
 
 Each mode named gets a server of its own on lab hosts (``lab.hosts``, network namespaces
-on a bridge; root only), every server the same durable embedded PostgreSQL (fsync and
-synchronous commits on) with the same replication settings:
+on a bridge; root only), every server the same durable embedded PostgreSQL (on disk, fsync
+and synchronous commits on, as the bench's own embedded server) with the same replication
+settings:
 
 - ``none``: a primary alone on its host (no standby, no WAL sender);
 - ``sync``: a primary and a streaming standby on another host, the standby named in
@@ -40,6 +41,7 @@ from lab.bench.measure import fmt, ratio, rnd
 from lab.bench.rounds import Config, RunResult, round_size, runner, scratch_databases
 from lab.hosts import network, replication
 from lab.pg import edge
+from lab.pg.binaries import DISK_DIR
 
 MODES = ("none", "sync", "async")
 # Each mode's hosts: the primary's and the standby's (none: no standby).
@@ -172,7 +174,8 @@ def bench(chosen: Sequence[str], workflows: int, workers: int, repeat: int, *,
         environment = measure.environment(pairs[chosen[0]].local_dsn(), None)
         environment["postgres"]["provisioned"] = {
             "provider": "embedded on lab hosts",
-            "modes": {mode: pair.describe() for mode, pair in pairs.items()}}
+            "storage": f"disk ({DISK_DIR}), fsync on",
+            "modes": {mode: {**pair.describe(), "mode": mode} for mode, pair in pairs.items()}}
         runs = {}
         for mode, pair in pairs.items():
             scratch, _ = stack.enter_context(scratch_databases(pair.local_dsn(), peer=False))
@@ -270,7 +273,8 @@ def print_report(report: Mapping[str, Any], out: Console) -> None:
     environment = report["environment"]
     server = environment["postgres"]
     out.print(f"PostgreSQL {server['server_version']} (embedded on lab hosts, one server or "
-              f"pair per mode: {','.join(report['replicated'])}), fsync={server['fsync']}, "
+              f"pair per mode: {','.join(report['replicated'])}; "
+              f"{server['provisioned']['storage']}), fsync={server['fsync']}, "
               f"synchronous_commit={server['synchronous_commit']}; load average "
               f"{environment['load_average_1_5_15']} on {environment['cpus']} CPUs "
               "(other work on the machine skews every figure)")

@@ -1,10 +1,11 @@
 """A replicated PostgreSQL on lab hosts: a primary and a streaming standby, and failover.
 
 Each server is the lab's own embedded cluster (``lab.pg.postmaster.Embedded``: root-safe,
-run as ``nobody`` when we are root, reaped if we die; fsync off unless ``durable``, which
-``lab bench throughput --replicated`` asks for, since it measures commits), launched from
-a thread inside its lab host, so it listens on that host's address. The standby is made with
-``pg_basebackup`` from the primary and streams from it over the bridge.
+run as ``nobody`` when we are root, reaped if we die; in RAM with fsync off unless
+``durable``: on disk with fsync on, which ``lab bench throughput --replicated`` asks for,
+since it measures commits), launched from a thread inside its lab host, so it listens on
+that host's address. The standby is made with ``pg_basebackup`` from the primary and
+streams from it over the bridge.
 
 - ``sync``: the primary's ``synchronous_standby_names`` names the standby and
   ``synchronous_commit=on``: a commit is acknowledged once the standby has flushed it.
@@ -40,7 +41,7 @@ from psycopg import conninfo, sql
 
 from lab import errors
 from lab.hosts.network import Host, Hosts
-from lab.pg.binaries import SUPERUSER, Runner, cache_root, runner_for
+from lab.pg.binaries import DISK_DIR, SUPERUSER, Runner, cache_root, runner_for
 from lab.pg.cluster import find_binaries
 from lab.pg.embedded import run_parent
 from lab.pg.postmaster import Embedded
@@ -83,7 +84,7 @@ class Replicated:
     standby_host: str | None  # None: a server alone (the credit tool's ledger, say)
     mode: str = "sync"
     environ: Mapping[str, str] | None = None
-    durable: bool = False  # fsync and synchronous commits on: a benchmark measures commits
+    durable: bool = False  # fsync and synchronous commits on, on disk: a benchmark's servers
     nodes: list[Node] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     _password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
@@ -185,7 +186,10 @@ class Replicated:
         self.record("replicating", mode=self.mode, primary=primary.name, standby=standby.name)
 
     def _node(self, runner: Runner, host_name: str, role: str) -> Node:
-        base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir=run_parent()))
+        # A durable server on disk, as the lab's own durable embedded server: in RAM an
+        # fsync costs nothing and a benchmark would understate every commit.
+        parent = DISK_DIR if self.durable else run_parent()
+        base = Path(tempfile.mkdtemp(prefix="lab-pg-", dir=parent))
         runner.give(base)
         cluster = Embedded(runner, base, durable=self.durable)
         host = self.hosts[host_name]

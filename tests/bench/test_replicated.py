@@ -52,6 +52,7 @@ def _our_namespaces() -> set[str]:
             if line.split() and line.split()[0].endswith(("-syncp", "-syncs"))}
 
 
+@pytest.mark.slow  # two servers made on disk: about 19 s alone on a busy 2-core machine
 @pytest.mark.skipif(os.geteuid() != 0, reason="lab hosts need root")
 def test_a_synchronous_round_names_its_mode_and_its_standby_received_the_wal(
     tmp_path, capsys
@@ -66,6 +67,7 @@ def test_a_synchronous_round_names_its_mode_and_its_standby_received_the_wal(
     assert [run["mode"] for turn in report["rounds"] for run in turn] == ["sync"]
     assert report["summary"]["sync"]["all_succeeded"]
     assert report["environment"]["postgres"]["fsync"] == "on"
+    assert report["environment"]["postgres"]["provisioned"]["storage"].startswith("disk")
     standby = report["standby"]["sync"]
     # The primary waited for this standby, and the standby replayed the rounds' WAL.
     assert standby["state"] == "streaming" and standby["sync_state"] == "sync", standby
