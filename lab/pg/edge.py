@@ -43,11 +43,13 @@ def explained(exc: psycopg.Error) -> str:
 
 
 @contextlib.contextmanager
-def session(dsn: str, action: str, *, schema: str | None = None) -> Iterator[Connection]:
-    """One autocommit session with dict rows (``search_path`` set to ``schema`` if given)."""
+def session(dsn: str, action: str, *, schema: str | None = None,
+            settings: str = "") -> Iterator[Connection]:
+    """One autocommit session with dict rows (``search_path`` set to ``schema`` if given;
+    ``settings``, server options such as ``-c lock_timeout=10s``, for this session only)."""
     options = f"-c search_path={names.check_schema_name(schema)}" if schema else ""
     with translated(action), psycopg.connect(
-        dsn, autocommit=True, row_factory=dict_row, options=options
+        dsn, autocommit=True, row_factory=dict_row, options=f"{options} {settings}".strip()
     ) as conn:
         yield conn
 
@@ -119,10 +121,20 @@ def sqlalchemy_url(dsn: str) -> str:
     return f"postgresql://{auth}@{host}:{port}/{dbname}"
 
 
+# Dropping a schema waits for no one: not for a lock an experiment's stuck session holds
+# (lock_timeout), not past a deadline (statement_timeout), and not for a synchronous
+# standby that an experiment cut off (synchronous_commit=local: the commit is on this
+# server's disk, which is all a teardown needs; statement_timeout does not cover that
+# wait, as PostgreSQL ends the statement's timer before the commit waits).
+_DROP_SETTINGS = ("-c synchronous_commit=local -c lock_timeout=10s "
+                  "-c statement_timeout=30s")
+
+
 def drop_schema(dsn: str, schema: str) -> None:
-    """Drop ``schema`` and everything in it, if it exists."""
+    """Drop ``schema`` and everything in it, if it exists; a lock held elsewhere or a slow
+    server ends it with ``errors.StoreError`` within seconds rather than waiting."""
     names.check_schema_name(schema)
-    with session(dsn, "drop the schema") as conn:
+    with session(dsn, "drop the schema", settings=_DROP_SETTINGS) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 

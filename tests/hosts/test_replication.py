@@ -14,6 +14,7 @@ import pytest
 
 from lab import errors
 from lab.hosts import netfaults, network, replication
+from lab.pg import edge
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="lab hosts need root"),
@@ -93,6 +94,28 @@ def test_an_asynchronous_failover_loses_what_the_cut_off_standby_never_got(
         assert _rows(pair.local_dsn(pair.primary)) == [1, 2]
         pair.failover()
         assert _rows(pair.local_dsn()) == [1], "the acknowledged row 2 is lost"
+
+
+def test_a_teardown_drops_its_schema_without_waiting_for_a_cut_off_standby(
+    hosts: network.Hosts,
+) -> None:
+    """A synchronous primary whose standby is cut off makes every commit wait (the test
+    above); dropping a test's schema there must not (an experiment that failed before
+    fencing its old primary once hung a run's teardown for good)."""
+    faults = netfaults.Faults(hosts)
+    with _pair_with_one_row(hosts, "sync") as (pair, local):
+        with psycopg.connect(local, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA t_dropped")
+        faults.partition("db1", "db2")
+        dropped = threading.Thread(target=edge.drop_schema, args=(local, "t_dropped"),
+                                   daemon=True)
+        dropped.start()
+        dropped.join(timeout=60)
+        assert not dropped.is_alive(), "dropping the schema waited for the cut-off standby"
+        with psycopg.connect(local, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_namespace "
+                               "WHERE nspname = 't_dropped'").fetchone()
+        assert row == (0,)
 
 
 def test_bad_pairs_are_refused(hosts: network.Hosts) -> None:
