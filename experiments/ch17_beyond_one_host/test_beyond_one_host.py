@@ -324,7 +324,10 @@ def _sync_split_brain(beyond_one_host):
     rig.faults.partition("db1", "w2")
     new = rig.pair.promote()
     lab.mark("experiment", "split: db1 cut from db2 and w2, serving, db2 promoted")
-    first = rig.spawn_worker("w1", "w1-worker")
+    # A lease and a heartbeat period longer than anything here waits: what stops this
+    # worker must be the waiting commit, never its lease running out while a loaded
+    # machine is slow to run the second worker (it did, beside 4 busy processes).
+    first = rig.spawn_worker("w1", "w1-worker", "--lease", "300", "--heartbeat", "300")
     waiting = store.Store.open(rig.pair.local_dsn(old), lab.schema, max_connections=1)
     try:
         def stuck() -> int:
@@ -340,12 +343,13 @@ def _sync_split_brain(beyond_one_host):
         first.wait_for(f"{protocol.STAGE} {protocol.AFTER_CLAIM}")
         lab.wait_until(lambda: stuck() == 1, within=30.0,
                        what="the first worker's next commit to wait for the lost standby")
+        servers = {"db2": on_node(rig, lab, new, job.id),
+                   "db1": on_node(rig, lab, old, job.id)}
     finally:
         waiting.close()
-    servers = {"db2": on_node(rig, lab, new, job.id), "db1": on_node(rig, lab, old, job.id)}
-    # Fenced at last: the experiment's own teardown follows the read-write primary, and a
-    # commit on this one would wait for the lost standby too.
-    rig.pair.fence()
+        # Fenced at last, whatever happened above: the experiment's own teardown follows
+        # the read-write primary, and a commit on this one would wait for the lost standby.
+        rig.pair.fence()
     return rig, before, told(first), servers
 
 
