@@ -25,11 +25,13 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -132,7 +134,8 @@ def run_marked(command: Sequence[str], out: Console, cwd: Path | None = None,
     child = subprocess.Popen(argv, cwd=cwd, env=marked)
     try:
         try:
-            returncode = child.wait()
+            with _interrupts_reach(child):
+                returncode = child.wait()
         except KeyboardInterrupt:
             try:
                 child.wait(timeout=INTERRUPT_GRACE_S)
@@ -145,6 +148,42 @@ def run_marked(command: Sequence[str], out: Console, cwd: Path | None = None,
         if left:
             out.print(f"[red]left behind by the run, now ended: {left.describe()}[/red]")
     return 1 if left and returncode == 0 else returncode
+
+
+@contextlib.contextmanager
+def _interrupts_reach(child: subprocess.Popen[bytes]) -> Iterator[None]:
+    """While ``child`` runs, an interrupt meant for this process reaches it too.
+
+    Ctrl-C at a terminal reaches the whole foreground process group, pytest included.
+    A SIGINT sent to this process alone (``kill -INT``, no terminal) or a SIGTERM (a job
+    cancelled, ``timeout``) would not: pytest would run on, orphaned or killed after the
+    grace without tearing anything down. Those are passed on as SIGINT, so pytest tears
+    its experiments down as after Ctrl-C, and this process takes the interrupt path."""
+    def forward(signum: int, frame: object) -> None:
+        if signum == signal.SIGTERM or not _from_terminal():
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGINT)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.signal(signum, forward)
+              for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def _from_terminal() -> bool:
+    """Whether this process is in its terminal's foreground group: a SIGINT then came
+    from Ctrl-C, and pytest, in the same group, has it already."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
 
 
 def requested_database(arguments: Sequence[str]) -> tuple[str, str | None, bool]:

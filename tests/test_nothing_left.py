@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from lab import leftovers, protocol
+from lab import errors, leftovers, protocol
 from lab.evidence import manifest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,3 +124,54 @@ def test_an_interrupted_chapter_11_run_leaves_nothing_behind(tmp_path):
     time.sleep(1.0)  # the reaper of a stopped cluster removes its directory
     left = leftovers.sweep(marker)
     assert not left, f"{left.describe()}\n{out[-2000:]}"
+
+
+def _carrying(token: str) -> list[int]:
+    """The processes whose environment holds ``LAB_TEST_PROBE=token``."""
+    needle = f"LAB_TEST_PROBE={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                environ = (entry / "environ").read_bytes()
+                stat = (entry / "stat").read_text(errors="replace")
+            except OSError:
+                continue
+            if needle in environ.split(b"\0") and stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(tmp_path):
+    """SIGTERM to ``lab run`` alone (a cancelled job, ``timeout``), not to its process
+    group, in the middle of chapter 11's chaos round: the run passes it on to pytest as
+    an interrupt, says it was interrupted, and leaves no process behind."""
+    token = os.urandom(6).hex()
+    env = {**os.environ, "LAB_TEST_PROBE": token}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "lab.cli", "run", "--evidence", str(tmp_path / "evidence"),
+         "--", CH11, "-p", "no:randomly"],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and run.poll() is None:
+        if [_name(pid) for pid in _carrying(token)].count("lab worker") >= 3:
+            break
+        time.sleep(0.2)
+    assert run.poll() is None, "the run ended before chaos began"
+    time.sleep(2.0)
+    os.kill(run.pid, signal.SIGTERM)
+    out, _ = run.communicate(timeout=180)
+    assert run.returncode == errors.EXIT_INTERRUPTED, out[-2000:]
+    assert "lab run: interrupted" in out, out[-2000:]
+    # pytest tore its experiments down itself: nothing was left for the runner to end.
+    assert "left behind by the run" not in out, out[-2000:]
+    assert _carrying(token) == [], out[-2000:]
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
