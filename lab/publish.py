@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import bundle, dsse, trust
+from lab.evidence import bundle, dsse, tree, trust
 from lab.model import signed
 
 if TYPE_CHECKING:
@@ -87,20 +86,23 @@ class Plan:
 
 
 def dirty_files(root: Path) -> list[str]:
-    """Changed or untracked files of the git working tree at ``root`` (ignored files aside)."""
+    """Changed or untracked files of the git working tree at ``root`` (ignored files aside).
+
+    Asked of the lab's fixed git with no system or global configuration
+    (``tree.git``), as the evidence asks: the caller's ``git`` on ``PATH``, or a global
+    excludes file, must not decide whether a tree is clean enough to publish."""
+    not_a_tree = Refused(f"dirty: {root} is not a git working tree, so its sources cannot "
+                         "be pinned")
+    if not root.is_dir():
+        raise not_a_tree
     try:
-        done = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise Refused(f"dirty: cannot ask git about {root}: {exc}") from exc
-    if done.returncode != 0:
-        raise Refused(f"dirty: {root} is not a git working tree, so its sources cannot be pinned")
-    return [line[3:] for line in done.stdout.splitlines() if line.strip()]
+        out = tree.git(root, ["status", "--porcelain", "--untracked-files=all"],
+                       f"cannot ask git about {root}")
+    except errors.EnvironmentFailure as exc:
+        raise Refused(f"dirty: {exc}") from exc
+    except errors.UsageError as exc:
+        raise not_a_tree from exc
+    return [line[3:] for line in out.decode("utf-8", "replace").splitlines() if line.strip()]
 
 
 def _refuse_dirty(root: Path, when: str) -> None:

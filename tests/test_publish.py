@@ -95,6 +95,28 @@ def test_a_dirty_tree_is_refused_naming_the_file(
         publish.prepare(_args(tmp_path / "o"), tmp_path / "nowhere", env)
 
 
+def test_the_callers_git_and_its_global_excludes_do_not_decide_dirtiness(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``git`` first on ``PATH`` that says every tree is clean, and a global excludes
+    file hiding an untracked ``conftest.py`` (which pytest would load): the tree is
+    still dirty, because the lab asks its own git with no caller configuration."""
+    tree = _git_tree(tmp_path / "tree")
+    env = {dsse.KEY_ENV: str(make_key("k").private_pem)}
+    (tree / "conftest.py").write_text("import os\n")
+    home, liar = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    liar.mkdir()
+    (home / "ignore").write_text("conftest.py\n")
+    (home / ".gitconfig").write_text(f"[core]\n\texcludesFile = {home / 'ignore'}\n")
+    (liar / "git").write_text("#!/bin/sh\nexit 0\n")
+    (liar / "git").chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("PATH", f"{liar}:/usr/bin:/bin")
+    with pytest.raises(Refused, match=r"dirty before the run: conftest\.py changed"):
+        publish.prepare(_args(tmp_path / "o"), tree, env)
+
+
 def test_a_run_that_is_not_pass_is_refused(
     tmp_path: Path, make_key: Callable[[str], KeyFiles]
 ) -> None:
