@@ -13,16 +13,15 @@ working tree. ``runtime.pub.pem`` beside the evidence is never a pin.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lab import files
+from lab import errors, files
 from lab.errors import EvidenceError, InputError
-from lab.evidence import dsse
+from lab.evidence import dsse, tree
 
 TRUSTED_DIR = "keys/trusted"
 REVOKED_DIR = "keys/revoked"
@@ -146,12 +145,13 @@ def revoked(known: Sequence[TrustedKey], key: ed25519.Ed25519PublicKey) -> Trust
 
 
 def _git(root: Path, args: Sequence[str]) -> bytes | None:
+    """``git args`` in ``root`` by the lab's fixed git with no caller configuration
+    (``tree.git``): which keys are trusted, and which revoked, is never the answer of a
+    ``git`` first on ``PATH`` or of a global configuration. None when git refuses."""
     try:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=30,
-                              check=False)
-    except (OSError, subprocess.SubprocessError):
+        return tree.git(root, args, "read the trusted keys")
+    except (errors.EnvironmentFailure, errors.UsageError):
         return None
-    return done.stdout if done.returncode == 0 else None
 
 
 def _tracked_key_names(root: Path, commit: str, directory: str) -> list[str]:

@@ -452,6 +452,27 @@ def test_a_revoked_key_vouches_for_no_evidence_of_any_age_however_named(
                             console=Console(file=io.StringIO()))
 
 
+def test_which_keys_are_revoked_is_not_the_callers_git_to_say(
+    tmp_path: Path, make_key: Callable[[str], KeyFiles], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``git`` first on ``PATH`` that hides ``keys/revoked/`` from every listing, and a
+    global configuration of the caller's: the revoked key is still revoked, because the
+    trusted keys are read through the lab's own git with no caller configuration."""
+    root = _tree(tmp_path)
+    old = make_key("old")
+    _commit_key(root, old, "trusted", "old")
+    _commit_key(root, old, "revoked", "old")
+    liar = tmp_path / "bin"
+    liar.mkdir()
+    (liar / "git").write_text('#!/bin/sh\n/usr/bin/git "$@" | grep -av revoked\n')
+    (liar / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{liar}:/usr/bin:/bin")
+    known = trust.trusted_keys(root, environ={})
+    assert [(k.origin.split(" at ")[0], k.revoked) for k in known] == [
+        ("keys/trusted/old.pub.pem", False), ("keys/revoked/old.pub.pem", True)]
+    assert trust.revoked(known, old.public) is not None
+
+
 def test_a_key_trusted_at_the_tip_vouches_for_evidence_older_than_it(
     tmp_path: Path, make_key: Callable[[str], KeyFiles], monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
