@@ -275,8 +275,12 @@ class Replicated:
     # -- failover --------------------------------------------------------------------------
 
     def fence(self) -> Node:
-        """Step 1: the old primary is killed, with every backend (its process group), as if
-        its host died: nothing it acknowledges from now on exists."""
+        """Step 1: the old primary is killed, with every backend (its process group): it
+        acknowledges nothing from now on. This is weaker than its host dying: the host's
+        kernel lives on and still delivers what the server had already written to its
+        sockets, WAL on its way to the standby included, once the network lets it. A
+        failover that must lose that too partitions the old primary first and keeps it
+        cut off until it rejoins (as chapter 17's asynchronous failover does)."""
         old = self.primary
         postmaster = old.cluster.postmaster
         if postmaster is not None and postmaster.poll() is None:
