@@ -103,7 +103,7 @@ def test_a_teardown_drops_its_schema_without_waiting_for_a_cut_off_standby(
     above); dropping a test's schema there must not (an experiment that failed before
     fencing its old primary once hung a run's teardown for good)."""
     faults = netfaults.Faults(hosts)
-    with _pair_with_one_row(hosts, "sync") as (pair, local):
+    with _pair_with_one_row(hosts, "sync") as (_pair, local):
         with psycopg.connect(local, autocommit=True) as conn:
             conn.execute("CREATE SCHEMA t_dropped")
         faults.partition("db1", "db2")
