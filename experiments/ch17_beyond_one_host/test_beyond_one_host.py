@@ -432,3 +432,51 @@ def test_one_way_partition_during_the_lease_keeps_one_effect(
     }, facts=("direction", "acknowledged", "acknowledged_lost", "recovery", "state",
               "effects", "tool_requests", "owners"),
        measurements=("worker_exit", "worker_stopped_on"))
+
+
+# How far a worker host's clock is set from real time: an hour, far past a 3 s lease.
+SKEWS = {"ahead": 3600, "behind": -3600}
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_a_worker_host_clock_skewed_past_the_lease_changes_nothing(
+    beyond_one_host, observe, skew
+):
+    """The worker on ``w1`` runs with its wall clock an hour ahead of real time, or an hour
+    behind: far past its 3 s lease either way. The lab reads one clock, PostgreSQL's, so
+    nothing changes: the lease it holds runs for 3 s of the primary's time and is kept by
+    heartbeats, a worker on ``w2`` with a true clock finds nothing to take while the first
+    is paused after its start barrier, and the workflow ends succeeded with one effect
+    and one owner."""
+    rig, lab = beyond_one_host("sync")
+    offset = SKEWS[skew]
+    seen = rig.wall_clock_offset("w1", offset)
+    job = lab.approved(idempotent=True)
+    first = rig.spawn_worker("w1", "w1-worker", "--pause", protocol.AFTER_BARRIER,
+                             clock_offset_s=offset)
+    first.wait_for(f"{protocol.STAGE} {protocol.AFTER_BARRIER}")
+    held_for = float(lab.store.execute(
+        "SELECT extract(epoch FROM lease_until - clock_timestamp()) AS s FROM workflows "
+        "WHERE id = %s", (job.id,))[0]["s"])
+    lab.mark("experiment", f"w1's clock {offset:+d} s; w2 tries while w1 holds the lease")
+    second = rig.spawn_worker("w2", "w2-worker")
+    second.finish(expect_exit=None)
+    first.release()
+    first.finish()
+    final, effects, requests = lab.state(job.id), rig.ledger_effects(), rig.tool_requests()
+    owners = [c.owner for c in lab.claims(job.id)]
+    assert abs(seen - offset) < 60, f"w1's clock is {seen:+.0f} s from real time"
+    assert 0 < held_for <= 3.0, f"the lease runs {held_for:.1f} s more on the primary"
+    assert (final.state, effects, requests) == ("succeeded", 1, {"call": 1, "lookup": 0})
+    assert owners == ["w1-worker"]
+    observe({
+        "skew": skew,
+        "worker_clock_offset_s": offset,
+        "worker_clock_seen_s": round(seen, 1),
+        "lease_left_on_the_primary_s": round(held_for, 2),
+        "state": final.state,
+        "effects": effects,
+        "tool_requests": requests,
+        "owners": owners,
+    }, facts=("skew", "worker_clock_offset_s", "state", "effects", "tool_requests", "owners"),
+       measurements=("worker_clock_seen_s", "lease_left_on_the_primary_s"))

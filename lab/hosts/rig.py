@@ -20,6 +20,7 @@ The experiment reaches both servers over unix sockets (it lives on no host).
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import select
 import subprocess
@@ -30,6 +31,7 @@ from typing import Any
 
 from lab import errors, protocol, redact
 from lab.hosts import netfaults, network, replication
+from lab.pg import faketime
 from lab.runtime import processes, sealing, store
 
 # What each host holds, as the evidence states it (the book draws the hosts from it).
@@ -164,18 +166,47 @@ class HostRig:
         self.hosts.record("tool", host="ledger", endpoint=self.endpoint)
         return self.tool
 
-    def spawn_worker(self, host: str, name: str, *extra: str) -> processes.WorkerProcess:
+    def spawn_worker(self, host: str, name: str, *extra: str,
+                     clock_offset_s: int = 0) -> processes.WorkerProcess:
         """``lab worker`` as an OS process on lab host ``host``, on the replicated database
-        (multi-host, read-write) and the tool's published endpoint."""
+        (multi-host, read-write) and the tool's published endpoint; with
+        ``clock_offset_s``, its wall clock (and its host's, for it) that far from real time
+        (``clock_env``)."""
         assert self.pair is not None and self.endpoint, "start the tool first"
         argv = [sys.executable, "-m", "lab.cli", "worker", "--schema", self._schema,
                 "--tool", self.endpoint, "--name", name, *extra]
         env = {**processes.child_env(self.pair.client_dsn(), self._keys),
-               protocol.TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1", **self.hosts.env()}
+               protocol.TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1", **self.hosts.env(),
+               **self.clock_env(clock_offset_s)}
+        if clock_offset_s:
+            self.hosts.record("clock", host=host, process=name,
+                              offset=f"{clock_offset_s:+d} s")
         child = self.hosts[host].inside(
             lambda: processes.WorkerProcess(argv, env, name, self._on_event, fork=False))
         self.workers.append(child)
         return child
+
+    @staticmethod
+    def clock_env(offset_s: int) -> dict[str, str]:
+        """What a process needs in its environment for its wall clock to run ``offset_s``
+        seconds from real time: libfaketime preloaded (``lab.pg.faketime``). Its monotonic
+        clock stays real, so its timeouts and deadlines still measure real seconds.
+        Nothing for 0."""
+        if not offset_s:
+            return {}
+        return {"LD_PRELOAD": str(faketime.find_faketime()), "FAKETIME": f"{offset_s:+d}",
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+
+    def wall_clock_offset(self, host: str, offset_s: int) -> float:
+        """How far from real time a process started on ``host`` with ``clock_env(offset_s)``
+        finds its wall clock, in seconds: the skew checked, not assumed."""
+        probe = self.hosts[host].popen(
+            [sys.executable, "-I", "-S", "-c", "import time; print(time.time())"],
+            env={**os.environ, **self.clock_env(offset_s)}, stdout=subprocess.PIPE,
+            text=True)
+        before = time.time()
+        out, _ = probe.communicate(timeout=_READY_S)
+        return float(out.strip()) - (before + time.time()) / 2
 
     def tool_requests(self) -> dict[str, int]:
         """``{"call": n, "lookup": m}``: what the tool process said it received."""
