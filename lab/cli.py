@@ -173,6 +173,31 @@ def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest clock offset, forward or back, in seconds")
 
 
+def _host_arguments(parser: argparse.ArgumentParser) -> None:
+    """The lab-hosts flags, shared by ``lab chaos`` and ``lab soak`` (root only)."""
+    parser.add_argument("--hosts", type=int, default=0, metavar="N",
+                        help="spread the run over N lab hosts (3-16; 0: one machine): db1 and "
+                             "db2 a replicated pair, tool, w1.. the workers (root)")
+    parser.add_argument("--replication", default="sync", choices=("sync", "async"),
+                        help="with --hosts: how the standby follows the primary")
+    parser.add_argument("--failover-every", type=float, default=0.0, metavar="S",
+                        help="with --hosts: fence the primary, promote the standby and rejoin "
+                             "the old one about every S seconds (0: never)")
+    parser.add_argument("--min-failovers", type=int, default=0, metavar="N",
+                        help="the fault phase lasts until N failovers happened; fewer fails")
+    parser.add_argument("--net-fault-every", type=float, default=0.0, metavar="MS",
+                        help="with --hosts: one fault between hosts about every MS, the kinds "
+                             "in turn: partition, one_way, delay, jitter, loss, reorder, "
+                             "clock_step (0: never)")
+    parser.add_argument("--net-fault-for", type=float, default=600.0, metavar="MS",
+                        help="how long each fault between hosts lasts")
+    parser.add_argument("--min-net-faults", type=int, default=0, metavar="N",
+                        help="the fault phase lasts until each kind struck N times; fewer fails")
+    parser.add_argument("--skew-max", type=int, default=0, metavar="S",
+                        help="with --hosts: worker hosts' clocks offset, and stepped, up to S "
+                             "seconds either way (libfaketime; 0: true clocks, no clock_step)")
+
+
 def _lab_postgres_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lab-postgres", default=providers.AUTO, choices=providers.MODES,
                         help=providers.MODE_HELP)
@@ -344,6 +369,7 @@ def _add_chaos(commands: Commands[parsing.Parser]) -> None:
     chaos.add_argument("--durable", action="store_true",
                        help="run PostgreSQL with fsync=on and synchronous_commit=on")
     _database_fault_arguments(chaos)
+    _host_arguments(chaos)
     chaos.add_argument("--output", default="evidence/chaos.json", help="the report (JSON)")
     _lab_postgres_argument(chaos)
     chaos.set_defaults(handler=_chaos)
@@ -372,6 +398,7 @@ def _add_soak(commands: Commands[parsing.Parser]) -> None:
     soak.add_argument("--partition-for", type=float, default=800.0, metavar="MS",
                       help="how long a partition lasts")
     _database_fault_arguments(soak)
+    _host_arguments(soak)
     soak.add_argument("--fault-phase", type=float, default=60.0, metavar="S",
                       help="seconds of faults per round at most; the drain settles the rest")
     soak.add_argument("--release-over", type=float, default=None, metavar="S",

@@ -70,6 +70,9 @@ SLOW = frozenset({
     "test_runner.py::test_chapter_run_warns_it_is_partial_and_unknown_chapters_stop",
     "runtime/test_store_stateful.py::test_store_state_machine_keeps_every_invariant",
     "faults/test_traffic.py::test_a_soak_strikes_every_fault_while_work_is_in_flight",
+    # A chaos round on four lab hosts: failovers and every fault between hosts (~60 s).
+    "faults/test_chaos_hosts.py::"
+    "test_a_small_round_on_four_hosts_fails_over_strikes_every_kind_and_loses_nothing",
 })
 # Module fixtures whose setup alone takes the time, by directory: tests/book's ``tree``
 # runs a small experiment tree for real three times (50 to 60 s, once per module).

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from lab import errors
 from lab.faults.chaos import Chaos
-from lab.faults.chaos_settings import Settings
+from lab.faults.chaos_settings import HostFlags, Settings
 from lab.pg import providers
 
 
@@ -46,6 +46,14 @@ class ChaosOptions:
     batch: int = 1
     concurrency: int = 1
     non_idempotent_fenced: bool = False
+    hosts: int = 0
+    replication: str = "sync"
+    failover_every: float = 0.0
+    min_failovers: int = 0
+    net_fault_every: float = 0.0
+    net_fault_for: float = 600.0
+    min_net_faults: int = 0
+    skew_max: int = 0
     output: str = "evidence/chaos.json"
     lab_postgres: str = providers.AUTO
 
@@ -79,6 +87,7 @@ def settings_from(options: ChaosOptions) -> Settings:
         clock_step_max_s=options.clock_step_max,
         batch=options.batch,
         concurrency=options.concurrency,
+        hosts=HostFlags.from_options(options),
     )
 
 
@@ -207,6 +216,11 @@ def cli_main(options: ChaosOptions) -> int:
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     settings = settings_from(options)
     settings.validate()
+    if settings.hosts.enabled:
+        from lab.faults import chaos_hosts_command
+
+        return chaos_hosts_command.chaos_main(settings, options.output, console, progress,
+                                              print_summary)
     volume = (embedded.Volume(settings.disk_full_mb, settings.disk_full_fs)
               if settings.disk_full_every_ms > 0 else None)
     running = cluster.start(mode=options.lab_postgres, durable=settings.durable, volume=volume,

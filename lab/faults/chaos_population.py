@@ -10,6 +10,7 @@ import queue
 import random
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from lab import errors, protocol
@@ -55,15 +56,19 @@ class Population:
         self.reconciler: worker.Worker | None = None
         self.open = {"ready": size, "running": 0, "unreviewed_unknown": 0}
 
-    def start(self) -> None:
+    def start(self, serve: Callable[[tool.ToolService], str] | None = None) -> None:
+        """Open the store, start the tool service and the reconciler. ``serve`` starts the
+        service itself (on a lab host) and says where this process reaches it."""
         self.db = store.Store.open(
             self.dsn, self.schema, create=True, application_name="lab-chaos", keys=self.keys
         )
-        self.service = tool.ToolService(
+        service = tool.ToolService(
             self.ledger_dsn, self.schema, idempotent=self.idempotent,
             fenced_lookup=self.fenced_lookup,
-        ).start()
-        self.client = toolclient.ToolClient(self.service.endpoint, self.service.token)
+        )
+        endpoint = serve(service) if serve is not None else service.start().endpoint
+        self.service = service
+        self.client = toolclient.ToolClient(endpoint, service.token)
         self.reconciler = worker.Worker(
             db=self.db, client=self.client, name="chaos-recoverer",
             lease=timedelta(seconds=LEASE_S),
@@ -189,9 +194,7 @@ class Population:
         name = f"{token}{self.code}{slot}-{self.generation}"
         self.slots[slot] = processes.spawn_worker(
             dsn, self.schema, self.worker_endpoint, self.service.token,
-            name, "--loop", "--fused", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
-            "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
-            "--batch", str(s.batch), "--concurrency", str(s.concurrency), keys=keys,
+            name, *worker_flags(s), keys=keys,
         )
 
     def reap(self, slot: int, counts: Counts, items_done: dict[str, int]) -> None:
@@ -232,3 +235,10 @@ class Population:
                 items_done[child.name] = items_done.get(child.name, 0) + 1
             elif line and line.startswith(f"{protocol.SKIP} "):
                 counts.worker_items[f"skip:{line.split()[1]}"] += 1
+
+
+def worker_flags(s: Settings) -> list[str]:
+    """A chaos worker's flags: looping and fused, with the round's lease and work."""
+    return ["--loop", "--fused", "--idle-exit", str(s.idle_exit), "--lease", str(s.lease),
+            "--heartbeat", str(s.heartbeat), "--backoff", str(s.backoff),
+            "--batch", str(s.batch), "--concurrency", str(s.concurrency)]

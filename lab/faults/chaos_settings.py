@@ -18,6 +18,84 @@ HEARTBEAT_S = 0.25
 BACKOFF_S = 0.1
 IDLE_EXIT_S = 2.0
 DRAIN_TIMEOUT_S = 120.0
+# The faults ``lab chaos --hosts`` strikes between hosts, one kind at a time, in turn.
+NET_FAULT_KINDS = ("partition", "one_way", "delay", "jitter", "loss", "reorder", "clock_step")
+MIN_HOSTS, MAX_HOSTS = 3, 16
+REPLICATION_MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class HostFlags:
+    """``lab chaos --hosts`` and ``lab soak --hosts``: the run spread over lab hosts (0:
+    one machine, as before), its replication, failovers, faults between hosts and clock
+    skew (times as the flags say: failovers in s, network faults in ms, skew in s)."""
+
+    hosts: int = 0
+    replication: str = "sync"
+    failover_every: float = 0.0
+    min_failovers: int = 0
+    net_fault_every: float = 0.0
+    net_fault_for: float = 600.0
+    min_net_faults: int = 0
+    skew_max: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run is spread over lab hosts."""
+        return self.hosts > 0
+
+    def kinds(self) -> tuple[str, ...]:
+        """The network fault kinds this run strikes: clock steps only with a skew."""
+        return tuple(k for k in NET_FAULT_KINDS if k != "clock_step" or self.skew_max > 0)
+
+    def validate(self) -> None:
+        """``errors.UsageError`` (one line) for flags that cannot make a run."""
+        if not self.enabled:
+            given = [flag for flag, value, default in (
+                ("--replication", self.replication, "sync"),
+                ("--failover-every", self.failover_every, 0.0),
+                ("--min-failovers", self.min_failovers, 0),
+                ("--net-fault-every", self.net_fault_every, 0.0),
+                ("--net-fault-for", self.net_fault_for, 600.0),
+                ("--min-net-faults", self.min_net_faults, 0),
+                ("--skew-max", self.skew_max, 0)) if value != default]
+            if given:
+                raise errors.UsageError(f"{given[0]} needs --hosts")
+            return
+        if not MIN_HOSTS <= self.hosts <= MAX_HOSTS:
+            raise errors.UsageError(f"hosts must be between {MIN_HOSTS} and {MAX_HOSTS}")
+        if self.replication not in REPLICATION_MODES:
+            raise errors.UsageError("replication must be sync or async")
+        if self.failover_every < 0 or 0 < self.failover_every < 5:
+            raise errors.UsageError("failover-every must be 0 (never) or at least 5 seconds")
+        if not 0 <= self.min_failovers <= 100:
+            raise errors.UsageError("min-failovers must be between 0 and 100")
+        if self.min_failovers and not self.failover_every:
+            raise errors.UsageError("min-failovers needs failover-every")
+        if self.net_fault_every < 0 or 0 < self.net_fault_every < 100:
+            raise errors.UsageError("net-fault-every must be 0 (never) or at least 100 ms")
+        if not 50 <= self.net_fault_for <= 30_000:
+            raise errors.UsageError("net-fault-for must be between 50 and 30000 ms")
+        if not 0 <= self.min_net_faults <= 1000:
+            raise errors.UsageError("min-net-faults must be between 0 and 1000")
+        if self.min_net_faults and not self.net_fault_every:
+            raise errors.UsageError("min-net-faults needs net-fault-every")
+        if not 0 <= self.skew_max <= 3600:
+            raise errors.UsageError("skew-max must be between 0 and 3600 seconds")
+
+    @classmethod
+    def from_options(cls, options: Any) -> HostFlags:
+        """The flags of ``lab chaos`` or ``lab soak`` options (fields of the same names)."""
+        return cls(**{f: getattr(options, f) for f in cls.__dataclass_fields__})
+
+    def describe(self) -> dict[str, Any]:
+        """The ``run.hosts`` section of a report: what was asked for."""
+        return {"hosts": self.hosts, "replication": self.replication,
+                "failover_every_s": self.failover_every, "min_failovers": self.min_failovers,
+                "net_fault_every_ms": self.net_fault_every,
+                "net_fault_for_ms": self.net_fault_for,
+                "min_net_faults_per_kind": self.min_net_faults, "skew_max_s": self.skew_max,
+                "net_fault_kinds": list(self.kinds())}
 
 
 @dataclass(frozen=True)
@@ -59,6 +137,8 @@ class Settings:
     # The non-idempotent tool offers the fenced lookup, so its unknowns whose lookup is
     # absent are requeued with proof instead of waiting for a person.
     non_idempotent_fenced: bool = False
+    # Spread over lab hosts (``lab.faults.chaos_hosts``); off by default.
+    hosts: HostFlags = field(default_factory=HostFlags)
 
     @property
     def proxied(self) -> bool:
@@ -98,6 +178,7 @@ class Settings:
             "disk_full_fs_asked": self.disk_full_fs if self.disk_full_every_ms else "",
             "clock_step_every_ms": self.clock_step_every_ms,
             "clock_step_max_s": self.clock_step_max_s if self.clock_step_every_ms else 0,
+            "hosts": self.hosts.describe() if self.hosts.enabled else None,
         }
 
     def validate(self) -> None:
@@ -151,6 +232,16 @@ class Settings:
                 raise errors.UsageError(f"{name} must lie between 0 and 1")
         if not 0 < self.heartbeat < self.lease:
             raise errors.UsageError("heartbeat must be positive and shorter than the lease")
+        self.hosts.validate()
+        if self.hosts.enabled:
+            clash = [flag for flag, value in (
+                ("--restart-postgres-every", self.restart_every_ms),
+                ("--partition-every", self.partition_every_ms), ("--latency", self.latency_ms),
+                ("--disk-full-every", self.disk_full_every_ms),
+                ("--clock-step-every", self.clock_step_every_ms)) if value]
+            if clash:
+                raise errors.UsageError(f"{clash[0]} is the one-machine fault; with --hosts "
+                                        "use --failover-every and --net-fault-every")
         sizes = split(self)
         if any(size > 0 and slots == 0 for _, size, slots in sizes):
             raise errors.UsageError("a mixed population needs at least two worker processes")

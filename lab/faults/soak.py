@@ -42,7 +42,7 @@ import psycopg
 
 from lab import errors, escape, files
 from lab.faults import chaos, traffic
-from lab.faults.chaos_settings import Settings
+from lab.faults.chaos_settings import HostFlags, Settings
 from lab.pg import embedded, providers
 from lab.runtime import processes
 
@@ -452,14 +452,28 @@ class SoakOptions:
     fault_phase: float = 60.0
     release_over: float | None = None  # None: three quarters of the fault phase
     sample_every: float = 2.0
+    hosts: int = 0
+    replication: str = "sync"
+    failover_every: float = 0.0
+    min_failovers: int = 0
+    net_fault_every: float = 0.0
+    net_fault_for: float = 600.0
+    min_net_faults: int = 0
+    skew_max: int = 0
     output: str = "evidence/soak.json"
     figure: str = "evidence/soak.svg"
     lab_postgres: str = providers.AUTO
 
 
 def settings_from(options: SoakOptions) -> SoakSettings:
-    """``lab soak`` options as soak settings (every fault on unless set to 0)."""
-    chaos_settings = Settings(
+    """``lab soak`` options as soak settings (every fault on unless set to 0). With
+    ``--hosts`` the one-machine faults (restarts, proxy partitions, disk full, server
+    clock steps) are off: failovers and faults between hosts take their place."""
+    hosts = HostFlags.from_options(options)
+    if hosts.enabled:
+        options = replace(options, restart_postgres_every=0.0, partition_every=0.0,
+                          disk_full_every=0.0, clock_step_every=0.0)
+    chaos_settings = Settings(hosts=hosts,
         workflows=min(options.round, options.workflows), workers=options.workers,
         duration=options.fault_phase,
         kill_every_ms=options.kill_every, drop_replies=options.drop_replies,
@@ -497,6 +511,10 @@ def cli_main(options: SoakOptions) -> int:
     settings = settings_from(options)
     settings.validate()
     c = settings.chaos
+    if c.hosts.enabled:
+        from lab.faults import chaos_hosts_command
+
+        return chaos_hosts_command.soak_main(settings.rounds(), c, options.output)
 
     def say(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

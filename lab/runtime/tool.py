@@ -128,13 +128,17 @@ class ToolService(FaultSwitches):
 
     @property
     def endpoint(self) -> str:
-        """The base URL, ``http://127.0.0.1:PORT``."""
+        """The base URL, ``http://ADDRESS:PORT`` (``127.0.0.1`` unless started on a lab
+        host's address)."""
         if self._server is None:
             raise errors.ToolError("tool service is not started")
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        address, port = self._server.server_address[:2]
+        return f"http://{address!s}:{port}"
 
-    def start(self, port: int = 0) -> ToolService:
-        """Open the ledger connections and serve on loopback ``port`` (0: a free one).
+    def start(self, port: int = 0, address: str = "127.0.0.1") -> ToolService:
+        """Open the ledger connections and serve on loopback ``port`` (0: a free one), or
+        on ``address``: a lab host's own, when started from a thread inside that host
+        (``lab chaos --hosts``).
 
         A service already serving is returned as it is.
         """
@@ -150,7 +154,7 @@ class ToolService(FaultSwitches):
         class Handler(_Handler):
             tool = service
 
-        self._server = _QuietServer(("127.0.0.1", port), Handler)
+        self._server = _QuietServer((address, port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="credit-tool", daemon=True
