@@ -271,20 +271,26 @@ class HostChaos(chaos.Chaos):
         super()._start_database_faults()
         threads = []
         if self.flags.failover_every > 0:
-            threads.append(threading.Thread(target=self._guarded, args=(self._failover_loop,),
+            threads.append(threading.Thread(target=self._guarded,
+                                            args=(self._failover_loop, "failover"),
                                             name="chaos-failovers", daemon=True))
         if self.flags.net_fault_every > 0:
-            threads.append(threading.Thread(target=self._guarded, args=(self._net_loop,),
+            threads.append(threading.Thread(target=self._guarded,
+                                            args=(self._net_loop, "network fault"),
                                             name="chaos-net-faults", daemon=True))
         for thread in threads:
             self._fault_threads.append(thread)
             thread.start()
 
-    def _guarded(self, loop: Callable[[], None]) -> None:
+    def _guarded(self, loop: Callable[[], None], what: str) -> None:
         try:
             loop()
-        except BaseException as exc:  # surfaced by the supervisor, never swallowed
+        except errors.LabError as exc:  # surfaced by the supervisor, never swallowed
             self._restart_failure = exc
+        except BaseException as exc:
+            failure = errors.CheckFailed(f"chaos --hosts: the {what} thread failed: {exc!r}")
+            failure.__cause__ = exc
+            self._restart_failure = failure
 
     def _failover_loop(self) -> None:
         pair = self.topology.pair
@@ -331,9 +337,11 @@ class HostChaos(chaos.Chaos):
         assert self.topology.pair is not None
         worker = rng.choice(self.workers_on)
         if kind in ("partition", "one_way"):
-            primary = self.topology.pair.primary.name
+            # Read once, and maybe none: the failover thread may be between fence and promote.
+            primary = next((n.name for n in self.topology.pair.nodes if n.role == "primary"),
+                           None)
             pairs = [(a, b) for a, b in ((worker, primary), (worker, TOOL_HOST), DB_HOSTS)
-                     if a != b]
+                     if b is not None and a != b]
             a, b = rng.choice(pairs)
             if kind == "one_way" and rng.random() < 0.5:
                 a, b = b, a
