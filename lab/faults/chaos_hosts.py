@@ -298,6 +298,11 @@ class HostChaos(chaos.Chaos):
         while not self._stop_restarts.wait(spread(self._failover_rng,
                                                   self.flags.failover_every * 1000)):
             self._strike("failover")
+            # What the standby had not replayed as the primary died: what async may lose.
+            try:
+                lag: int | None = pair.replay_lag_bytes()
+            except errors.ProvisioningError:
+                lag = None  # the primary did not answer: the failover goes on regardless
             began = time.monotonic()
             old = pair.fence().name
             fenced = time.monotonic()
@@ -308,7 +313,8 @@ class HostChaos(chaos.Chaos):
             record = {"at_s": round(began - self._began, 2), "fenced": old, "promoted": new,
                       "fence_s": round(fenced - began, 3),
                       "no_primary_s": round(promoted - began, 3),
-                      "rejoin_s": round(rejoined - promoted, 3), "mode": pair.mode}
+                      "rejoin_s": round(rejoined - promoted, 3), "mode": pair.mode,
+                      "standby_lag_bytes_before": lag}
             self.failovers.append(record)
             self._log(f"failover {len(self.failovers)}: {old} fenced, {new} promoted after "
                       f"{record['no_primary_s']} s, {old} rejoined in {record['rejoin_s']} s")

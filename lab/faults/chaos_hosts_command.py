@@ -25,11 +25,12 @@ from lab.faults.chaos_settings import Settings
 def host_tables(hosts: dict[str, Any]) -> list[Table]:
     """The report's ``hosts`` as rich tables: failovers, and faults between hosts."""
     failovers = Table(title=f"failovers ({hosts['replication']['mode']})")
-    for column in ("at (s)", "fenced", "promoted", "no primary (s)", "rejoin (s)"):
+    for column in ("at (s)", "fenced", "promoted", "no primary (s)", "rejoin (s)",
+                   "standby lag before (bytes)"):
         failovers.add_column(column, justify="right")
     for f in hosts["failovers"]:
         failovers.add_row(str(f["at_s"]), f["fenced"], f["promoted"], str(f["no_primary_s"]),
-                          str(f["rejoin_s"]))
+                          str(f["rejoin_s"]), str(f["standby_lag_bytes_before"]))
     net = Table(title="faults between hosts")
     net.add_column("kind")
     net.add_column("count", justify="right")
