@@ -237,6 +237,24 @@ class Ledger:
             self._ready.notify()
         return waiting.outcome.result()
 
+    def record_all(self, effects: list[Effect]) -> list[Outcome | psycopg.Error | LedgerBusy]:
+        """``record`` for each of ``effects`` at once (a batch request's), each one's outcome
+        or error in order: they join the writer's queue together, so they share a group.
+        """
+        waiting = [_Waiting(effect) for effect in effects]
+        with self._ready:
+            if self._stopping or self._writer is None:
+                return [LedgerBusy("the tool's ledger is not running") for _ in effects]
+            self._queue.extend(waiting)
+            self._ready.notify()
+        outcomes: list[Outcome | psycopg.Error | LedgerBusy] = []
+        for each in waiting:
+            try:
+                outcomes.append(each.outcome.result())
+            except (psycopg.Error, LedgerBusy) as exc:
+                outcomes.append(exc)
+        return outcomes
+
     def find(self, effect_key: str, fence: int | None = None) -> Receipt | Absent:
         """The authoritative lookup: the effect recorded under ``effect_key``, or ``Absent``.
 

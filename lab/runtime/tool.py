@@ -7,8 +7,14 @@ the experiments need (``lab.runtime.toolfaults``). Its client, which translates 
 transport error into the lab's exceptions, is ``lab.runtime.toolclient``; what both
 sides agree on is ``lab.runtime.toolwire``.
 
-The fault switches, each armed for the next effect request(s) (``POST /effects``)
-and documented with a runnable example in ``docs/authoring.md``:
+A batch (``POST /effects/batch``, ``lab.runtime.toolwire``) carries several effect
+requests in one HTTP request; each item is treated as its own ``POST /effects`` would be
+(its rate limit, faults, fence and ledger outcome), and the reply carries each item's
+status and body. Only the dropped reply is the request's: drawn once, it loses every
+item's answer. A malformed or oversized batch is refused whole, with nothing written.
+
+The fault switches, each armed for the next effect request(s) (``POST /effects``, or one
+item of a batch) and documented with a runnable example in ``docs/authoring.md``:
 
 * ``fail_next(status=500, commit="before"|"after", count=1)``: answer an HTTP
   error, with nothing written (``"before"`` the ledger commit) or with the
@@ -17,7 +23,8 @@ and documented with a runnable example in ``docs/authoring.md``:
   releases the returned ``HeldRequest`` (or ``seconds`` pass), e.g. to SIGKILL
   the caller mid-call;
 * ``drop_next_reply(count=1)``: commit the effect and close the connection
-  without a reply (``drop_responses = True`` drops every reply while set);
+  without a reply (``drop_responses = True`` drops every reply while set); one drop
+  loses a whole batch's reply;
 * ``reject_next(count)``: answer 429 and write nothing;
 * ``slow_next(seconds, count=1)``: wait before committing, like a slow tool;
 * ``on_lookup``: a callback run during each authoritative lookup.
@@ -48,15 +55,19 @@ from psycopg_pool import ConnectionPool
 from lab import errors, loopback, names, protocol, redact
 from lab.runtime import ledger
 from lab.runtime.plan import Receipt
-from lab.runtime.toolfaults import Faults, FaultSwitches
+from lab.runtime.toolfaults import Faults, FaultSwitches, block_together
 from lab.runtime.toolwire import (
+    BATCH_PATH,
+    EFFECT_FIELDS,
     EFFECTS_PATH,
     FENCE,
     FENCE_HEADER,
+    MAX_BATCH_BODY_BYTES,
     MAX_BODY_BYTES,
     START_HEADER,
     START_ID,
     TRACEPARENT,
+    batch_items,
     valid_effect_body,
 )
 
@@ -93,6 +104,14 @@ class ToolService(FaultSwitches):
         #: Called with the effect key when a write is refused because a fenced lookup
         #: closed its start (a late request that never applies).
         self.on_fenced: Callable[[str], None] | None = None
+        # Called with (boundary, effect keys) for a batch's items reaching a boundary
+        # together; without it, ``on_stage`` is called for each key in turn.
+        self.on_stages: Callable[[str, list[str]], None] | None = None
+        #: With ``batch_split = N``: a batch writes its first N items, calls
+        #: ``on_batch_split`` with the keys written, then writes the rest (``lab
+        #: crashpoints``' tool dies there: a batch split by a crash).
+        self.batch_split: int | None = None
+        self.on_batch_split: Callable[[list[str]], None] | None = None
         self._pool: ConnectionPool[psycopg.Connection[dict[str, Any]]] = ConnectionPool(
             loopback.check_dsn(dsn),
             # One connection for the ledger's writer, the others for lookups.
@@ -200,16 +219,38 @@ class ToolService(FaultSwitches):
         Raises ``psycopg.Error`` when the ledger's database failed (the write may have
         committed) and ``ledger.LedgerBusy`` when nothing was written.
         """
-        outcome = self._ledger.record(ledger.Effect(
-            effect_key=body["effect_key"], fingerprint=body["fingerprint"],
-            account=body["account"], amount_minor=body["amount_minor"],
-            currency=body["currency"], trace_id=trace_id, start_id=start_id, fence=fence,
-        ))
+        return self._answer(body["effect_key"], self._ledger.record(
+            _effect(body, trace_id, start_id, fence)))
+
+    def record_effects(
+        self, items: list[tuple[dict[str, Any], str | None, str | None, int]],
+    ) -> list[tuple[HTTPStatus, Receipt | ledger.Fenced | None] | psycopg.Error
+              | ledger.LedgerBusy]:
+        """``record_effect`` for each (body, trace id, start id, fence) of a batch, together:
+        each one's answer, or the error ``record_effect`` would have raised, in order."""
+        effects = [_effect(*item) for item in items]
+        split = self.batch_split
+        if split is not None and 0 < split < len(effects):
+            first = self._ledger.record_all(effects[:split])
+            if self.on_batch_split is not None:
+                self.on_batch_split([effect.effect_key for effect, outcome
+                                     in zip(effects, first, strict=False)
+                                     if isinstance(outcome, Receipt)])
+            outcomes = first + self._ledger.record_all(effects[split:])
+        else:
+            outcomes = self._ledger.record_all(effects)
+        return [outcome if isinstance(outcome, psycopg.Error | ledger.LedgerBusy)
+                else self._answer(effect.effect_key, outcome)
+                for effect, outcome in zip(effects, outcomes, strict=True)]
+
+    def _answer(
+        self, effect_key: str, outcome: ledger.Outcome
+    ) -> tuple[HTTPStatus, Receipt | ledger.Fenced | None]:
         if isinstance(outcome, ledger.Fenced):
             with self._lock:
                 self._fenced += 1
             if self.on_fenced is not None:
-                self.on_fenced(body["effect_key"])
+                self.on_fenced(effect_key)
             return HTTPStatus.CONFLICT, outcome
         if outcome is None:
             return HTTPStatus.CONFLICT, None
@@ -219,6 +260,20 @@ class ToolService(FaultSwitches):
         """The authoritative lookup: the effect recorded under ``effect_key``, or ``Absent``
         (final when ``fence`` is given: see ``ledger.Ledger.find``)."""
         return self._ledger.find(effect_key, fence)
+
+
+def _effect(body: dict[str, Any], trace_id: str | None, start_id: str | None,
+            fence: int) -> ledger.Effect:
+    return ledger.Effect(
+        effect_key=body["effect_key"], fingerprint=body["fingerprint"],
+        account=body["account"], amount_minor=body["amount_minor"],
+        currency=body["currency"], trace_id=trace_id, start_id=start_id, fence=fence,
+    )
+
+
+def _trace_id(traceparent: object) -> str | None:
+    trace = TRACEPARENT.fullmatch(traceparent) if isinstance(traceparent, str) else None
+    return trace.group(1) if trace else None
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -271,30 +326,40 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_POST(self) -> None:
+    def _read_json(self, limit: int) -> tuple[bool, Any]:
+        """(True, the request's JSON body), or (False, None) once the refusal is answered."""
         # Until the body is read, an early answer must close the connection: the
         # unread body would otherwise be parsed as the next request.
         self.close_connection = True
-        if self.path != EFFECTS_PATH:
-            self._reply(HTTPStatus.NOT_FOUND, {"error": "not_found"})
-            return
         if not self._authenticated():
-            return
+            return False, None
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
             self._reply(HTTPStatus.LENGTH_REQUIRED, {"error": "length_required"})
-            return
-        if not 0 < length <= MAX_BODY_BYTES:
-            self.close_connection = True
-            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": "body_too_large"})
-            return
+            return False, None
+        if not 0 < length <= limit:
+            self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        {"error": "body_too_large", "detail": f"at most {limit} bytes"})
+            return False, None
         raw = self.rfile.read(length)
         self.close_connection = False
         try:
-            body = json.loads(raw)
+            return True, json.loads(raw)
         except ValueError:
             self._reply(HTTPStatus.BAD_REQUEST, {"error": "malformed_json"})
+            return False, None
+
+    def do_POST(self) -> None:
+        if self.path == BATCH_PATH:
+            self._batch_post()
+            return
+        if self.path != EFFECTS_PATH:
+            self.close_connection = True
+            self._reply(HTTPStatus.NOT_FOUND, {"error": "not_found"})
+            return
+        read, body = self._read_json(MAX_BODY_BYTES)
+        if not read:
             return
         if not valid_effect_body(body):
             self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, {"error": "invalid_effect"})
@@ -356,6 +421,91 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self._reply(status, receipt.to_json())
+
+    def _batch_post(self) -> None:
+        """``POST /effects/batch``: each item as its own ``POST /effects``, one reply."""
+        read, body = self._read_json(MAX_BATCH_BODY_BYTES)
+        if not read:
+            return
+        items = batch_items(body)
+        if isinstance(items, str):
+            self._reply(HTTPStatus.UNPROCESSABLE_ENTITY,
+                        {"error": "invalid_batch", "detail": items})
+            return
+        answers: list[tuple[int, dict[str, Any]] | None] = [None] * len(items)
+        faults: dict[int, Faults] = {}
+        for index in range(len(items)):
+            # Each item is counted, rate limited and given its faults as a request would be.
+            if self.tool._count_call():
+                answers[index] = (HTTPStatus.TOO_MANY_REQUESTS, {"error": "rate_limited"})
+            else:
+                faults[index] = self.tool._take_faults()
+        try:
+            self._batch(items, answers, faults)
+        finally:
+            for each in faults.values():
+                if each.hold is not None:
+                    each.hold._finish()
+
+    def _stages(self, stage: str, keys: list[str]) -> None:
+        if not keys:
+            return
+        if self.tool.on_stages is not None:
+            self.tool.on_stages(stage, keys)
+        elif self.tool.on_stage is not None:
+            each = self.tool.on_stage  # ``_stages``' callers name the boundary
+            for key in keys:
+                each(stage, key)
+
+    def _batch(self, items: list[dict[str, Any]], answers: list[tuple[int, dict[str, Any]] | None],
+               faults: dict[int, Faults]) -> None:
+        """Perform a validated batch's items (those not rate limited) with their faults."""
+        live = sorted(faults)
+        self._stages(protocol.AFTER_REQUEST, [items[i]["effect_key"] for i in live])
+        delay = max((faults[i].delay for i in live), default=0.0)
+        if delay:
+            time.sleep(delay)  # the items' waits overlap, as concurrent requests' would
+        block_together([hold for i in live if (hold := faults[i].hold) is not None
+                        and hold.commit == "before"])
+        for i in live:
+            failure = faults[i].failure
+            if failure is not None and failure[1] == "before":
+                answers[i] = (failure[0], {"error": "injected_failure"})
+        writable = [i for i in live if answers[i] is None]
+        outcomes = self.tool.record_effects([
+            ({name: items[i][name] for name in EFFECT_FIELDS},
+             _trace_id(items[i].get("traceparent")), items[i].get("start_id"),
+             items[i].get("fence", 0)) for i in writable])
+        block_together([hold for i in live if (hold := faults[i].hold) is not None
+                        and hold.commit == "after"])
+        written = []
+        for i, outcome in zip(writable, outcomes, strict=True):
+            if isinstance(outcome, psycopg.Error | ledger.LedgerBusy):
+                answers[i] = (HTTPStatus.SERVICE_UNAVAILABLE, {"error": "ledger_unavailable"})
+            elif isinstance(outcome[1], ledger.Fenced):
+                answers[i] = (outcome[0], {"error": "start_fenced_by_lookup",
+                                           "closed_through": outcome[1].closed_through})
+            elif outcome[1] is None:
+                answers[i] = (outcome[0], {"error": "effect_key_reused_with_other_plan"})
+            else:
+                answers[i] = (outcome[0], outcome[1].to_json())
+                written.append(i)
+        self._stages(protocol.AFTER_EFFECT, [items[i]["effect_key"] for i in written])
+        confirmed = False
+        for i in written:
+            failure = faults[i].failure
+            if failure is not None:
+                answers[i] = (failure[0], {"error": "injected_failure"})
+            else:
+                confirmed = True
+        if confirmed and self.tool._drop_this_reply():
+            # One draw for the request: every item's answer is lost with its reply.
+            self.close_connection = True
+            return
+        unanswered = (HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "unanswered"})
+        self._reply(HTTPStatus.OK, {"results": [
+            {"status": int(status), "body": body}
+            for status, body in (answer or unanswered for answer in answers)]})
 
     def do_GET(self) -> None:
         prefix = EFFECTS_PATH + "/"

@@ -1,7 +1,8 @@
 """The credit tool's client: loopback only, on httpx, every transport error translated.
 
 ``ToolClient`` sends effect requests (``POST /effects``, with the start's ``traceparent``,
-start id and ``Lab-Fence``) and the authoritative lookup (``GET /effects/KEY?fence=F``).
+start id and ``Lab-Fence``; several at once as one ``POST /effects/batch``) and the
+authoritative lookup (``GET /effects/KEY?fence=F``).
 It decides which failures leave the outcome unknown: a request that never left this
 process is ``ToolUnavailable``; one that may have been sent without a complete reply is
 ``OutcomeUnknown``.
@@ -14,8 +15,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -24,10 +23,15 @@ import httpx
 from lab import errors, loopback, protocol
 from lab.runtime import barrier as barriers
 from lab.runtime.plan import Receipt
-from lab.runtime.toolwire import EFFECTS_PATH, FENCE_HEADER, START_HEADER
+from lab.runtime.toolwire import (
+    BATCH_PATH,
+    EFFECTS_PATH,
+    FENCE_HEADER,
+    MAX_BATCH_ITEMS,
+    START_HEADER,
+)
 
-# The most requests in flight at once, and so the pool's connection limit: a worker's
-# batch larger than this waits for a connection (within its deadline).
+# The pool's connection limit: one per caller thread (a `lab worker --concurrency`'s).
 MAX_IN_FLIGHT = 64
 # An idle connection older than this is closed rather than reused.
 KEEPALIVE_EXPIRY_S = 60.0
@@ -43,6 +47,12 @@ KEEPALIVE_EXPIRY_S = 60.0
 # request 1.10 ms (the thread hand-offs); httpx.AsyncClient on a loop thread 2.55 ms. The
 # threaded sync client is the cheapest way to send the batch concurrently through httpx,
 # and the cost is paid for httpx's pool, stale-connection check, limits and timeouts.
+# Round three (issue 48) sends a batch as one request (POST /effects/batch): one httpx
+# request and one tool handler thread per batch instead of one each per workflow. Same
+# command, main and this change alternated twice in one sitting (load average 3.9 to 7.0,
+# another job on the machine): all-process CPU per workflow 2.02 / 2.05 / 2.26 / 2.11 ms
+# -> 0.64 / 0.57 / 0.60 / 0.64 ms; workers 1.27 / 1.30 / 1.40 / 1.32 -> 0.24 / 0.22 /
+# 0.23 / 0.24 ms; bench and tool 0.36 / 0.36 / 0.42 / 0.38 -> 0.07 / 0.06 / 0.06 / 0.07 ms.
 
 
 class Dispatchable(Protocol):
@@ -92,15 +102,10 @@ class ToolClient:
         if (self._http.base_url.host, self._http.base_url.port) != _host_port(self.base):
             self._http.close()
             raise errors.ToolError("tool endpoint parses differently in the HTTP client")
-        self._senders: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        """Close the pool's connections and the batch's sender threads."""
-        with self._lock:
-            senders, self._senders = self._senders, None
-        if senders is not None:
-            senders.shutdown(wait=False, cancel_futures=True)
+        """Close the pool's connections."""
         self._http.close()
 
     def __enter__(self) -> ToolClient:
@@ -130,25 +135,36 @@ class ToolClient:
         return response.status_code, response.content
 
     @staticmethod
-    def _effect_request(
-        work: Dispatchable, start: barriers.StartBarrier | None
-    ) -> tuple[bytes, dict[str, str]]:
-        body = {
+    def _effect_item(work: Dispatchable, start: barriers.StartBarrier | None) -> dict[str, Any]:
+        """The effect body of ``work`` with its start's fields (a batch item)."""
+        item: dict[str, Any] = {
             "effect_key": work.effect_key,
             "fingerprint": work.fingerprint,
             "account": work.plan["account"],
             "amount_minor": work.plan["amount_minor"],
             "currency": work.plan["currency"],
         }
-        headers = {"Content-Type": "application/json"}
         if start is not None:
-            headers["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
-            headers[START_HEADER] = start.start_id
+            item["traceparent"] = barriers.traceparent(start.trace_id, start.span_id)
+            item["start_id"] = start.start_id
         # The fence of the start, or of the claim when a caller sends no barrier: a request
         # without one is treated as fence 0, refused once any lookup closed its key.
         fence = start.fence if start is not None else getattr(work, "fence", None)
         if isinstance(fence, int) and not isinstance(fence, bool) and fence >= 0:
-            headers[FENCE_HEADER] = str(fence)
+            item["fence"] = fence
+        return item
+
+    @classmethod
+    def _effect_request(
+        cls, work: Dispatchable, start: barriers.StartBarrier | None
+    ) -> tuple[bytes, dict[str, str]]:
+        body = cls._effect_item(work, start)
+        headers = {"Content-Type": "application/json"}
+        if "traceparent" in body:
+            headers["traceparent"] = body.pop("traceparent")
+            headers[START_HEADER] = body.pop("start_id")
+        if "fence" in body:
+            headers[FENCE_HEADER] = str(body.pop("fence"))
         return json.dumps(body).encode(), headers
 
     def _effect(self, work: Dispatchable, start: barriers.StartBarrier | None,
@@ -187,32 +203,63 @@ class ToolClient:
     ) -> list[Receipt | errors.ToolError]:
         """``call`` for each of ``works`` at once: each one's receipt or tool error, in order.
 
-        The requests go out together through the pool (one sender thread each, up to
-        ``MAX_IN_FLIGHT``), so the tool works on them together; all of them share one
-        deadline, ``timeout`` from now. Each outcome is ``call``'s for that request alone;
-        a reply not read by the deadline is an unknown outcome.
+        One request goes alone (``POST /effects``); several go as one batch request
+        (``POST /effects/batch``, ``MAX_BATCH_ITEMS`` at most each), so the tool works on
+        them together; all of them share one deadline, ``timeout`` from now. Each outcome
+        is ``call``'s for that request alone, except that the batch's reply is shared: a
+        batch never delivered leaves each item ``ToolUnavailable``, one whose reply was
+        lost (or not read by the deadline, or a server error) each ``OutcomeUnknown``.
         """
         deadline = time.monotonic() + self._timeout
         if len(works) == 1:
-            # One request needs no sender thread: it goes from the caller's.
             return [self._effect(works[0][0], works[0][1], deadline)]
-        senders = self._sender_pool()
-        pending: list[Future[Receipt | errors.ToolError]] = [
-            senders.submit(self._effect, work, start, deadline) for work, start in works
-        ]
         replies: list[Receipt | errors.ToolError] = []
-        for future in pending:
-            try:
-                replies.append(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
-            except FutureTimeout:
-                replies.append(errors.OutcomeUnknown("tool reply not read by the deadline"))
+        for first in range(0, len(works), MAX_BATCH_ITEMS):
+            replies.extend(self._batch(works[first:first + MAX_BATCH_ITEMS], deadline))
         return replies
 
-    def _sender_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._senders is None:
-                self._senders = ThreadPoolExecutor(MAX_IN_FLIGHT, "tool-client")
-            return self._senders
+    def _batch(
+        self, works: Sequence[tuple[Dispatchable, barriers.StartBarrier | None]],
+        deadline: float,
+    ) -> list[Receipt | errors.ToolError]:
+        """One batch request for ``works``, answered by ``deadline``: each item's outcome."""
+        remaining = deadline - time.monotonic()
+        count = len(works)
+        if remaining <= 0:
+            return [errors.ToolUnavailable("tool could not be reached before the deadline")
+                    for _ in range(count)]
+        body = json.dumps({"items": [self._effect_item(work, start) for work, start in works]})
+        try:
+            status, data = self._request("POST", BATCH_PATH, body.encode(),
+                                         {"Content-Type": "application/json"}, remaining)
+        except _NotDelivered:
+            return [errors.ToolUnavailable("tool could not be reached") for _ in range(count)]
+        except _Lost:
+            return [errors.OutcomeUnknown("tool reply lost: outcome unknown")
+                    for _ in range(count)]
+        if status != HTTPStatus.OK:
+            # The batch as a whole was answered, as a single request with that status would be.
+            whole: list[Receipt | errors.ToolError] = []
+            for _ in range(count):
+                try:
+                    whole.append(_effect_reply(status, data))
+                except errors.ToolError as exc:
+                    whole.append(exc)
+            return whole
+        try:
+            results = json.loads(data)["results"]
+            if not isinstance(results, list) or len(results) != count:
+                raise ValueError("one result per item")
+        except (ValueError, KeyError, TypeError):
+            return [errors.OutcomeUnknown("tool batch reply was not one result per item")
+                    for _ in range(count)]
+        replies: list[Receipt | errors.ToolError] = []
+        for result in results:
+            try:
+                replies.append(_item_reply(result))
+            except errors.ToolError as exc:
+                replies.append(exc)
+        return replies
 
     def lookup(self, effect_key: str, fence: int | None = None) -> Receipt | None:
         """The tool's authoritative answer: the receipt for ``effect_key`` or None.
@@ -259,21 +306,52 @@ def _closed_through(data: bytes) -> int | None:
 
 def _effect_reply(status: int, data: bytes) -> Receipt:
     """The receipt in an effect request's reply, or the tool error its status means."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        parsed = None
+    return _answer(status, parsed)
+
+
+def _item_reply(result: object) -> Receipt:
+    """The receipt in one batch item's result, or the tool error its status means."""
+    if not isinstance(result, dict) or type(result.get("status")) is not int:
+        raise errors.OutcomeUnknown("tool batch result was not a status and body")
+    return _answer(result["status"], result.get("body"))
+
+
+def _answer(status: int, parsed: object) -> Receipt:
     if status == HTTPStatus.TOO_MANY_REQUESTS:
         raise errors.RateLimited()
     if status >= 500:
         raise errors.OutcomeUnknown(f"tool failed with HTTP {status}")
-    if status == HTTPStatus.CONFLICT and _closed_through(data) is not None:
+    if status == HTTPStatus.CONFLICT and isinstance(parsed, dict) and _is_fence(
+            parsed.get("closed_through")):
         raise errors.StartFenced("tool refused the effect: a fenced lookup closed its start")
     if status != HTTPStatus.OK:
-        raise errors.ToolRefused(f"tool refused the effect with HTTP {status}")
-    return _receipt(data)
+        detail = parsed.get("detail") if isinstance(parsed, dict) else None
+        raise errors.ToolRefused(f"tool refused the effect with HTTP {status}"
+                                 + (f": {detail}" if isinstance(detail, str) else ""))
+    return _parsed_receipt(parsed)
+
+
+def _is_fence(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _receipt(data: bytes) -> Receipt:
     try:
         parsed = json.loads(data)
+    except ValueError as exc:
+        raise errors.OutcomeUnknown("tool reply was not a receipt") from exc
+    return _parsed_receipt(parsed)
+
+
+def _parsed_receipt(parsed: object) -> Receipt:
+    if not isinstance(parsed, dict):
+        raise errors.OutcomeUnknown("tool reply was not a receipt")
+    try:
         return Receipt(str(parsed["receipt_id"]), str(parsed["effect_key"]),
                        str(parsed["fingerprint"]))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise errors.OutcomeUnknown("tool reply was not a receipt") from exc

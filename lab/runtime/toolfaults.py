@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from http import HTTPStatus
 from typing import Literal
@@ -74,11 +75,20 @@ class HeldRequest:
             raise TimeoutError(f"the held request was not handled within {timeout}s")
 
     def _block(self) -> None:
-        self._arrived.set()
-        self._released.wait(self.seconds)
+        block_together([self])
 
     def _finish(self) -> None:
         self._finished.set()
+
+
+def block_together(holds: list[HeldRequest]) -> None:
+    """Hold every request of ``holds`` at once (a batch's items, as concurrent requests would
+    be): all arrive together, and each ends on its release or its own ``seconds``."""
+    arrived = time.monotonic()
+    for hold in holds:
+        hold._arrived.set()
+    for hold in holds:
+        hold._released.wait(max(arrived + hold.seconds - time.monotonic(), 0.0))
 
 
 class Faults:

@@ -1,7 +1,7 @@
 """The credit tool as its own OS process, so a fault can kill it and a restart can follow.
 
 ``python -m lab.runtime.toolprocess --schema S [--port P] [--non-idempotent]
-[--fenced-lookup] [--pause B] [--die-at B]``
+[--fenced-lookup] [--pause B] [--die-at B] [--fail-before N]``
 serves ``tool.ToolService`` on loopback with the DSN and the token from the
 environment (``protocol.DSN_ENV``, ``protocol.TOKEN_ENV``). On stdout it says
 ``BOOK_READY <port>`` once serving, ``BOOK_REQUEST call|lookup`` for every
@@ -17,6 +17,9 @@ Fault switches, each for the first time the boundary is reached:
 - ``--die-at B`` is the self-kill switch: the process SIGKILLs itself at ``B``,
   inside the request handling (before the effect commits, or after it and
   before the reply);
+- ``--fail-before N`` splits a batch by a crash: the process commits the first N items
+  of a batch request (reporting ``after_effect`` for each), then SIGKILLs itself before
+  writing the rest or answering any;
 - a line ``drop`` on stdin arms the loss of the next effect reply (the effect
   is committed, the connection closed without an answer); ``BOOK_ARMED drop``
   confirms it;
@@ -45,8 +48,7 @@ DROP_COMMAND = "drop"
 MARK_COMMAND = "mark"
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    """Body of ``python -m lab.runtime.toolprocess``: serve until killed or stdin closes."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lab.runtime.toolprocess")
     parser.add_argument("--schema", required=True)
     parser.add_argument("--port", type=int, default=0)
@@ -57,7 +59,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-at", choices=protocol.TOOL_STAGES, default=None)
     parser.add_argument("--hold-count", type=int, default=1,
                         help="--pause holds the first N requests to reach its boundary")
-    args = parser.parse_args(argv)
+    parser.add_argument("--fail-before", type=int, default=None, metavar="N",
+                        help="commit a batch's first N items, then SIGKILL this process")
+    return parser
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Body of ``python -m lab.runtime.toolprocess``: serve until killed or stdin closes."""
+    args = _parser().parse_args(argv)
     egress.install()
     dsn = os.environ.get(protocol.DSN_ENV, "")
     token = os.environ.get(protocol.TOKEN_ENV, "")
@@ -87,22 +96,36 @@ def serve_main(argv: list[str] | None = None) -> int:
     service = tool.ToolService(dsn, args.schema, idempotent=not args.non_idempotent, token=token,
                                fenced_lookup=True if args.fenced_lookup else None)
 
-    def on_stage(stage: str, effect_key: str) -> None:
-        if stage == protocol.AFTER_REQUEST:
-            line(f"{protocol.REQUEST} call")
-        line(protocol.stage_line(stage, effect_key, 0))
+    def on_stages(stage: str, effect_keys: list[str]) -> None:
+        # A batch's items reach the boundary together: all reported, then held once.
+        for effect_key in effect_keys:
+            if stage == protocol.AFTER_REQUEST:
+                line(f"{protocol.REQUEST} call")
+            line(protocol.stage_line(stage, effect_key, 0))
         with say:
-            reached[stage] = reached.get(stage, 0) + 1
-            count = reached[stage]
-        if count == 1 and args.die_at == stage:
+            before = reached.get(stage, 0)
+            reached[stage] = before + len(effect_keys)
+        if before == 0 and args.die_at == stage:
             os.kill(os.getpid(), signal.SIGKILL)
-        if count <= args.hold_count and args.pause == stage:
+        if before < args.hold_count and args.pause == stage:
             released.wait()
+
+    def on_stage(stage: str, effect_key: str) -> None:
+        on_stages(stage, [effect_key])
+
+    def on_batch_split(written: list[str]) -> None:
+        for effect_key in written:
+            line(protocol.stage_line(protocol.AFTER_EFFECT, effect_key, 0))
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def on_lookup(effect_key: str) -> None:
         line(f"{protocol.REQUEST} lookup")
 
     service.on_stage = on_stage
+    service.on_stages = on_stages
+    if args.fail_before is not None:
+        service.batch_split = args.fail_before
+        service.on_batch_split = on_batch_split
     service.on_fenced = lambda effect_key: line(f"{protocol.FENCED} {effect_key}")
     service.on_lookup = on_lookup
     threading.Thread(target=commands, name="tool-commands", daemon=True).start()

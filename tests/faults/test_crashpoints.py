@@ -63,12 +63,13 @@ def test_a_boundary_added_without_a_cell_fails_the_coverage_check(monkeypatch):
 
 
 def _stage_calls() -> list[tuple[str, ast.Call]]:
-    """Every call of a ``_stage`` or ``on_stage`` hook in ``lab/``, with its module."""
+    """Every call of a ``_stage``, ``on_stage`` or ``_stages`` (a batch's items together)
+    hook in ``lab/``, with its module."""
     calls = []
     for path in sorted(LAB.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("_stage", "on_stage") and node.args):
+                    and node.func.attr in ("_stage", "on_stage", "_stages") and node.args):
                 calls.append((path.name, node))
     return calls
 
