@@ -128,16 +128,22 @@ SLOW_TOOL = "slow_tool"  # worker's heartbeat thread, while the tool holds the r
 RECONCILING = "reconciling"  # a ``lab worker --reconcile`` process on an unknown workflow
 BATCH = "batch"  # a ``--batch`` worker's step over several workflows, before any request
 BATCH_IN_TOOL = "batch_in_tool"  # a ``--batch`` worker's requests, all held inside the tool
+BATCH_SPLIT = "batch_split"  # a ``--batch`` worker's batch request, split by the tool's death
 
 # Rows beyond the protocol's boundaries: a batch stopped after its requests were sent (the
-# tool holds all of them at the boundary), which ``after_batch`` (before any request) is not.
+# tool holds all of them at the boundary), which ``after_batch`` (before any request) is not;
+# and a batch request the tool dies in after committing only its first items' effects.
 BATCH_AFTER_REQUEST = f"batch_{protocol.AFTER_REQUEST}"
 BATCH_AFTER_EFFECT = f"batch_{protocol.AFTER_EFFECT}"
+BATCH_SPLIT_AFTER_EFFECT = f"batch_split_{protocol.AFTER_EFFECT}"
 BATCH_ROWS: tuple[tuple[str, str, str], ...] = (
     (BATCH_AFTER_REQUEST, protocol.AFTER_REQUEST,
      "a --batch worker's requests all received by the tool; no effect of them committed"),
     (BATCH_AFTER_EFFECT, protocol.AFTER_EFFECT,
      "a --batch worker's requests all received and their effects committed; no reply sent"),
+    (BATCH_SPLIT_AFTER_EFFECT, protocol.AFTER_EFFECT,
+     "a --batch worker's batch request received; the tool committed its first item's effect "
+     "and died before the others' and before any reply"),
 )
 _ROW_BOUNDARY = {row: boundary for row, boundary, _ in BATCH_ROWS}
 
@@ -155,6 +161,7 @@ def boundary_of(row: str) -> str:
 REACH: dict[str, str] = {
     BATCH_AFTER_REQUEST: BATCH_IN_TOOL,
     BATCH_AFTER_EFFECT: BATCH_IN_TOOL,
+    BATCH_SPLIT_AFTER_EFFECT: BATCH_SPLIT,
     protocol.AFTER_CLAIM: BEFORE_CALL,
     protocol.AFTER_BARRIER: BEFORE_CALL,
     protocol.AFTER_CLAIM_BARRIER: BEFORE_CALL,
@@ -198,6 +205,8 @@ def script(boundary: str, fault: str, kind: str) -> Script | NotApplicable:
         return borrowed
     if reach == BATCH_IN_TOOL:
         return _batch_in_tool(boundary_of(boundary), fault)
+    if reach == BATCH_SPLIT:
+        return _batch_split(fault)
     if fault == LATE_REQUEST:
         return _late(boundary, reach)
     reconciler = reach == RECONCILING
@@ -306,6 +315,29 @@ def _batch_in_tool(boundary: str, fault: str) -> Script | NotApplicable:
                       (held, (LATE_TIMED_OUT,), (RECOVER,), (DELIVER_LATE,), (LATE_ANSWERED,)),
                       workflows=BATCH_SIZE, late=LATE_IN_TOOL)
     return Script(False, BATCH_FLAGS, tool, steps, workflows=BATCH_SIZE)
+
+
+# How many of a split batch's items the tool commits before it dies (``--fail-before``).
+SPLIT_WRITTEN = 1
+
+
+def _batch_split(fault: str) -> Script | NotApplicable:
+    """The split batch's row: the tool commits the first of the batch's items and SIGKILLs
+    itself before the others and before any reply; then it restarts. Only the tool's death
+    splits a batch, so the other columns are the ``batch_after_effect`` row's."""
+    if fault == TOOL_RESTART:
+        return Script(False, BATCH_FLAGS, ("--fail-before", str(SPLIT_WRITTEN)), (
+            (TOOL_DIED,), (WORKER_EXIT,), (RESTART_TOOL,)), workflows=BATCH_SIZE)
+    reasons = {
+        WORKER_SIGKILL: "the split is the tool's own death; a worker killed with its batch "
+                        "in the tool is the batch_after_effect row's cell",
+        REPLY_LOST: "the tool dies before answering: no reply is left to lose",
+        LATE_REQUEST: "the request has reached the tool, which dies in it: nothing is left "
+                      "in flight to arrive late (the unwritten items die with the process)",
+        POSTGRES_RESTART: "the split is the tool's own death; a server restart with the "
+                          "batch's effects committed is the batch_after_effect row's cell",
+    }
+    return NotApplicable(reasons[fault])
 
 
 def _borrowed(boundary: str, fault: str, kind: str) -> Script | NotApplicable | None:
