@@ -174,26 +174,31 @@ def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _host_arguments(parser: argparse.ArgumentParser) -> None:
-    """The lab-hosts flags, shared by ``lab chaos`` and ``lab soak`` (root only)."""
-    parser.add_argument("--hosts", type=int, default=0, metavar="N",
+    """The lab-hosts flags, shared by ``lab chaos`` and ``lab soak`` (root only); their
+    defaults are ``HostFlags``'s."""
+    from lab.faults import chaos_settings
+    default = chaos_settings.HostFlags()
+    parser.add_argument("--hosts", type=int, default=default.hosts, metavar="N",
                         help="spread the run over N lab hosts (3-16; 0: one machine): db1 and "
                              "db2 a replicated pair, tool, w1.. the workers (root)")
-    parser.add_argument("--replication", default="sync", choices=("sync", "async"),
+    parser.add_argument("--replication", default=default.replication,
+                        choices=chaos_settings.REPLICATION_MODES,
                         help="with --hosts: how the standby follows the primary")
-    parser.add_argument("--failover-every", type=float, default=0.0, metavar="S",
+    parser.add_argument("--failover-every", type=float, default=default.failover_every, metavar="S",
                         help="with --hosts: fence the primary, promote the standby and rejoin "
                              "the old one about every S seconds (0: never)")
-    parser.add_argument("--min-failovers", type=int, default=0, metavar="N",
+    parser.add_argument("--min-failovers", type=int, default=default.min_failovers, metavar="N",
                         help="the fault phase lasts until N failovers happened; fewer fails")
-    parser.add_argument("--net-fault-every", type=float, default=0.0, metavar="MS",
+    parser.add_argument("--net-fault-every", type=float, default=default.net_fault_every,
+                        metavar="MS",
                         help="with --hosts: one fault between hosts about every MS, the kinds "
                              "in turn: partition, one_way, delay, jitter, loss, reorder, "
                              "clock_step (0: never)")
-    parser.add_argument("--net-fault-for", type=float, default=600.0, metavar="MS",
+    parser.add_argument("--net-fault-for", type=float, default=default.net_fault_for, metavar="MS",
                         help="how long each fault between hosts lasts")
-    parser.add_argument("--min-net-faults", type=int, default=0, metavar="N",
+    parser.add_argument("--min-net-faults", type=int, default=default.min_net_faults, metavar="N",
                         help="the fault phase lasts until each kind struck N times; fewer fails")
-    parser.add_argument("--skew-max", type=int, default=0, metavar="S",
+    parser.add_argument("--skew-max", type=int, default=default.skew_max, metavar="S",
                         help="with --hosts: worker hosts' clocks offset, and stepped, up to S "
                              "seconds either way (libfaketime; 0: true clocks, no clock_step)")
 

@@ -46,14 +46,15 @@ class ChaosOptions:
     batch: int = 1
     concurrency: int = 1
     non_idempotent_fenced: bool = False
-    hosts: int = 0
-    replication: str = "sync"
-    failover_every: float = 0.0
-    min_failovers: int = 0
-    net_fault_every: float = 0.0
-    net_fault_for: float = 600.0
-    min_net_faults: int = 0
-    skew_max: int = 0
+    # The lab-hosts flags (HostFlags.from_options reads them back); their defaults live there.
+    hosts: int = HostFlags.hosts
+    replication: str = HostFlags.replication
+    failover_every: float = HostFlags.failover_every
+    min_failovers: int = HostFlags.min_failovers
+    net_fault_every: float = HostFlags.net_fault_every
+    net_fault_for: float = HostFlags.net_fault_for
+    min_net_faults: int = HostFlags.min_net_faults
+    skew_max: int = HostFlags.skew_max
     output: str = "evidence/chaos.json"
     lab_postgres: str = providers.AUTO
 

@@ -51,14 +51,9 @@ class HostFlags:
     def validate(self) -> None:
         """``errors.UsageError`` (one line) for flags that cannot make a run."""
         if not self.enabled:
-            given = [flag for flag, value, default in (
-                ("--replication", self.replication, "sync"),
-                ("--failover-every", self.failover_every, 0.0),
-                ("--min-failovers", self.min_failovers, 0),
-                ("--net-fault-every", self.net_fault_every, 0.0),
-                ("--net-fault-for", self.net_fault_for, 600.0),
-                ("--min-net-faults", self.min_net_faults, 0),
-                ("--skew-max", self.skew_max, 0)) if value != default]
+            default = HostFlags()
+            given = ["--" + name.replace("_", "-") for name in self.__dataclass_fields__
+                     if getattr(self, name) != getattr(default, name)]
             if given:
                 raise errors.UsageError(f"{given[0]} needs --hosts")
             return

@@ -452,14 +452,15 @@ class SoakOptions:
     fault_phase: float = 60.0
     release_over: float | None = None  # None: three quarters of the fault phase
     sample_every: float = 2.0
-    hosts: int = 0
-    replication: str = "sync"
-    failover_every: float = 0.0
-    min_failovers: int = 0
-    net_fault_every: float = 0.0
-    net_fault_for: float = 600.0
-    min_net_faults: int = 0
-    skew_max: int = 0
+    # The lab-hosts flags (HostFlags.from_options reads them back); their defaults live there.
+    hosts: int = HostFlags.hosts
+    replication: str = HostFlags.replication
+    failover_every: float = HostFlags.failover_every
+    min_failovers: int = HostFlags.min_failovers
+    net_fault_every: float = HostFlags.net_fault_every
+    net_fault_for: float = HostFlags.net_fault_for
+    min_net_faults: int = HostFlags.min_net_faults
+    skew_max: int = HostFlags.skew_max
     output: str = "evidence/soak.json"
     figure: str = "evidence/soak.svg"
     lab_postgres: str = providers.AUTO
