@@ -16,9 +16,10 @@ between two targets (from a seeded start), which say what meets the full disk fi
   PostgreSQL PANICs in that backend (``could not write to file "pg_wal/xlogtemp..."``),
   every backend is cut off, and crash recovery cannot finish on a full disk either, so
   the postmaster gives up. Once the ballast is gone the lab starts it again
-  (``revive``) on the same data directory, and it recovers from its WAL. A recovery
-  still not done 30 s after the ballast went is restarted the same way (PostgreSQL 18
-  was seen hanging in it in CI); either restart is counted.
+  (``revive``) on the same data directory, and it recovers from its WAL. A server that
+  does not answer a query 30 s after the ballast went is restarted the same way: on a
+  loaded machine PostgreSQL 18's postmaster was seen never acting on its failed startup
+  process's exit, its ``postmaster.pid`` still saying "ready". Either restart is counted.
 
 What the server did is read back from its log: every line of interest is counted.
 """

@@ -196,9 +196,19 @@ class Server:
         """Step the server's wall clock to ``offset_s`` seconds off the real one."""
         self.cluster.set_clock_offset(offset_s)
 
-    def revive(self) -> bool:
-        """Restart a postmaster that exited by itself; True when it had to."""
-        return self.cluster.revive()
+    def revive(self, recovery_limit: float = 30.0) -> bool:
+        """Restart a postmaster that exited by itself, or whose server does not answer
+        within ``recovery_limit`` seconds; True when it had to."""
+        return self.cluster.revive(self.answers, recovery_limit=recovery_limit)
+
+    def answers(self) -> bool:
+        """Whether the server accepts a connection and answers a query now."""
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error:
+            return False
+        return True
 
     def alive(self) -> bool:
         """Whether the postmaster runs."""

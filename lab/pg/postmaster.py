@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,33 +304,39 @@ class Embedded:
         """Whether the postmaster process is still running."""
         return self.postmaster is not None and self.postmaster.poll() is None
 
-    def revive(self, patience: float = 60.0, recovery_limit: float = 30.0) -> bool:
+    def revive(self, answers: Callable[[], bool], patience: float = 60.0,
+               recovery_limit: float = 30.0) -> bool:
         """Start the postmaster again if it exited by itself (a failed crash recovery), or
-        if it is still not ready ``recovery_limit`` seconds from now (a crash recovery that
-        hangs once the disk it failed on has room again: seen with PostgreSQL 18 in CI);
-        True when it had to. A postmaster that is ready, or gets there, is left alone."""
+        if the server does not answer within ``recovery_limit`` seconds; True when it had to.
+        A server that answers, or gets there, is left alone.
+
+        ``answers`` asks the server itself (a connection and a query): ``postmaster.pid``
+        cannot say, since a postmaster reinitializing after a crash leaves it at "ready"
+        (seen with PostgreSQL 18). A postmaster that never acts on its startup process's
+        exit, as seen with PostgreSQL 18 on a loaded machine, is stopped dead and started
+        again on the same data, as an operator would.
+        """
         with self._restart_lock:
             if self.postmaster is None or self.port == 0:
                 return False
             if self.alive():
-                if self._ready_within(recovery_limit):
+                if self._answers_within(answers, recovery_limit):
                     return False
-                # As an operator would: stop it dead, start it again on the same data.
                 self._kill_postmaster()
             self._launch_again(time.monotonic() + patience)
             return True
 
-    def _ready_within(self, seconds: float) -> bool:
-        """Whether the running postmaster says "ready" in its pid file within ``seconds``
-        (it says "starting" while it recovers after a crash); False if it exits."""
+    def _answers_within(self, answers: Callable[[], bool], seconds: float) -> bool:
+        """Whether the running server answers (``answers()``) within ``seconds``; False if
+        the postmaster exits first."""
         assert self.postmaster is not None
         deadline = time.monotonic() + seconds
         while self.postmaster.poll() is None:
-            if self._says_ready():
+            if answers():
                 return True
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.05)
+            time.sleep(0.1)
         return False
 
     def launch(self, port: int) -> None:

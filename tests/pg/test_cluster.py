@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -387,6 +388,34 @@ def test_a_durable_cluster_survives_a_sigkilled_postmaster(bindir: Path, cache_d
         assert kept == (100,)
         log = _server_log(dsn)
         assert "not properly shut down" in log or "automatic recovery" in log
+
+
+def test_revive_restarts_a_server_whose_pid_file_says_ready_but_that_does_not_answer(
+    bindir: Path, cache_dir: Path
+) -> None:
+    """A postmaster reinitializing after a crash leaves ``postmaster.pid`` at "ready", and
+    PostgreSQL 18 was seen never finishing that: ``revive`` asks the server, not the file.
+    A stopped postmaster stands in for the hung one (alive, the file "ready", no answer);
+    a server that answers is left alone."""
+    with cluster.start_embedded(bindir, cache_dir=cache_dir, durable=True) as running:
+        server = running.server
+        assert server is not None
+        dsn = running.provisioned.dsn
+        first = _postmaster_pid(dsn)
+        assert server.revive(recovery_limit=3.0) is False
+        assert _postmaster_pid(dsn) == first
+        os.kill(first, signal.SIGSTOP)
+        try:
+            pidfile = server.cluster.data / "postmaster.pid"
+            assert pidfile.read_text().splitlines()[7].strip() == "ready"
+            assert not server.answers()
+            assert server.revive(recovery_limit=3.0) is True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGCONT)
+        assert not _alive(first)
+        assert server.answers()
+        assert _postmaster_pid(dsn) != first
 
 
 def _server_log(dsn: str) -> str:
