@@ -25,7 +25,8 @@ While the round's usual faults run (worker SIGKILLs, backend terminations, lost 
   recorded;
 - every ``--net-fault-every`` ms (give or take half) one **fault between hosts** for
   ``--net-fault-for`` ms, the kinds taken in turn (a shuffled cycle): ``partition`` and
-  ``one_way`` (nftables, worker from primary or tool, or primary from standby),
+  ``one_way`` (neighbour entries to a MAC no host has, worker from primary or tool, or
+  primary from standby),
   ``delay``, ``jitter`` and ``reorder`` on a worker host's links (``tc netem`` where the
   kernel has ``sch_netem``, else the shapers), ``loss`` (an nftables rule dropping a share
   of a worker host's packets) and ``clock_step`` (a worker host's clock stepped to a new
@@ -90,11 +91,14 @@ def worker_hosts(count: int) -> list[str]:
 
 def refusal(euid: int | None = None) -> str | None:
     """Why ``--hosts`` cannot run here for user ``euid`` (ours by default), in one line,
-    or None: lab hosts need root (network namespaces, a bridge, nftables)."""
+    or None: lab hosts need root (network namespaces, a bridge), and the loss fault
+    nftables' ``nft``."""
     if (os.geteuid() if euid is None else euid) != 0:
-        return ("--hosts needs root (network namespaces, a bridge and nftables rules); "
+        return ("--hosts needs root (network namespaces and a bridge); "
                 "run as root or leave --hosts out")
     reason = network.refusal()
+    if reason is None and not os.access(network.program("nft"), os.X_OK):
+        reason = "the loss fault needs nftables' nft: apt-get install nftables"
     return f"--hosts: {reason}" if reason else None
 
 
@@ -353,7 +357,7 @@ class HostChaos(chaos.Chaos):
                 a, b = b, a
             faults.partition(a, b, one_way=kind == "one_way")
             arrow = "->" if kind == "one_way" else "<->"
-            return ({"between": f"{a}{arrow}{b}", "path": "nftables"},
+            return ({"between": f"{a}{arrow}{b}", "path": "neighbour entry"},
                     lambda: faults.heal(a, b))
         if kind == "loss":
             faults.shape(worker, netfaults.LinkFault(loss_pct=LOSS_PCT))

@@ -1,15 +1,20 @@
-"""Network faults between lab hosts, made with the kernel's own tools (nftables, ``tc``).
+"""Network faults between lab hosts, made with the kernel's own tools (iproute2, nftables).
 
-- A **partition** drops, in the kernel, every IPv4 packet one host sends to another: an
-  nftables rule in the bridge's namespace (``bridge`` family, ``forward`` hook) matching
-  the sender's bridge port and the receiver's address. Silent, as a cut cable is: the
-  sender sees no error, only no answer. A **one-way** partition drops one direction only
-  (A's packets to B; B's to A still arrive); a full one drops both.
-- A host **isolated** has its cable pulled: its bridge port is set down (iproute2 alone,
-  no nftables), so it reaches nobody and nobody reaches it until it is **rejoined**.
-- **Loss** on a host's link: an nftables rule dropping that share of what the host sends
-  (``numgen random``). **Delay, jitter and reordering** need ``tc netem``; a kernel built
-  without ``sch_netem`` refuses them in one line (nothing is changed).
+- A **partition** loses, on the wire, every IPv4 packet one host sends to another: in the
+  sender's namespace the receiver's address gets a permanent neighbour entry naming a
+  MAC address no host has (``network.NOWHERE``), so its frames leave the sender and the bridge
+  floods them to ports whose hosts all drop them as not theirs. Silent, as a cut cable
+  is: the sender sees no error, only no answer, and TCP retransmits into the void.
+  iproute2 alone (no nftables, no ``tc`` action, no kernel module a bare machine may
+  lack). A **one-way** partition loses one direction only (A's packets to B; B's to A
+  still arrive); a full one loses both. Healing deletes the entry: the sender asks ARP
+  again and its next packet arrives.
+- A host **isolated** has its cable pulled: its bridge port is set down (iproute2 alone),
+  so it reaches nobody and nobody reaches it until it is **rejoined**.
+- **Loss** on a host's link: an nftables rule in the bridge's namespace dropping that
+  share of what the host sends (``numgen random``; needs the ``nft`` program). **Delay,
+  jitter and reordering** need ``tc netem``; a kernel built without ``sch_netem``
+  refuses them in one line (nothing is changed).
 
 Every fault and every heal is recorded in ``Hosts.events`` (what, between whom, and the
 settings), so the evidence says what the network did. ``Faults.heal_all`` undoes all.
@@ -22,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from lab import errors
-from lab.hosts.network import Host, Hosts, command
+from lab.hosts.network import NOWHERE, Host, Hosts, command
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class Faults:
 
     def __init__(self, hosts: Hosts) -> None:
         self.hosts = hosts
-        self._rules: dict[tuple[str, str], int] = {}  # (from, to or "loss") -> rule handle
+        self._rules: dict[str, int] = {}  # the lossy host -> its nftables rule's handle
+        self._cut: set[tuple[str, str]] = set()  # (sender, receiver) partitioned
         self._shaped: set[str] = set()
         self._isolated: set[str] = set()
         self._table = False
@@ -85,7 +91,7 @@ class Faults:
     def _nft(self, *args: str) -> str:
         return command("nft", *args, netns=self.hosts.bridge_ns)
 
-    def _add_rule(self, key: tuple[str, str], *match: str) -> None:
+    def _add_rule(self, key: str, *match: str) -> None:
         if key in self._rules:
             return
         if not self._table:
@@ -100,7 +106,7 @@ class Faults:
             raise errors.ProvisioningError("nft did not say which rule it added")
         self._rules[key] = int(found.group(1))
 
-    def _delete_rule(self, key: tuple[str, str]) -> None:
+    def _delete_rule(self, key: str) -> None:
         handle = self._rules.pop(key, None)
         if handle is not None:
             self._nft("delete", "rule", "bridge", TABLE, CHAIN, "handle", str(handle))
@@ -112,15 +118,21 @@ class Faults:
             raise errors.UsageError("a host cannot be partitioned from itself")
         pairs = [(source, target)] if one_way else [(source, target), (target, source)]
         for sender, receiver in pairs:
-            self._add_rule((sender.name, receiver.name), "iifname", sender.port,
-                           "ip", "daddr", receiver.address)
+            if (sender.name, receiver.name) in self._cut:
+                continue
+            sender.run("ip", "neigh", "replace", receiver.address, "lladdr", NOWHERE,
+                       "nud", "permanent", "dev", "eth0")
+            self._cut.add((sender.name, receiver.name))
         self.hosts.record("partition", between=f"{a}->{b}" if one_way else f"{a}<->{b}",
                           kind="one-way" if one_way else "full")
 
     def heal(self, a: str, b: str) -> None:
         """Remove every partition between ``a`` and ``b`` (either direction)."""
-        self._delete_rule((a, b))
-        self._delete_rule((b, a))
+        for sender, receiver in ((a, b), (b, a)):
+            if (sender, receiver) in self._cut:
+                self._host(sender).run("ip", "neigh", "del", self._host(receiver).address,
+                                       "dev", "eth0")
+                self._cut.discard((sender, receiver))
         self.hosts.record("heal", between=f"{a}<->{b}")
 
     def isolate(self, name: str) -> None:
@@ -153,7 +165,7 @@ class Faults:
             # numgen draws 0..9999: hundredths of a per cent.
             share = round(fault.loss_pct * 100)
             draw = [] if share >= 10000 else ["numgen", "random", "mod", "10000", "<", str(share)]
-            self._add_rule((name, "loss"), "iifname", host.port, *draw)
+            self._add_rule(name, "iifname", host.port, *draw)
         self._shaped.add(name)
         self.hosts.record("link", host=name, fault=fault.describe())
 
@@ -161,7 +173,7 @@ class Faults:
         """Remove the link fault of host ``name``."""
         if name not in self._shaped:
             return
-        self._delete_rule((name, "loss"))
+        self._delete_rule(name)
         host = self._host(name)
         if netem_available(host):
             with contextlib.suppress(errors.ProvisioningError):  # none was set: fine
@@ -172,8 +184,9 @@ class Faults:
 
     def heal_all(self) -> None:
         """Remove every partition and link fault."""
-        for a, b in [key for key in self._rules if key[1] != "loss"]:
-            self.heal(a, b)
+        for a, b in sorted(self._cut):
+            if (a, b) in self._cut:  # a full partition's other half went with the first
+                self.heal(a, b)
         for name in list(self._shaped):
             self.unshape(name)
         for name in list(self._isolated):

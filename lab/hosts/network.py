@@ -46,6 +46,10 @@ _CLONE_NEWNET = 0x40000000
 _COMMAND_TIMEOUT = 20.0
 _NAME = re.compile(r"[a-z][a-z0-9]{0,7}")
 MAX_HOSTS = 32
+# The MAC address a partition sends a host's frames to (``netfaults``): locally
+# administered and unicast, and no host's (``Hosts.check`` refuses a host that has it),
+# so a frame addressed to it reaches no one.
+NOWHERE = "02:6c:61:62:00:00"
 
 
 # Where the hosts' system programs are looked for (``program``), in this order.
@@ -357,6 +361,8 @@ def _host_problems(host: Host) -> list[str]:
         problems.append(f"interfaces {sorted(links)}, want lo and eth0")
     if "eth0" in links and links["eth0"].get("link_type") != "ether":
         problems.append("eth0 is not an ethernet (veth) link")
+    if "eth0" in links and links["eth0"].get("address") == NOWHERE:
+        problems.append(f"eth0 has the address partitions send to ({NOWHERE})")
     for entry in _ip_json(host.netns, "addr", "show"):
         for info in entry.get("addr_info", []):
             local = ipaddress.ip_address(info["local"])

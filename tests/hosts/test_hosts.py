@@ -150,7 +150,6 @@ def test_teardown_leaves_no_namespace_and_kills_host_processes() -> None:
     assert child.poll() is not None
 
 
-@pytest.mark.skipif(shutil.which("nft") is None, reason="partitions need nftables")
 def test_partitions_full_and_one_way_then_healed(two: network.Hosts) -> None:
     a, b = two["a"], two["b"]
     faults = netfaults.Faults(two)
@@ -164,6 +163,33 @@ def test_partitions_full_and_one_way_then_healed(two: network.Hosts) -> None:
     assert _udp(a, b) and _udp(b, a)
     kinds = [(e["what"], e.get("between", "")) for e in two.events if e["what"] != "checked"]
     assert ("partition", "a->b") in kinds and ("partition", "a<->b") in kinds
+
+
+def test_a_partition_is_silent_to_an_open_connection_and_healing_delivers(
+    two: network.Hosts,
+) -> None:
+    """As a cut cable: ``a`` writes into an open TCP connection to ``b`` without an error,
+    ``b`` receives nothing while ``a`` is cut from it, and TCP's retransmission delivers
+    the bytes once the partition heals."""
+    a, b = two["a"], two["b"]
+    faults = netfaults.Faults(two)
+    listener = b.inside(lambda: socket.create_server((b.address, 0)))
+    sender = a.inside(lambda: socket.create_connection(
+        (b.address, listener.getsockname()[1]), timeout=5))
+    receiver, _ = listener.accept()
+    try:
+        receiver.settimeout(1.0)
+        faults.partition("a", "b", one_way=True)
+        assert sender.send(b"cut") == 3
+        with pytest.raises(TimeoutError):
+            receiver.recv(8)
+        faults.heal("a", "b")
+        receiver.settimeout(10.0)
+        assert receiver.recv(8) == b"cut"
+    finally:
+        faults.heal_all()
+        for sock in (sender, receiver, listener):
+            sock.close()
 
 
 @pytest.mark.skipif(shutil.which("nft") is None, reason="loss needs nftables")
