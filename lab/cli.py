@@ -4,9 +4,10 @@ Subcommands are thin: each parses its arguments, turns them into the command's t
 options (``options_from``, the one place a parsed namespace becomes options) and calls
 one module's entry point with them, so every behaviour lives (and is tested) in its
 module. This module declares every command and option (with help; ``lab.parsing`` shows
-each default and suggests the command meant); no other module of ``lab/`` builds the
-``lab`` command line, apart from the child processes run with ``python -m`` that parse
-their own argv.
+each default and suggests the command meant), and ``lab.fault_arguments`` the flags
+``lab chaos`` and ``lab soak`` share; no other module of ``lab/`` builds the ``lab``
+command line, apart from the child processes run with ``python -m`` that parse their
+own argv.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab import errors, parsing, protocol, verify
+from lab import errors, fault_arguments, parsing, protocol, verify
 from lab.parsing import options_from as options_from  # re-exported: the tests use cli's
 from lab.pg import providers
 
@@ -145,62 +146,6 @@ def _reproduce(args: argparse.Namespace) -> int:
     from lab import reproduce
 
     return reproduce.cli_main(options_from(reproduce.ReproduceOptions, args))
-
-
-def _in_flight_arguments(parser: argparse.ArgumentParser) -> None:
-    """The work each worker keeps in flight, shared by ``lab chaos`` and ``lab soak``."""
-    parser.add_argument("--batch", type=int, default=1,
-                        help="each worker's --batch: workflows claimed and in flight together, "
-                             "in shared transactions")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="each worker's --concurrency: workflows in flight, each in its "
-                             "own transactions (an alternative to --batch)")
-
-
-def _database_fault_arguments(parser: argparse.ArgumentParser) -> None:
-    """The disk-full and clock-step flags, shared by ``lab chaos`` and ``lab soak``."""
-    parser.add_argument("--disk-full-every", type=float, default=0.0, metavar="MS",
-                        help="fill the data directory's filesystem about every MS (0: never)")
-    parser.add_argument("--disk-full-for", type=float, default=2000.0, metavar="MS",
-                        help="how long each disk-full fault holds the filesystem full")
-    parser.add_argument("--disk-full-mb", type=int, default=96, metavar="MB",
-                        help="size of the filesystem the data directory is mounted on")
-    parser.add_argument("--disk-full-fs", default="auto", choices=("auto", "tmpfs", "loop"),
-                        help="tmpfs (RAM), loop (an ext4 image on disk), auto: tmpfs, else loop")
-    parser.add_argument("--clock-step-every", type=float, default=0.0, metavar="MS",
-                        help="step the server's clock about every MS (0: never)")
-    parser.add_argument("--clock-step-max", type=int, default=60, metavar="S",
-                        help="largest clock offset, forward or back, in seconds")
-
-
-def _host_arguments(parser: argparse.ArgumentParser) -> None:
-    """The lab-hosts flags, shared by ``lab chaos`` and ``lab soak`` (root only); their
-    defaults are ``HostFlags``'s."""
-    from lab.faults import chaos_settings
-    default = chaos_settings.HostFlags()
-    parser.add_argument("--hosts", type=int, default=default.hosts, metavar="N",
-                        help="spread the run over N lab hosts (3-16; 0: one machine): db1 and "
-                             "db2 a replicated pair, tool, w1.. the workers (root)")
-    parser.add_argument("--replication", default=default.replication,
-                        choices=chaos_settings.REPLICATION_MODES,
-                        help="with --hosts: how the standby follows the primary")
-    parser.add_argument("--failover-every", type=float, default=default.failover_every, metavar="S",
-                        help="with --hosts: fence the primary, promote the standby and rejoin "
-                             "the old one about every S seconds (0: never)")
-    parser.add_argument("--min-failovers", type=int, default=default.min_failovers, metavar="N",
-                        help="the fault phase lasts until N failovers happened; fewer fails")
-    parser.add_argument("--net-fault-every", type=float, default=default.net_fault_every,
-                        metavar="MS",
-                        help="with --hosts: one fault between hosts about every MS, the kinds "
-                             "in turn: partition, one_way, delay, jitter, loss, reorder, "
-                             "clock_step (0: never)")
-    parser.add_argument("--net-fault-for", type=float, default=default.net_fault_for, metavar="MS",
-                        help="how long each fault between hosts lasts")
-    parser.add_argument("--min-net-faults", type=int, default=default.min_net_faults, metavar="N",
-                        help="the fault phase lasts until each kind struck N times; fewer fails")
-    parser.add_argument("--skew-max", type=int, default=default.skew_max, metavar="S",
-                        help="with --hosts: worker hosts' clocks offset, and stepped, up to S "
-                             "seconds either way (libfaketime; 0: true clocks, no clock_step)")
 
 
 def _lab_postgres_argument(parser: argparse.ArgumentParser) -> None:
@@ -348,7 +293,7 @@ def _add_chaos(commands: Commands[parsing.Parser]) -> None:
     chaos.add_argument("--workers", type=int, default=4, help="worker processes at a time")
     chaos.add_argument("--duration", type=float, default=60.0, help="seconds of faults at most")
     chaos.add_argument("--kill-every", type=float, default=200.0, help="mean ms between SIGKILLs")
-    _in_flight_arguments(chaos)
+    fault_arguments.in_flight_arguments(chaos)
     chaos.add_argument("--drop-replies", type=float, default=0.1, help="share of replies lost")
     chaos.add_argument("--reject-429", type=float, default=0.1, help="share of 429 answers")
     chaos.add_argument("--terminate-backends", type=float, default=2000.0,
@@ -366,15 +311,17 @@ def _add_chaos(commands: Commands[parsing.Parser]) -> None:
                        help="with restarts, the fault phase lasts until N happened (within "
                             "--duration), even when all work settled sooner")
     chaos.add_argument("--partition-every", type=float, default=0.0, metavar="MS",
-                       help="cut one link (blackhole or reset) about every MS (0: never)")
+                       help="cut one link (blackhole or reset) about every MS (0: never); "
+                            "the fault phase lasts until one partition healed")
     chaos.add_argument("--partition-for", type=float, default=1000.0, metavar="MS",
                        help="how long a partition lasts")
     chaos.add_argument("--latency", type=float, default=0.0, metavar="MS",
                        help="delay on every proxied link")
     chaos.add_argument("--durable", action="store_true",
                        help="run PostgreSQL with fsync=on and synchronous_commit=on")
-    _database_fault_arguments(chaos)
-    _host_arguments(chaos)
+    fault_arguments.release_argument(chaos, 0.0, "0, all at once")
+    fault_arguments.database_fault_arguments(chaos)
+    fault_arguments.host_arguments(chaos)
     chaos.add_argument("--output", default="evidence/chaos.json", help="the report (JSON)")
     _lab_postgres_argument(chaos)
     chaos.set_defaults(handler=_chaos)
@@ -386,7 +333,7 @@ def _add_soak(commands: Commands[parsing.Parser]) -> None:
     soak.add_argument("--round", type=int, default=2_000, metavar="N",
                       help="workflows per chaos round (each checked, then dropped)")
     soak.add_argument("--workers", type=int, default=4, help="worker processes at a time")
-    _in_flight_arguments(soak)
+    fault_arguments.in_flight_arguments(soak)
     soak.add_argument("--kill-every", type=float, default=1000.0, metavar="MS",
                       help="mean ms between SIGKILLs of a worker")
     soak.add_argument("--drop-replies", type=float, default=0.05, help="share of replies lost")
@@ -402,14 +349,12 @@ def _add_soak(commands: Commands[parsing.Parser]) -> None:
                       help="cut one link (blackhole or reset) about every MS (0: never)")
     soak.add_argument("--partition-for", type=float, default=800.0, metavar="MS",
                       help="how long a partition lasts")
-    _database_fault_arguments(soak)
-    _host_arguments(soak)
+    fault_arguments.database_fault_arguments(soak)
+    fault_arguments.host_arguments(soak)
     soak.add_argument("--fault-phase", type=float, default=60.0, metavar="S",
                       help="seconds of faults per round at most; the drain settles the rest")
-    soak.add_argument("--release-over", type=float, default=None, metavar="S",
-                      help="approve each round's workflows in waves over S seconds of its "
-                           "fault phase, so faults meet work in flight (default: three "
-                           "quarters of --fault-phase; 0: all at once)")
+    fault_arguments.release_argument(soak, None,
+                                     "three quarters of --fault-phase; 0: all at once")
     soak.set_defaults(disk_full_every=30_000.0, disk_full_mb=256, clock_step_every=20_000.0,
                       clock_step_max=10)
     soak.add_argument("--sample-every", type=float, default=2.0, metavar="S",

@@ -1,25 +1,22 @@
 """The chaos run: real worker processes under random crashes and faults, then the invariants.
 
-``lab chaos`` creates and approves N workflows, runs M ``lab worker`` OS
-processes in loops, and while they work a supervisor (this process):
+``lab chaos`` creates and approves N workflows, runs M ``lab worker`` OS processes in
+loops, and while they work a supervisor (this process):
 
-- SIGKILLs a random worker at exponential intervals (seeded) and restarts it;
-  a target is a worker that has finished at least one item, because killing
-  a process still importing its modules tests nothing and, at a 200 ms mean,
-  would keep every incarnation from ever working on a loaded 2-core machine;
+- SIGKILLs a random worker at exponential intervals (seeded) and restarts it; a target
+  has finished at least one item: killing a process still importing its modules tests
+  nothing and, at a 200 ms mean, would keep a loaded 2-core machine from any work;
 - runs ``pg_terminate_backend`` on a random backend of this run's workers;
-- serves the credit tool, which drops replies after committing the effect and
-  answers 429 at the given rates;
-- recovers expired leases and reconciles unknown outcomes (lookup by the
-  original key; a non-idempotent one goes to manual review), as an operator's
-  recoverer would.
+- serves the credit tool, which drops replies after committing the effect and answers
+  429 at the given rates;
+- recovers expired leases and reconciles unknown outcomes (lookup by the original key;
+  a non-idempotent one goes to manual review), as an operator's recoverer would.
 
-With ``restart_every_ms`` it also SIGKILLs the PostgreSQL postmaster and
-restarts it on the same data directory (a durable server: fsync and
-synchronous commits on), and with ``partition_every_ms`` / ``latency_ms``
-every link between processes runs through a loopback fault proxy
-(``lab.faults.proxy``): workers to PostgreSQL, the tool to its ledger, workers to
-the tool. A partition blackholes or resets one link for ``partition_for_ms``.
+With ``restart_every_ms`` it also SIGKILLs the PostgreSQL postmaster and restarts it on
+the same data directory (a durable server: fsync and synchronous commits on), and with
+``partition_every_ms`` / ``latency_ms`` every link between processes runs through a
+loopback fault proxy (``lab.faults.proxy``): workers to PostgreSQL, the tool to its
+ledger, workers to the tool. A partition blackholes or resets one link for ``partition_for_ms``.
 Every process rides these out (jittered backoff, fenced writes); the
 controller itself tolerates an unreachable database and writes its report
 before any cleanup.
@@ -31,27 +28,23 @@ server runs under libfaketime and ``lab.faults.clocksteps`` steps its clock forw
 and back, counting the leases each step moves. Both need the server itself
 (``server``), so a given DSN's server cannot take them.
 
-Kills and terminations start once a first item is done (the warm-up; the
-tool's faults are already on). The fault phase ends at ``duration`` or as
-soon as every workflow is settled (and, with restarts, ``min_restarts``
-happened); then the drain stops every fault, lets the workers finish, waits
-for leases to expire and reconciles until nothing is left to do.
-``lab.faults.invariants`` then checks the final database and the whole event history,
-and ``lab.faults.audit`` checks the same tables again in plain SQL; the report says
-whether the two flag the same effect keys (``checkers_agree``).
+Kills and terminations start once a first item is done (the warm-up; the tool's faults
+are already on). The fault phase ends at ``duration`` or once every workflow is settled
+and every fault asked for struck (``min_restarts`` restarts, one disk fault, one clock
+step, one partition healed); then the drain stops every fault, lets the workers finish,
+waits for leases to expire and reconciles until nothing is left to do.
+``lab.faults.invariants`` and ``lab.faults.audit`` (plain SQL) check the final database
+and the whole event history; the report says whether both flag the same effect keys.
 
-A worker process talks to one tool endpoint, and a tool service is either
-idempotent or not, so the population is split into two schemas: idempotent
-plans with their tool and workers, non-idempotent plans with theirs. Each
-schema is a complete, independent deployment (the state machine, ledger and
-invariants are per schema), so checking each and summing loses nothing, and no
-worker can ever dispatch a plan to a tool of the wrong mode (which the checker
-verifies anyway). The chaos workers use a 1 s lease and a 0.25 s heartbeat,
-so a killed worker's claim is recovered within about a second.
+A worker process talks to one tool endpoint, and a tool service is either idempotent or
+not, so the population is split into two schemas, each a complete, independent
+deployment (state machine, ledger and invariants per schema): checking each and summing
+loses nothing, and no worker can dispatch a plan to a tool of the wrong mode (which the
+checker verifies anyway). The chaos workers use a 1 s lease and a 0.25 s heartbeat, so a
+killed worker's claim is recovered within about a second.
 
-Fault *times* and tool faults come from RNGs seeded with ``seed``; which
-process a timer hits and what it was doing depend on OS scheduling, so two
-runs with one seed are alike, not identical.
+Fault *times* and tool faults come from RNGs seeded with ``seed``; which process a timer
+hits and what it was doing depend on OS scheduling: two runs with one seed are alike.
 """
 
 from __future__ import annotations
@@ -350,6 +343,7 @@ class Chaos:
                 restarted = (len(self.counts.restarts) >= settings.min_restarts
                              and (self.disk is None or bool(self.disk.log))
                              and (self.clock is None or bool(self.clock.log))
+                             and self._partitioned()
                              and not self._more_faults_needed())
                 released = self.release is None or self.release.complete
                 if self._open_total(refresh=True) == 0 and restarted and released:
@@ -368,13 +362,20 @@ class Chaos:
                 next_term = max(next_term, now)
             self.partitions.heal(now)
             if now >= next_partition:
-                self.strikes.record("partition", self._busy())
-                self.partitions.cut(now)
+                busy = self._busy()  # a strike is a cut made, not one already in force
+                if self.partitions.cut(now):
+                    self.strikes.record("partition", busy)
                 next_partition = now + spread(self._partition_rng,
                                                     settings.partition_every_ms)
             wake = min(next_kill, next_term, next_partition, next_count, deadline,
                        self.partitions.heals_at)
             time.sleep(min(max(wake - time.monotonic(), 0.0), 0.05))
+
+    def _partitioned(self) -> bool:
+        """Whether partitions, if asked for, struck and healed once: work settled before
+        the first (a fast machine) must not end a round that was to show one."""
+        wanted = self.settings.partition_every_ms > 0 and bool(self.partitions.links)
+        return not wanted or (bool(self.partitions.log) and not self.partitions.cut_now)
 
     def _more_faults_needed(self) -> bool:
         """Whether faults a minimum asks for are still due (``chaos_hosts``: failovers)."""

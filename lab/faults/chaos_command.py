@@ -46,6 +46,7 @@ class ChaosOptions:
     batch: int = 1
     concurrency: int = 1
     non_idempotent_fenced: bool = False
+    release_over: float = 0.0
     # The lab-hosts flags (HostFlags.from_options reads them back); their defaults live there.
     hosts: int = HostFlags.hosts
     replication: str = HostFlags.replication
@@ -88,6 +89,7 @@ def settings_from(options: ChaosOptions) -> Settings:
         clock_step_max_s=options.clock_step_max,
         batch=options.batch,
         concurrency=options.concurrency,
+        release_over=options.release_over,
         hosts=HostFlags.from_options(options),
     )
 

@@ -232,20 +232,26 @@ class Partitions:
         self._open: tuple[str, float] | None = None  # the cut link, healing at (monotonic)
 
     @property
+    def cut_now(self) -> bool:
+        """Whether a cut is in force."""
+        return self._open is not None
+
+    @property
     def heals_at(self) -> float:
         """When the cut in force heals (infinity when none is)."""
         return self._open[1] if self._open else math.inf
 
-    def cut(self, now: float) -> None:
-        """Cut one link now, unless one is already cut or there are none."""
+    def cut(self, now: float) -> bool:
+        """Cut one link now, unless one is already cut or there are none; whether it did."""
         if not self.links or self._open is not None:
-            return
+            return False
         link = self.rng.choice(sorted(self.links))
         mode = self.rng.choice(FAULT_MODES)
         self.links[link].partition(mode)
         self._open = (link, now + self.lasts)
         self.log.append({"at_s": round(now - self.origin, 2), "for_s": self.lasts,
                          "link": link, "mode": mode})
+        return True
 
     def heal(self, now: float, force: bool = False) -> None:
         """End the cut in force when its time is up (or at once with ``force``)."""

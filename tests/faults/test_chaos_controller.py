@@ -87,3 +87,16 @@ def test_disk_and_clock_faults_need_a_server_this_run_started(lab_dsn: str) -> N
         chaos.Chaos(lab_dsn, chaos.Settings(workflows=4, workers=2, disk_full_every_ms=2000))
     with pytest.raises(errors.ProvisioningError, match="libfaketime"):
         chaos.Chaos(lab_dsn, chaos.Settings(workflows=4, workers=2, clock_step_every_ms=2000))
+
+
+def test_work_settled_before_the_first_partition_still_meets_one(lab_dsn: str) -> None:
+    """Twelve workflows settle in well under a second; partitions are due about every
+    4 s. The fault phase lasts until one partition has struck and healed, so the round
+    shows one however fast the machine, and reports it as a strike."""
+    settings = chaos.Settings(workflows=12, workers=2, duration=30.0, kill_every_ms=0,
+                              terminate_every_ms=0, drop_replies=0, reject_429=0, seed=5,
+                              partition_every_ms=4000, partition_for_ms=300)
+    report = chaos.run(lab_dsn, settings)
+    assert report["violation_count"] == 0
+    assert report["faults"]["partitions"] >= 1
+    assert report["faults"]["in_flight"]["partition"]["strikes"] == report["faults"]["partitions"]
