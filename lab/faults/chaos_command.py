@@ -14,12 +14,12 @@ from rich.table import Table
 
 from lab import errors
 from lab.faults.chaos import Chaos
-from lab.faults.chaos_settings import HostFlags, Settings
+from lab.faults.chaos_settings import HostFlags, HostOptions, Settings
 from lab.pg import providers
 
 
 @dataclass(frozen=True)
-class ChaosOptions:
+class ChaosOptions(HostOptions):
     """What ``lab chaos`` is asked to do (its flags; ms and seconds as the flags say)."""
 
     workflows: int = 500
@@ -47,15 +47,6 @@ class ChaosOptions:
     concurrency: int = 1
     non_idempotent_fenced: bool = False
     release_over: float = 0.0
-    # The lab-hosts flags (HostFlags.from_options reads them back); their defaults live there.
-    hosts: int = HostFlags.hosts
-    replication: str = HostFlags.replication
-    failover_every: float = HostFlags.failover_every
-    min_failovers: int = HostFlags.min_failovers
-    net_fault_every: float = HostFlags.net_fault_every
-    net_fault_for: float = HostFlags.net_fault_for
-    min_net_faults: int = HostFlags.min_net_faults
-    skew_max: int = HostFlags.skew_max
     output: str = "evidence/chaos.json"
     lab_postgres: str = providers.AUTO
 

@@ -94,6 +94,21 @@ class HostFlags:
 
 
 @dataclass(frozen=True)
+class HostOptions:
+    """The lab-hosts flags as fields of ``lab chaos``'s and ``lab soak``'s options, which
+    ``HostFlags.from_options`` reads back; their defaults are ``HostFlags``'s."""
+
+    hosts: int = HostFlags.hosts
+    replication: str = HostFlags.replication
+    failover_every: float = HostFlags.failover_every
+    min_failovers: int = HostFlags.min_failovers
+    net_fault_every: float = HostFlags.net_fault_every
+    net_fault_for: float = HostFlags.net_fault_for
+    min_net_faults: int = HostFlags.min_net_faults
+    skew_max: int = HostFlags.skew_max
+
+
+@dataclass(frozen=True)
 class Settings:
     """One chaos run's parameters (times in seconds unless the name says ms)."""
 

@@ -42,7 +42,7 @@ import psycopg
 
 from lab import errors, escape, files
 from lab.faults import chaos, traffic
-from lab.faults.chaos_settings import HostFlags, Settings
+from lab.faults.chaos_settings import HostFlags, HostOptions, Settings
 from lab.pg import embedded, providers
 from lab.runtime import processes
 
@@ -426,7 +426,7 @@ def figure_svg(samples: list[dict[str, Any]], title: str) -> str:
 
 
 @dataclass(frozen=True)
-class SoakOptions:
+class SoakOptions(HostOptions):
     """What ``lab soak`` is asked to do (its flags; every fault on unless set to 0)."""
 
     workflows: int = 100_000
@@ -452,15 +452,6 @@ class SoakOptions:
     fault_phase: float = 60.0
     release_over: float | None = None  # None: three quarters of the fault phase
     sample_every: float = 2.0
-    # The lab-hosts flags (HostFlags.from_options reads them back); their defaults live there.
-    hosts: int = HostFlags.hosts
-    replication: str = HostFlags.replication
-    failover_every: float = HostFlags.failover_every
-    min_failovers: int = HostFlags.min_failovers
-    net_fault_every: float = HostFlags.net_fault_every
-    net_fault_for: float = HostFlags.net_fault_for
-    min_net_faults: int = HostFlags.min_net_faults
-    skew_max: int = HostFlags.skew_max
     output: str = "evidence/soak.json"
     figure: str = "evidence/soak.svg"
     lab_postgres: str = providers.AUTO
