@@ -8,7 +8,6 @@ be reconciled by lookup) or "refused" (failed).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from lab import errors, protocol
-from lab.runtime import store, toolclient
+from lab.runtime import heartbeat, store, toolclient
 from lab.runtime.barrier import StartBarrier
 from lab.runtime.plan import Receipt
 
@@ -56,6 +55,7 @@ class Worker:
     batch: int = 1
     _pending: list[store.Finished] = field(default_factory=list, init=False, repr=False)
     _recover_at: float = field(default=0.0, init=False, repr=False)
+    _heart: heartbeat.Heartbeat | None = field(default=None, init=False, repr=False)
 
     def _stage(self, stage: str, claim: store.Workflow) -> None:
         if self.hook is not None:
@@ -318,34 +318,15 @@ class Worker:
         if self.heartbeat_every is None:
             yield
             return
-        every = self.heartbeat_every.total_seconds()
-        stop = threading.Event()
-
-        def beat() -> None:
-            live = list(claims)
-            while live and not stop.wait(every):
-                for claim in list(live):
-                    try:
-                        self.db.heartbeat(claim, self.lease)
-                    except errors.StoreError:
-                        # The database is away, not refusing: keep beating, the lease
-                        # may still be live when it is back (the fence decides).
-                        continue
-                    except errors.LabError as exc:
-                        # A refused heartbeat means the claim is gone; the fenced
-                        # transitions will refuse this worker's writes as well.
-                        self.log.append(f"heartbeat stopped: {exc}")
-                        live.remove(claim)
-                        continue
-                    self._stage(protocol.AFTER_HEARTBEAT, claim)
-
-        thread = threading.Thread(target=beat, name=f"heartbeat-{self.name}", daemon=True)
-        thread.start()
-        try:
+        if self._heart is None:
+            self._heart = heartbeat.Heartbeat(
+                self.heartbeat_every.total_seconds(),
+                lambda claim: self.db.heartbeat(claim, self.lease),
+                beaten=lambda claim: self._stage(protocol.AFTER_HEARTBEAT, claim),
+                stopped=self.log.append, name=f"heartbeat-{self.name}",
+            )
+        with self._heart.beating(claims):
             yield
-        finally:
-            stop.set()
-            thread.join(timeout=5)
 
 
 def _cause(exc: errors.ToolError) -> str:
