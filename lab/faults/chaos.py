@@ -16,17 +16,17 @@ With ``restart_every_ms`` it also SIGKILLs the PostgreSQL postmaster and restart
 the same data directory (a durable server: fsync and synchronous commits on), and with
 ``partition_every_ms`` / ``latency_ms`` every link between processes runs through a
 loopback fault proxy (``lab.faults.proxy``): workers to PostgreSQL, the tool to its
-ledger, workers to the tool. A partition blackholes or resets one link for ``partition_for_ms``.
-Every process rides these out (jittered backoff, fenced writes); the
-controller itself tolerates an unreachable database and writes its report
-before any cleanup.
+ledger, workers to the tool. A partition blackholes or resets one link for
+``partition_for_ms``. Every process rides these out (jittered backoff, fenced writes);
+the controller itself tolerates an unreachable database and writes its report before any
+cleanup.
 
-With ``disk_full_every_ms`` the embedded server's data directory sits on a
-size-limited filesystem and ``lab.faults.diskfull`` fills it with ballast, holds and
-frees it (restarting a postmaster that gave up); with ``clock_step_every_ms`` the
-server runs under libfaketime and ``lab.faults.clocksteps`` steps its clock forward
-and back, counting the leases each step moves. Both need the server itself
-(``server``), so a given DSN's server cannot take them.
+With ``disk_full_every_ms`` the embedded server's data directory sits on a size-limited
+filesystem and ``lab.faults.diskfull`` fills it with ballast, holds and frees it
+(restarting a postmaster that gave up); with ``clock_step_every_ms`` the server runs
+under libfaketime and ``lab.faults.clocksteps`` steps its clock forward and back,
+counting the leases each step moves. Both need the server itself (``server``), so a
+given DSN's server cannot take them.
 
 Kills and terminations start once a first item is done (the warm-up; the tool's faults
 are already on). The fault phase ends at ``duration`` or once every workflow is settled
@@ -157,9 +157,8 @@ class Chaos:
     def _via(self, link: str) -> str:
         """The DSN a client on ``link`` uses: its proxy when the run has one."""
         fault_proxy = self.proxies.get(link)
-        if fault_proxy is None:
-            return self.dsn
-        return edge.dsn_via(self.dsn, "127.0.0.1", fault_proxy.port)
+        return self.dsn if fault_proxy is None else edge.dsn_via(self.dsn, "127.0.0.1",
+                                                                   fault_proxy.port)
 
     # -- the whole run -----------------------------------------------------------------
 
@@ -222,13 +221,9 @@ class Chaos:
         finally:
             self._stop_recoverer.set()
             self._stop_restarts.set()
-            if recoverer.is_alive():
-                recoverer.join(timeout=30)
-            if restarter.is_alive():
-                restarter.join(timeout=120)
-            for thread in self._fault_threads:
+            for thread in [recoverer, restarter, *self._fault_threads]:
                 if thread.is_alive():
-                    thread.join(timeout=120)
+                    thread.join(timeout=30 if thread is recoverer else 120)
 
     def _start_populations(self) -> None:
         """Start every population's tool and workers, behind a tool proxy (with the
@@ -289,15 +284,19 @@ class Chaos:
 
     def _busy(self) -> bool:
         """Whether work is in flight: ready or running work (the last count) and a worker."""
-        return any(p.open["ready"] + p.open["running"] > 0
-                   for p in self.populations) and bool(self._live())
+        return not self._idle() and bool(self._live())
 
-    def _strike(self, kind: str) -> None:
-        """Record a strike of ``kind`` about to happen; with approvals in waves, a database
-        fault first waits (briefly, see ``traffic``) for work in flight."""
-        busy = (traffic.wait_until_busy(self._busy, self._stop_restarts)
-                if self.release is not None else self._busy())
-        self.strikes.record(kind, busy)
+    def _idle(self) -> bool:
+        """Whether no work is ready or running, by the last count."""
+        return not any(p.open["ready"] + p.open["running"] for p in self.populations)
+
+    def _strike(self, kind: str) -> bool:
+        """Record a strike of ``kind`` about to happen, or withhold it (False: the phase
+        ended first); with approvals in waves it first waits for work (``traffic``)."""
+        release = self.release
+        return self.strikes.meet(kind, self._busy,
+                                 lambda: release is not None and release.complete and self._idle(),
+                                 self._stop_restarts, wait=release is not None)
 
     # -- fault phase -------------------------------------------------------------------
 
@@ -391,7 +390,8 @@ class Chaos:
             while not self._stop_restarts.wait(
                 spread(self._restart_rng, self.settings.restart_every_ms)
             ):
-                self._strike("postgres_restart")
+                if not self._strike("postgres_restart"):
+                    break
                 at = time.monotonic() - self._began
                 self._restarting.set()
                 try:
@@ -426,7 +426,8 @@ class Chaos:
         """Strike every ``every_ms`` (give or take half) until the fault phase ends."""
         try:
             while not self._stop_restarts.wait(spread(rng, every_ms)):
-                self._strike(what.replace(" ", "_"))
+                if not self._strike(what.replace(" ", "_")):
+                    break
                 record = strike(time.monotonic() - self._began)
                 self._log(f"{what}: {record}")
         except BaseException as exc:  # surfaced by the supervisor, never swallowed

@@ -301,7 +301,8 @@ class HostChaos(chaos.Chaos):
         assert pair is not None
         while not self._stop_restarts.wait(spread(self._failover_rng,
                                                   self.flags.failover_every * 1000)):
-            self._strike("failover")
+            if not self._strike("failover"):
+                break
             # What the standby had not replayed as the primary died: what async may lose.
             try:
                 lag: int | None = pair.replay_lag_bytes()
@@ -331,7 +332,8 @@ class HostChaos(chaos.Chaos):
                 cycle = kinds[:]
                 self._net_rng.shuffle(cycle)
             kind = cycle.pop()
-            self._strike(kind)
+            if not self._strike(kind):
+                break
             at = time.monotonic() - self._began
             record, undo = self._strike_net(kind)
             time.sleep(self.flags.net_fault_for / 1000.0)

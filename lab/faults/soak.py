@@ -547,7 +547,9 @@ def cli_main(options: SoakOptions) -> int:
               f"peak {max(trimmed)}, last {trimmed[-1]}")
     print(f"connections: {report['connections']}")
     print("faults that met work in flight: " + ", ".join(
-        f"{kind} {t['busy']}/{t['strikes']}" for kind, t in report["faults_in_flight"].items())
+        f"{kind} {t['busy']}/{t['strikes']}" + (f" ({t['after_work']} after the work)"
+                                                 if t.get("after_work") else "")
+        for kind, t in report["faults_in_flight"].items())
         + f"; samples with workers alive: {report['samples_with_workers']['alive']}/"
         f"{report['samples_with_workers']['samples']}")
     print(f"violations: {report['violations']}; checkers agree: {report['checkers_agree']}; "

@@ -5,10 +5,14 @@ before a fault on a 20- or 30-second timer comes due: an audit of a 10,000-workf
 found worker processes alive in 30 of 107 samples, and no write ever met a full disk.
 With ``Settings.release_over`` the round creates its workflows up front but approves
 them in waves (``WAVE_S`` apart) through that many seconds of its fault phase, as
-traffic arrives, and a database fault whose time has come waits (at most
-``BUSY_WAIT_S``) until work is in flight before it strikes. Every strike is recorded
-with whether work was in flight then (``Strikes``), so the share of each fault that hit
-a busy system is a figure of the report, not a hope.
+traffic arrives, and a database fault whose time has come waits until work is in
+flight before it strikes (``wait_for_work``). That wait has no timer of its own, since
+a loaded machine can keep work out of flight for any number of seconds; it ends when
+the fault phase does (the fault is then withheld) or when the round's work is all
+approved and done, as nothing more will come (a fault a minimum still asks for then
+strikes an idle system, counted apart as ``after_work``). Every strike is recorded with
+whether work was in flight then (``Strikes``), so the share of each fault that hit a
+busy system is a figure of the report, not a hope.
 
 ``due`` is pure; ``Release`` does the approving.
 """
@@ -25,7 +29,6 @@ from typing import Any
 from lab import errors
 
 WAVE_S = 0.5  # approvals come this often, like arriving traffic
-BUSY_WAIT_S = 2.0  # how long a due database fault waits for work in flight, at most
 BUSY_POLL_S = 0.05
 FINISH_PATIENCE_S = 60.0  # the drain approves what is left; a database away this long fails
 
@@ -112,28 +115,51 @@ class Strikes:
         self._lock = threading.Lock()
         self._counts: dict[str, list[int]] = {}
 
-    def record(self, kind: str, busy: bool) -> None:
-        """Count one strike of ``kind``; ``busy`` when work was in flight as it struck."""
+    def record(self, kind: str, busy: bool, *, after_work: bool = False) -> None:
+        """Count one strike of ``kind``: ``busy`` when work was in flight as it struck,
+        ``after_work`` when the round's work was all approved and done already."""
         with self._lock:
-            tally = self._counts.setdefault(kind, [0, 0])
+            tally = self._counts.setdefault(kind, [0, 0, 0])
             tally[0] += 1
             tally[1] += int(busy)
+            tally[2] += int(after_work and not busy)
+
+    def meet(self, kind: str, busy: Callable[[], bool], done: Callable[[], bool],
+             stop: threading.Event, *, wait: bool) -> bool:
+        """Record a strike of ``kind`` about to happen, or withhold it (False: ``stop``
+        came first). With ``wait`` (approvals in waves) it first waits for work in
+        flight, or for the round's work to be done (``wait_for_work``)."""
+        met = wait_for_work(busy, done, stop) if wait else "busy" if busy() else "idle"
+        if met is not None:
+            self.record(kind, met == "busy", after_work=met == "after_work")
+        return met is not None
 
     def report(self) -> dict[str, dict[str, float]]:
-        """Per kind: strikes, those that hit work in flight, and their share."""
+        """Per kind: strikes, those that hit work in flight, those that came after the
+        round's work was done, and the share that hit work in flight."""
         with self._lock:
-            return {kind: {"strikes": n, "busy": b, "busy_share": round(b / n, 3) if n else 0.0}
-                    for kind, (n, b) in sorted(self._counts.items())}
+            return {kind: _tally(*counts) for kind, counts in sorted(self._counts.items())}
 
 
-def wait_until_busy(busy: Callable[[], bool], stop: threading.Event) -> bool:
-    """Wait at most ``BUSY_WAIT_S`` (or until ``stop``) for ``busy``; whether it was."""
-    deadline = time.monotonic() + BUSY_WAIT_S
+def _tally(strikes: int, busy: int, after_work: int) -> dict[str, float]:
+    return {"strikes": strikes, "busy": busy, "after_work": after_work,
+            "busy_share": round(busy / strikes, 3) if strikes else 0.0}
+
+
+def wait_for_work(busy: Callable[[], bool], done: Callable[[], bool],
+                  stop: threading.Event) -> str | None:
+    """Wait until work is in flight (``"busy"``) or the round's work is all approved and
+    done (``"after_work"``); ``None`` when ``stop`` (the fault phase's end) came first.
+
+    Bounded by the fault phase's own deadline, which sets ``stop``.
+    """
     while True:
         if busy():
-            return True
-        if time.monotonic() >= deadline or stop.wait(BUSY_POLL_S):
-            return busy()
+            return "busy"
+        if done():
+            return "after_work"
+        if stop.wait(BUSY_POLL_S):
+            return None
 
 
 def merge(reports: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -141,8 +167,7 @@ def merge(reports: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, flo
     totals: dict[str, list[int]] = {}
     for report in reports:
         for kind, tally in report.items():
-            total = totals.setdefault(kind, [0, 0])
-            total[0] += int(tally["strikes"])
-            total[1] += int(tally["busy"])
-    return {kind: {"strikes": n, "busy": b, "busy_share": round(b / n, 3) if n else 0.0}
-            for kind, (n, b) in sorted(totals.items())}
+            total = totals.setdefault(kind, [0, 0, 0])
+            for i, key in enumerate(("strikes", "busy", "after_work")):
+                total[i] += int(tally.get(key, 0))
+    return {kind: _tally(*counts) for kind, counts in sorted(totals.items())}
