@@ -16,17 +16,17 @@ With ``restart_every_ms`` it also SIGKILLs the PostgreSQL postmaster and restart
 the same data directory (a durable server: fsync and synchronous commits on), and with
 ``partition_every_ms`` / ``latency_ms`` every link between processes runs through a
 loopback fault proxy (``lab.faults.proxy``): workers to PostgreSQL, the tool to its
-ledger, workers to the tool. A partition blackholes or resets one link for
-``partition_for_ms``. Every process rides these out (jittered backoff, fenced writes);
-the controller itself tolerates an unreachable database and writes its report before any
-cleanup.
+ledger, workers to the tool. A partition blackholes or resets one link for ``partition_for_ms``.
+Every process rides these out (jittered backoff, fenced writes); the
+controller itself tolerates an unreachable database and writes its report
+before any cleanup.
 
-With ``disk_full_every_ms`` the embedded server's data directory sits on a size-limited
-filesystem and ``lab.faults.diskfull`` fills it with ballast, holds and frees it
-(restarting a postmaster that gave up); with ``clock_step_every_ms`` the server runs
-under libfaketime and ``lab.faults.clocksteps`` steps its clock forward and back,
-counting the leases each step moves. Both need the server itself (``server``), so a
-given DSN's server cannot take them.
+With ``disk_full_every_ms`` the embedded server's data directory sits on a
+size-limited filesystem and ``lab.faults.diskfull`` fills it with ballast, holds and
+frees it (restarting a postmaster that gave up); with ``clock_step_every_ms`` the
+server runs under libfaketime and ``lab.faults.clocksteps`` steps its clock forward
+and back, counting the leases each step moves. Both need the server itself
+(``server``), so a given DSN's server cannot take them.
 
 Kills and terminations start once a first item is done (the warm-up; the tool's faults
 are already on). The fault phase ends at ``duration`` or once every workflow is settled
@@ -157,8 +157,9 @@ class Chaos:
     def _via(self, link: str) -> str:
         """The DSN a client on ``link`` uses: its proxy when the run has one."""
         fault_proxy = self.proxies.get(link)
-        return self.dsn if fault_proxy is None else edge.dsn_via(self.dsn, "127.0.0.1",
-                                                                   fault_proxy.port)
+        if fault_proxy is None:
+            return self.dsn
+        return edge.dsn_via(self.dsn, "127.0.0.1", fault_proxy.port)
 
     # -- the whole run -----------------------------------------------------------------
 
@@ -293,10 +294,8 @@ class Chaos:
     def _strike(self, kind: str) -> bool:
         """Record a strike of ``kind`` about to happen, or withhold it (False: the phase
         ended first); with approvals in waves it first waits for work (``traffic``)."""
-        release = self.release
-        return self.strikes.meet(kind, self._busy,
-                                 lambda: release is not None and release.complete and self._idle(),
-                                 self._stop_restarts, wait=release is not None)
+        return self.strikes.meet(kind, self._busy, self._idle, self._stop_restarts,
+                                 self.release)
 
     # -- fault phase -------------------------------------------------------------------
 

@@ -124,12 +124,16 @@ class Strikes:
             tally[1] += int(busy)
             tally[2] += int(after_work and not busy)
 
-    def meet(self, kind: str, busy: Callable[[], bool], done: Callable[[], bool],
-             stop: threading.Event, *, wait: bool) -> bool:
+    def meet(self, kind: str, busy: Callable[[], bool], idle: Callable[[], bool],
+             stop: threading.Event, release: Release | None) -> bool:
         """Record a strike of ``kind`` about to happen, or withhold it (False: ``stop``
-        came first). With ``wait`` (approvals in waves) it first waits for work in
-        flight, or for the round's work to be done (``wait_for_work``)."""
-        met = wait_for_work(busy, done, stop) if wait else "busy" if busy() else "idle"
+        came first). With a ``release`` (approvals in waves) it first waits for work in
+        flight, or for the round's work to be done: all approved and ``idle``
+        (``wait_for_work``)."""
+        if release is None:
+            met: str | None = "busy" if busy() else "idle"
+        else:
+            met = wait_for_work(busy, lambda: release.complete and idle(), stop)
         if met is not None:
             self.record(kind, met == "busy", after_work=met == "after_work")
         return met is not None

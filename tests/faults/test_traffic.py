@@ -87,8 +87,11 @@ def test_strikes_count_work_in_flight_per_kind_and_merge_over_rounds() -> None:
     }
 
 
+_ALL_APPROVED = traffic.Release([], over=0.0)  # a round whose approvals are all out
+
+
 class _Flight:
-    """Work that comes into flight (or is all done) ``after`` seconds from now."""
+    """Work that comes into flight (or goes idle) ``after`` seconds from now."""
 
     def __init__(self, after: float) -> None:
         self.at = time.monotonic() + after
@@ -102,7 +105,7 @@ def test_a_due_fault_waits_for_work_however_long_the_machine_keeps_it_out_of_fli
     # long to start, and a fault that gave up would strike an idle system.
     strikes, stop = traffic.Strikes(), threading.Event()
     began = time.monotonic()
-    assert strikes.meet("postgres_restart", _Flight(2.5), _Flight(math.inf), stop, wait=True)
+    assert strikes.meet("postgres_restart", _Flight(2.5), _Flight(math.inf), stop, _ALL_APPROVED)
     assert time.monotonic() - began >= 2.5
     assert strikes.report()["postgres_restart"]["busy"] == 1
 
@@ -110,7 +113,7 @@ def test_a_due_fault_waits_for_work_however_long_the_machine_keeps_it_out_of_fli
 def test_a_fault_due_once_the_work_is_done_strikes_and_says_it_came_after_the_work() -> None:
     strikes = traffic.Strikes()
     assert strikes.meet("disk_full", _Flight(math.inf), _Flight(0.2), threading.Event(),
-                        wait=True)
+                        _ALL_APPROVED)
     assert strikes.report() == {
         "disk_full": {"strikes": 1, "busy": 0, "after_work": 1, "busy_share": 0.0}}
 
@@ -119,14 +122,14 @@ def test_a_fault_whose_phase_ends_while_it_waits_is_withheld_not_counted() -> No
     strikes, stop = traffic.Strikes(), threading.Event()
     threading.Timer(0.2, stop.set).start()
     assert not strikes.meet("clock_step", _Flight(math.inf), _Flight(math.inf), stop,
-                            wait=True)
+                            _ALL_APPROVED)
     assert strikes.report() == {}
 
 
 def test_without_waves_a_fault_strikes_at_once_busy_or_not() -> None:
     strikes = traffic.Strikes()
     assert strikes.meet("partition", _Flight(math.inf), _Flight(math.inf), threading.Event(),
-                        wait=False)
+                        None)
     assert strikes.report()["partition"] == {"strikes": 1, "busy": 0, "after_work": 0,
                                              "busy_share": 0.0}
 
@@ -175,3 +178,13 @@ def test_a_soak_strikes_every_fault_while_work_is_in_flight(faulty_server: Any) 
         assert struck[kind]["busy"] >= 1, (kind, struck)
     assert all(r["release"]["approved"] == 200 for r in report["rounds"])
     assert report["workflows_run"] == 400
+
+
+def test_an_idle_moment_between_waves_is_not_the_end_of_the_work() -> None:
+    # Approvals still to come: an idle system now is a gap between waves, so the fault
+    # waits on (here until its phase ends) instead of striking as if the work were done.
+    strikes, stop = traffic.Strikes(), threading.Event()
+    waves = traffic.Release([traffic.Pending("w1", lambda: None)], over=5.0)
+    threading.Timer(0.3, stop.set).start()
+    assert not strikes.meet("disk_full", _Flight(math.inf), _Flight(0.0), stop, waves)
+    assert strikes.report() == {}
