@@ -30,7 +30,7 @@ import os
 import shlex
 import sys
 import sysconfig
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -349,15 +349,7 @@ class Collector:
         self.records.append(self._serialize(report))
 
     def _serialize(self, report: pytest.TestReport | pytest.CollectReport) -> dict[str, Any]:
-        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        # xdist attaches its worker controller to each report; keep only the worker's id.
-        node = data.pop("node", None)
-        worker = getattr(getattr(node, "gateway", None), "id", None)
-        if worker is not None:
-            data["worker_id"] = str(worker)
-        # A JSON round trip makes the record plain data, exactly as tests.jsonl holds it.
-        plain: dict[str, Any] = json.loads(json.dumps(data, default=str))
-        return plain
+        return serialize(self.config, report)
 
     # ------------------------------------------------------------------ the gate
 
@@ -411,6 +403,7 @@ class Collector:
         from lab.evidence import compiler, dsse
 
         problems: list[str] = list(self.worker_problems)
+        self.records += never_reported(self.config, self.collected, self.records)
         stopped = session.shouldfail or session.shouldstop
         if stopped:
             # -x / --maxfail: the rest of the selection never ran.
@@ -507,3 +500,40 @@ def _prefix(root: Path, experiments: Path) -> str:
     except ValueError:
         return experiments.name + "/"
     return "" if relative == "." else relative + "/"
+
+
+def serialize(config: pytest.Config, report: pytest.TestReport | pytest.CollectReport
+              ) -> dict[str, Any]:
+    """A report as plain data, exactly as ``tests.jsonl`` holds it."""
+    data = config.hook.pytest_report_to_serializable(config=config, report=report)
+    # xdist attaches its worker controller to each report; keep only the worker's id.
+    node = data.pop("node", None)
+    worker = getattr(getattr(node, "gateway", None), "id", None)
+    if worker is not None:
+        data["worker_id"] = str(worker)
+    # A JSON round trip makes the record plain data.
+    plain: dict[str, Any] = json.loads(json.dumps(data, default=str))
+    return plain
+
+
+def never_reported(config: pytest.Config, collected: Iterable[str],
+                   records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A failed record for each collected test that no record names.
+
+    xdist turns a crashed worker's running test into a failed report, except when the
+    crash also breaks the controller's channel to that worker ("cannot send (already
+    closed?)"): then no report comes at all. The test still did not pass, so it is
+    recorded as failed in xdist's own form (phase ``???``), never as a gap.
+    """
+    reported = {r.get("nodeid") for r in records
+                if r.get("$report_type", "TestReport") == "TestReport"}
+    found: list[dict[str, Any]] = []
+    for nodeid in sorted(set(collected) - reported):
+        path = nodeid.split("::", 1)[0]
+        message = (f"{nodeid} never reported: its xdist worker crashed, or the run ended "
+                   "before it ran")
+        # "???" is no phase: it is the one xdist gives a crashed worker's test.
+        report = pytest.TestReport(nodeid, (path, None, path), {}, "failed", message,
+                                   "???")  # type: ignore[arg-type]
+        found.append(serialize(config, report))
+    return found

@@ -23,8 +23,8 @@ import pytest
 from psycopg import conninfo
 
 import lab
-from lab import files
-from lab.evidence import compiler, dsse, gate, verification
+from lab import files, rawoutcome, recorder
+from lab.evidence import compiler, dsse, gate, testlog, verification
 from lab.evidence.seed import SEED_EXPERIMENTS
 from tests.support import labtree
 from tests.support.keys import KeyFiles
@@ -378,6 +378,24 @@ def test_crashed_xdist_worker_is_a_failed_experiment(tree: pytest.Pytester) -> N
     assert "experiments/ch01_x/test_a.py::test_db failed" in report["gate"]["failures"]
 
 
+def test_a_crash_that_loses_xdist_s_report_is_still_a_failed_test(
+    pytestconfig: pytest.Config,
+) -> None:
+    """A crash that also breaks xdist's channel sends no report: the test is failed, not absent."""
+    crashed = "experiments/ch01_x/test_a.py::test_db"
+    passed = "experiments/ch01_x/test_a.py::test_pure"
+    ran = pytest.TestReport(passed, ("experiments/ch01_x/test_a.py", 1, "test_pure"), {},
+                            "passed", None, "call")
+    records = [recorder.serialize(pytestconfig, ran)]
+    lost = recorder.never_reported(pytestconfig, {crashed, passed}, records)
+    assert [r["nodeid"] for r in lost] == [crashed]
+    rows = {t["nodeid"]: t for t in testlog.test_rows([*records, *lost], "experiments/")}
+    assert rows[crashed]["outcome"] == "failed"
+    assert "crashed" in rows[crashed]["message"]
+    assert rows[passed]["outcome"] == "passed"
+    assert rawoutcome.problems(lost) == []  # xdist's own form, which no phase check applies to
+
+
 # --------------------------------------------------------------------------- the real plugin
 
 
@@ -433,7 +451,8 @@ def test_real_plugin_against_postgresql_passes(
 
 
 def _password(dsn: str) -> str | None:
-    return conninfo.conninfo_to_dict(dsn).get("password") or os.environ.get("PGPASSWORD")
+    given = conninfo.conninfo_to_dict(dsn).get("password")
+    return str(given) if given else os.environ.get("PGPASSWORD")
 
 
 def test_signing_key_from_environment_is_used(
