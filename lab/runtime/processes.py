@@ -117,7 +117,9 @@ def _usage(options: WorkerOptions) -> str | None:
 
 def _runners(options: WorkerOptions, db: store.Store, client: toolclient.ToolClient,
              hook: Callable[[str, store.Workflow], None]) -> list[worker.Worker]:
-    """One ``worker.Worker`` per ``--concurrency`` slot, sharing the store and client."""
+    """One ``worker.Worker`` per ``--concurrency`` slot, sharing the store, the client and
+    the clock of lease-recovery sweeps."""
+    sweeps = worker.Sweeps()
     return [
         worker.Worker(
             db=db,
@@ -129,6 +131,7 @@ def _runners(options: WorkerOptions, db: store.Store, client: toolclient.ToolCli
             hook=hook,
             fused=options.fused,
             batch=options.batch,
+            sweeps=sweeps,
         )
         for slot in range(options.concurrency)
     ]

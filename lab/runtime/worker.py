@@ -8,6 +8,7 @@ be reconciled by lookup) or "refused" (failed).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,46 @@ Hook = Callable[[str, store.Workflow], None]
 #: worker's expired claim to ``unknown`` (nothing is claimable or dispatched through it),
 #: so doing it on a timer instead of in every claim delays that by at most this much.
 RECOVERY_INTERVAL_S = 0.5
+
+
+@dataclass
+class Sweeps:
+    """When a fused worker next recovers expired leases; one clock shared by a process's
+    ``--concurrency`` slots.
+
+    A sweep recovers every expired lease, whoever held it, so one sweep per interval
+    serves every slot. With a clock per slot, 32 slots made 64 sweeps a second, and
+    their idle polls one every other poll: the server spent more on sweeps than on work.
+    """
+
+    interval: float = RECOVERY_INTERVAL_S
+    _due_at: float = 0.0
+    _swept_idle: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self, now: float) -> bool:
+        """True for one caller once a sweep is due (the first step's is); it owns it."""
+        with self._lock:
+            if now < self._due_at:
+                return False
+            self._due_at = now + self.interval
+            return True
+
+    def untake(self) -> None:
+        """The owner's transaction was refused: the sweep is due again at once."""
+        with self._lock:
+            self._due_at = 0.0
+
+    def found(self, work: bool, *, swept: bool) -> None:
+        """A step found work or none: finding none asks for one sweep before idling;
+        after it, an idle worker sweeps on the interval, not on every poll."""
+        with self._lock:
+            if work:
+                self._swept_idle = False
+                return
+            if not swept and not self._swept_idle:
+                self._due_at = 0.0
+            self._swept_idle = self._swept_idle or swept
 
 
 @dataclass
@@ -54,7 +95,8 @@ class Worker:
     #: recovery (the blast radius the book measures).
     batch: int = 1
     _pending: list[store.Finished] = field(default_factory=list, init=False, repr=False)
-    _recover_at: float = field(default=0.0, init=False, repr=False)
+    #: With ``fused``: when to recover expired leases (shared by a process's slots).
+    sweeps: Sweeps = field(default_factory=Sweeps, repr=False)
     _heart: heartbeat.Heartbeat | None = field(default=None, init=False, repr=False)
 
     def _stage(self, stage: str, claim: store.Workflow) -> None:
@@ -111,17 +153,15 @@ class Worker:
         claims below ``batch``.
         """
         finished, self._pending = self._pending, []
-        now = time.monotonic()
-        recover = now >= self._recover_at
+        recover = self.sweeps.take(time.monotonic())
         done, claims = self._commit(finished, recover=recover,
                                     limit=min(self.batch, limit or self.batch))
         if claims is None:
+            if recover:
+                self.sweeps.untake()
             return done  # the transaction was refused: claim again next step
-        if recover:
-            self._recover_at = now + RECOVERY_INTERVAL_S
+        self.sweeps.found(bool(claims), swept=recover)
         if not claims:
-            if not recover:
-                self._recover_at = 0.0  # no work found: recover before calling this idle
             return done
         if self.batch > 1:
             self._stage(protocol.AFTER_BATCH, claims[0].workflow)

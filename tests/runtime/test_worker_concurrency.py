@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from lab import protocol
-from lab.runtime import processes, store, tool
+from lab.runtime import processes, store, tool, worker
 from tests.support import workstore
 
 PROPOSER, APPROVER = workstore.PROPOSER, workstore.APPROVER
@@ -66,3 +66,41 @@ def test_slots_drain_a_backlog_each_claim_in_its_own_transaction(
     # One claim per transaction: no claim shares its commit with another slot's.
     rows = db.execute("SELECT count(DISTINCT xmin::text) AS n FROM events WHERE kind = 'claimed'")
     assert rows[0]["n"] == 9
+
+
+def test_slots_share_one_clock_of_lease_recovery_sweeps() -> None:
+    """A sweep recovers every expired lease, so a process's slots take turns on one clock."""
+    options = processes.WorkerOptions("s", ENDPOINT, loop=True, fused=True, concurrency=4)
+    runners = processes._runners(options, None, None, lambda stage, workflow: None)  # type: ignore[arg-type]
+    assert len({id(runner.sweeps) for runner in runners}) == 1
+
+
+def test_one_sweep_per_interval_whoever_asks() -> None:
+    sweeps = worker.Sweeps(interval=0.5)
+    assert [sweeps.take(10.0) for _ in range(4)] == [True, False, False, False]
+    assert not sweeps.take(10.4)
+    assert sweeps.take(10.5)
+
+
+def test_finding_no_work_asks_for_one_sweep_then_idles_on_the_interval() -> None:
+    sweeps = worker.Sweeps(interval=0.5)
+    assert sweeps.take(10.0)
+    sweeps.found(True, swept=True)
+    assert not sweeps.take(10.1)
+    sweeps.found(False, swept=False)  # no work: one sweep before calling this idle
+    assert sweeps.take(10.1)
+    sweeps.found(False, swept=True)
+    for now in (10.2, 10.3, 10.4):  # idle polls do not sweep again before the interval
+        assert not sweeps.take(now)
+        sweeps.found(False, swept=False)
+    assert sweeps.take(10.6)
+    sweeps.found(True, swept=True)  # work again: the next empty step asks for a sweep
+    sweeps.found(False, swept=False)
+    assert sweeps.take(10.7)
+
+
+def test_a_refused_sweep_is_due_again_at_once() -> None:
+    sweeps = worker.Sweeps(interval=0.5)
+    assert sweeps.take(10.0)
+    sweeps.untake()
+    assert sweeps.take(10.01)
