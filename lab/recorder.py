@@ -342,14 +342,11 @@ class Collector:
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         """A module that cannot be collected is a failure, not a silent absence."""
         if report.failed:
-            self.records.append(self._serialize(report))
+            self.records.append(serialize(self.config, report))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Every phase report, including xdist's failed report for a crashed worker."""
-        self.records.append(self._serialize(report))
-
-    def _serialize(self, report: pytest.TestReport | pytest.CollectReport) -> dict[str, Any]:
-        return serialize(self.config, report)
+        self.records.append(serialize(self.config, report))
 
     # ------------------------------------------------------------------ the gate
 
