@@ -283,7 +283,8 @@ def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
     settings = chaos.Settings(
         # Fills every two seconds or so, so a data file and then WAL are both refused
         # while 600 workflows are still running on a quiet machine (the phase ends when
-        # all work is settled); on a busy one it ends at ``duration``. Steps of at most
+        # all work is settled and the disk was filled for both targets; CI once saw work
+        # settle after one fill); on a busy one it ends at ``duration``. Steps of at most
         # 20 s: a minute back held every killed worker's lease a minute longer and
         # tripled the round's drain (the mid-window experiments step minutes).
         workflows=600, workers=3, duration=20.0, kill_every_ms=500.0,

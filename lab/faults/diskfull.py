@@ -196,6 +196,11 @@ class DiskFull:
         self.panicked_in += Counter(panicked)
         return seen, panicked
 
+    def struck_every_target(self) -> bool:
+        """Whether a fault filled the disk for each target (``data`` and ``wal``): a round
+        whose work settled after one fill has shown only half of what the fault does."""
+        return {record["target"] for record in self.log} >= set(TARGETS)
+
     def report(self) -> dict[str, Any]:
         """The faults, the server's log lines by kind, an example of each, restarts."""
         return {

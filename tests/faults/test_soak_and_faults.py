@@ -89,6 +89,36 @@ def test_the_server_log_is_counted_by_kind() -> None:
                        "could_not_write_wal": 1, "panic": 1, "crash_reinitialize": 1}
 
 
+class _QuietServer:
+    """A server whose disk fills at once and whose log stays empty (the fault's calls)."""
+
+    def fill_disk(self, leave: int = 0) -> int:
+        return 1 << 20
+
+    def free_disk(self) -> None:
+        return None
+
+    def prime_wal(self, switches: int = 3) -> str:
+        return ""
+
+    def revive(self) -> bool:
+        return False
+
+    def log_from(self, offset: int) -> tuple[str, int]:
+        return "", offset
+
+
+def test_a_disk_fault_has_struck_every_target_only_after_it_filled_for_both() -> None:
+    fault = diskfull.DiskFull(server=_QuietServer(), rng=random.Random(33), hold_s=0.0)
+    fault.start()
+    assert not fault.struck_every_target()
+    first = fault.strike(1.0)
+    assert not fault.struck_every_target(), first
+    second = fault.strike(2.0)
+    assert {first["target"], second["target"]} == set(diskfull.TARGETS)
+    assert fault.struck_every_target()
+
+
 def test_clock_offsets_stay_within_the_bound_and_always_move() -> None:
     steps = clocksteps.ClockSteps(server=None, dsn="", schemas=[],  # type: ignore[arg-type]
                                   rng=random.Random(3), max_s=5)
