@@ -318,5 +318,5 @@ def test_chaos_round_with_full_disks_and_clock_steps_keeps_every_invariant(
     assert report["audit"]["audit_findings"] == 0
     assert sum(report["states"].values()) == settings.workflows
     assert disk["count"] >= 2 and set(disk["by_target"]) == {"data", "wal"}, disk["by_target"]
-    assert clock["count"] >= 2, "the clock was not stepped"
+    assert clock["forward"] >= 1 and clock["backward"] >= 1, clock
     assert report["cleanup"] == []

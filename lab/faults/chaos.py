@@ -31,8 +31,8 @@ and back, counting the leases each step moves. Both need the server itself
 Kills and terminations start once a first item is done (the warm-up; the tool's faults
 are already on). The fault phase ends at ``duration`` or once every workflow is settled
 and every fault asked for struck (``min_restarts`` restarts, a disk fault on each target,
-one clock step, one partition healed); then the drain stops every fault, lets the workers finish,
-waits for leases to expire and reconciles until nothing is left to do.
+a clock step each way, a partition healed); then the drain stops the faults, lets the
+workers finish, waits for leases to expire and reconciles until nothing is left to do.
 ``lab.faults.invariants`` and ``lab.faults.audit`` (plain SQL) check the final database
 and the whole event history; the report says whether both flag the same effect keys.
 
@@ -340,7 +340,7 @@ class Chaos:
                 # asked for, the phase lasts until ``min_restarts`` happened too.
                 restarted = (len(self.counts.restarts) >= settings.min_restarts
                              and (self.disk is None or self.disk.struck_every_target())
-                             and (self.clock is None or bool(self.clock.log))
+                             and (self.clock is None or self.clock.stepped_both_ways())
                              and self._partitioned()
                              and not self._more_faults_needed())
                 released = self.release is None or self.release.complete

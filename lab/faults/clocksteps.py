@@ -103,6 +103,12 @@ class ClockSteps:
         self.log.append(record)
         return record
 
+    def stepped_both_ways(self) -> bool:
+        """Whether the clock was stepped forward once and back once: early expiry and
+        late expiry (with resurrection) are different faults, and a round shows both."""
+        return (any(r["step_s"] > 0 for r in self.log)
+                and any(r["step_s"] < 0 for r in self.log))
+
     def report(self) -> dict[str, Any]:
         """Steps, their sizes, and the leases they moved early or late."""
         early = sum(r.get("leases_early") or 0 for r in self.log)

@@ -131,6 +131,26 @@ def test_clock_offsets_stay_within_the_bound_and_always_move() -> None:
     assert min(seen) < 0 < max(seen)
 
 
+class _Clock:
+    """A server whose clock offset is only remembered."""
+
+    offset_s = 0
+
+    def set_clock(self, offset_s: int) -> None:
+        self.offset_s = offset_s
+
+
+def test_the_clock_has_stepped_both_ways_only_after_a_step_forward_and_one_back() -> None:
+    clock = _Clock()
+    steps = clocksteps.ClockSteps(server=clock, dsn="", schemas=[], rng=random.Random(3),
+                                  max_s=20)
+    steps.step_to(1.0, 5)
+    steps.step_to(2.0, 12)
+    assert not steps.stepped_both_ways(), steps.log
+    steps.step_to(3.0, -4)
+    assert steps.stepped_both_ways() and clock.offset_s == -4
+
+
 def test_a_volume_of_an_unknown_kind_or_size_is_refused() -> None:
     with pytest.raises(errors.UsageError):
         embedded.Volume(64, "nfs").validate()
