@@ -20,7 +20,6 @@ the database, HTTP and harness modules only inside the fixtures that use them.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import json
@@ -273,7 +272,7 @@ def _flag_constant_observations(items: list[pytest.Item]) -> None:
                 source = item.path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 source = ""  # pytest collected it, so it read; nothing to say here
-            problems[item.path] = constant_observations_by_function(source, item.path.name)
+            problems[item.path] = observations.constant_in_source(source, item.path.name)
             undeclared[item.path] = observations.undeclared_in_source(source, item.path.name)
         name = getattr(item, "originalname", item.name)
         for by_function, key in ((problems[item.path], _CONSTANT_KEY),
@@ -284,71 +283,6 @@ def _flag_constant_observations(items: list[pytest.Item]) -> None:
             ]
             if found:
                 item.stash[key] = found
-
-
-def _constant(node: ast.expr) -> bool:
-    """True for a value fixed in the source: a literal, or a container of literals."""
-    if isinstance(node, ast.Constant):
-        return True
-    if isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
-        return True
-    if isinstance(node, ast.List | ast.Tuple | ast.Set):
-        return all(_constant(e) for e in node.elts)
-    if isinstance(node, ast.Dict):
-        return all(v is not None and _constant(v) for v in node.values)
-    return False
-
-
-def constant_observations_by_function(
-    source: str, filename: str = "<source>"
-) -> dict[str, list[str]]:
-    """Constant observations in ``source``, by the name of the function holding the call.
-
-    Flagged: ``observe(...)`` given a dict (or value) whose values are all constants, and
-    any key whose value is the literal ``True`` or ``False`` (a conclusion, not what was
-    read back). A string label beside measured values is fine. A file that does not parse
-    has nothing to say here (pytest reports it).
-    """
-    try:
-        tree = ast.parse(source, filename)
-    except SyntaxError:
-        return {}
-    found: dict[str, list[str]] = {}
-
-    def visit(node: ast.AST, function: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                visit(child, child.name)
-                continue
-            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
-                    and child.func.id == "observe" and child.args):
-                found.setdefault(function, []).extend(_judge(child, filename))
-            visit(child, function)
-
-    visit(tree, "")
-    return {f: p for f, p in found.items() if p}
-
-
-def _judge(call: ast.Call, filename: str) -> list[str]:
-    value = call.args[0]
-    where = f"{filename}:{call.lineno}"
-    problems = []
-    if isinstance(value, ast.Dict):
-        for key, item in zip(value.keys, value.values, strict=True):
-            if isinstance(item, ast.Constant) and isinstance(item.value, bool):
-                name = key.value if isinstance(key, ast.Constant) else "?"
-                problems.append(f"key {name!r} is the literal {item.value} ({where})")
-    if _constant(value):
-        keys = [k.value for k in getattr(value, "keys", []) if isinstance(k, ast.Constant)]
-        named = f" ({', '.join(map(str, keys))})" if keys else ""
-        problems.append(f"every value{named} is a literal ({where})")
-    return problems
-
-
-def constant_observations(source: str, filename: str = "<source>") -> list[str]:
-    """Every constant observation of ``source`` (see ``constant_observations_by_function``)."""
-    return [p for found in constant_observations_by_function(source, filename).values()
-            for p in found]
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,8 @@ of the commit observes the same value. The rule, in order, for each top-level ke
    race's winner recorded as a fact did not reproduce: issue 41).
 
 ``undeclared_in_source`` finds rule 4 in an experiment's source before it runs (the
-plugin fails such an experiment at collection, naming file, line and key); ``classify``
+plugin fails such an experiment at collection, naming file, line and key), as
+``constant_in_source`` finds an observation of literals only; ``classify``
 enforces it when the value is recorded. An observation with an ``unclassified`` key (or a
 key the report carries no kind for) fails the gate, naming the test and the key, so the
 split cannot rot. Pure: the gate, the verifier and the plugin share this one rule.
@@ -110,11 +111,35 @@ def undeclared_in_source(source: str, filename: str = "<source>") -> dict[str, l
     Only what the source fixes is judged: a literal dict's literal keys, with literal
     ``facts=``/``measurements=`` tuples; anything computed is left to ``classify``.
     """
+    found: dict[str, list[str]] = {}
+    for function, call in observe_calls(source, filename):
+        if not isinstance(call.args[0], ast.Dict):
+            continue
+        declared: set[str] = set()
+        judged = True
+        for keyword in call.keywords:
+            if keyword.arg in ("facts", "measurements"):
+                names = _literal_names(keyword.value)
+                judged = judged and names is not None
+                declared |= names or set()
+        keys = [k.value for k in call.args[0].keys
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+        missing = [k for k in keys if k not in declared and not _is_measurement_name(k)]
+        if judged and missing:
+            found.setdefault(function, []).append(
+                f"{filename}:{call.lineno}: {declaration_hint(missing)}")
+    return found
+
+
+def observe_calls(source: str, filename: str = "<source>") -> list[tuple[str, ast.Call]]:
+    """Every ``observe(...)`` call with an argument in ``source``, in source order, with
+    the name of the function holding it (``""`` at module level). A file that does not
+    parse has none (pytest reports it)."""
     try:
         tree = ast.parse(source, filename)
     except SyntaxError:
-        return {}
-    found: dict[str, list[str]] = {}
+        return []
+    calls: list[tuple[str, ast.Call]] = []
 
     def visit(node: ast.AST, function: str) -> None:
         for child in ast.iter_child_nodes(node):
@@ -122,25 +147,61 @@ def undeclared_in_source(source: str, filename: str = "<source>") -> dict[str, l
                 visit(child, child.name)
                 continue
             if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
-                    and child.func.id == "observe" and child.args
-                    and isinstance(child.args[0], ast.Dict)):
-                declared: set[str] = set()
-                judged = True
-                for keyword in child.keywords:
-                    if keyword.arg in ("facts", "measurements"):
-                        names = _literal_names(keyword.value)
-                        judged = judged and names is not None
-                        declared |= names or set()
-                keys = [k.value for k in child.args[0].keys
-                        if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-                missing = [k for k in keys if k not in declared and not _is_measurement_name(k)]
-                if judged and missing:
-                    found.setdefault(function, []).append(
-                        f"{filename}:{child.lineno}: {declaration_hint(missing)}")
+                    and child.func.id == "observe" and child.args):
+                calls.append((function, child))
             visit(child, function)
 
     visit(tree, "")
+    return calls
+
+
+def constant_in_source(source: str, filename: str = "<source>") -> dict[str, list[str]]:
+    """Constant observations in ``source``, by the name of the function holding the call.
+
+    Flagged: ``observe(...)`` given a dict (or value) whose values are all constants, and
+    any key whose value is the literal ``True`` or ``False`` (a conclusion, not what was
+    read back). A string label beside measured values is fine.
+    """
+    found: dict[str, list[str]] = {}
+    for function, call in observe_calls(source, filename):
+        problems = _judge_constant(call, filename)
+        if problems:
+            found.setdefault(function, []).extend(problems)
     return found
+
+
+def constant_observations(source: str, filename: str = "<source>") -> list[str]:
+    """Every constant observation of ``source`` (see ``constant_in_source``)."""
+    return [p for found in constant_in_source(source, filename).values() for p in found]
+
+
+def _judge_constant(call: ast.Call, filename: str) -> list[str]:
+    value = call.args[0]
+    where = f"{filename}:{call.lineno}"
+    problems = []
+    if isinstance(value, ast.Dict):
+        for key, item in zip(value.keys, value.values, strict=True):
+            if isinstance(item, ast.Constant) and isinstance(item.value, bool):
+                name = key.value if isinstance(key, ast.Constant) else "?"
+                problems.append(f"key {name!r} is the literal {item.value} ({where})")
+    if _constant(value):
+        keys = [k.value for k in getattr(value, "keys", []) if isinstance(k, ast.Constant)]
+        named = f" ({', '.join(map(str, keys))})" if keys else ""
+        problems.append(f"every value{named} is a literal ({where})")
+    return problems
+
+
+def _constant(node: ast.expr) -> bool:
+    """True for a value fixed in the source: a literal, or a container of literals."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
+        return True
+    if isinstance(node, ast.List | ast.Tuple | ast.Set):
+        return all(_constant(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(v is not None and _constant(v) for v in node.values)
+    return False
 
 
 def undecided(observation: Any, kinds: Any) -> list[str]:

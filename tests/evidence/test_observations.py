@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from lab import pytest_plugin
 from lab.evidence import observations
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
@@ -28,7 +27,7 @@ pytest_plugins = ["pytester"]
     ],
 )
 def test_the_rule_flags_constants_and_accepts_measurements(source, flagged):
-    assert len(pytest_plugin.constant_observations(source)) == flagged
+    assert len(observations.constant_observations(source)) == flagged
 
 
 def test_every_experiment_observation_is_a_measurement():
@@ -37,7 +36,7 @@ def test_every_experiment_observation_is_a_measurement():
     found = [
         problem
         for path in files
-        for problem in pytest_plugin.constant_observations(path.read_text(encoding="utf-8"),
+        for problem in observations.constant_observations(path.read_text(encoding="utf-8"),
                                              str(path.relative_to(EXPERIMENTS)))
     ]
     assert found == []
