@@ -52,6 +52,8 @@ from typing import IO, Any
 MAX_REQUEST = 256 * 1024
 PR_SET_NAME = 15  # prctl(2)
 ENV_SWITCH = "LAB_FORKSERVER"  # "0": exec every child (the pre-fork-server behaviour)
+# How long an interrupted ``spawn`` waits for the pid of the child it must then end.
+UNRETURNED_PID_S = 10.0
 
 
 class Child:
@@ -171,13 +173,18 @@ class _Server:
         for fd in (in_r, out_w, err_w):
             os.close(fd)
         control_theirs.close()
-        received = b""
-        while b"\n" not in received:
-            chunk = control.recv(64)
-            if not chunk:
-                break
-            received += chunk
-        first, _, rest = received.partition(b"\n")
+        received = bytearray()
+        try:
+            _read_pid_line(control, received)
+        except BaseException:
+            # Interrupted (Ctrl-C, or a SIGTERM turned KeyboardInterrupt) before the pid
+            # came back: the server may have forked already, and no caller would ever
+            # know this child to end it (a run torn down left a worker running).
+            _end_unreturned(control, received)
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise
+        first, _, rest = bytes(received).partition(b"\n")
         if not first.startswith(b"pid ") or not first[4:].isdigit():
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
@@ -190,6 +197,34 @@ class _Server:
             open(err_r, encoding="utf-8"),
             early=rest,
         )
+
+
+def _read_pid_line(control: socket.socket, received: bytearray) -> None:
+    """Read the server's first line for a request (``pid N`` or ``error ...``) into
+    ``received``, kept by the caller when this is interrupted."""
+    while b"\n" not in received:
+        chunk = control.recv(64)
+        if not chunk:
+            return
+        received += chunk
+
+
+def _end_unreturned(control: socket.socket, received: bytearray) -> None:
+    """SIGKILL a child whose ``spawn`` never returned: read the rest of its pid line (the
+    server sends it once the child is set up), then kill it; the server reaps it."""
+    with contextlib.suppress(OSError):
+        control.settimeout(UNRETURNED_PID_S)
+        _read_pid_line(control, received)
+    first, _, report = bytes(received).partition(b"\n")
+    with contextlib.suppress(OSError):
+        control.setblocking(False)
+        report += control.recv(64) or b"gone"
+    # The server writes the exit code here as soon as it reaps the child: with none yet,
+    # the pid is still the child's, not one the system could have handed out again.
+    if first.startswith(b"pid ") and first[4:].isdigit() and not report:
+        with contextlib.suppress(OSError):
+            os.kill(int(first[4:]), signal.SIGKILL)
+    control.close()
 
 
 _servers: dict[tuple[int, tuple[str, ...]], _Server] = {}

@@ -360,12 +360,17 @@ class WorkerProcess:
         self._stderr: list[str] = []
         assert self._proc.stdout is not None
         assert self._proc.stderr is not None
-        self._readers = [
-            threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True),
-            threading.Thread(target=self._drain, args=(self._proc.stderr,), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
+        try:
+            self._readers = [
+                threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True),
+                threading.Thread(target=self._drain, args=(self._proc.stderr,), daemon=True),
+            ]
+            for reader in self._readers:
+                reader.start()
+        except BaseException:
+            # Interrupted before the caller holds this object: nobody else could end it.
+            self._proc.kill()
+            raise
 
     def _pump(self, stream: IO[str]) -> None:
         for line in stream:

@@ -104,3 +104,47 @@ def test_a_kill_is_not_held_up_by_a_wait_in_another_thread() -> None:
     finally:
         child.kill()
         waiter.join(130)
+
+
+def _carrying(token: str) -> list[int]:
+    """The live processes whose environment holds ``token``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    if token.encode() in environ.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("when", ["before_the_pid", "with_the_pid_read"])
+def test_a_spawn_interrupted_before_it_returns_leaves_no_child_running(
+    monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    # A SIGTERM to `lab run` arrived as KeyboardInterrupt while a chaos round was forking a
+    # worker: the child was forked, its parent never learnt its pid, and it ran on.
+    token = os.urandom(6).hex()
+    env = {"PATH": os.environ.get("PATH", ""), protocol.DSN_ENV: "postgresql://127.0.0.1:9/x",
+           protocol.TOKEN_ENV: "token", "LAB_TEST_PROBE": token}
+    read = forkserver._read_pid_line
+    calls = []
+
+    def interrupted(control: Any, received: bytearray) -> None:
+        calls.append(when)
+        if len(calls) == 1:
+            if when == "with_the_pid_read":
+                read(control, received)
+            raise KeyboardInterrupt
+        read(control, received)
+
+    monkeypatch.setattr(forkserver, "_read_pid_line", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        processes.forked(WORKER, env)
+    assert calls, "the interruption was never injected"
+    deadline = time.monotonic() + 30
+    while _carrying(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _carrying(token) == [], "an interrupted spawn left its child running"
