@@ -185,18 +185,26 @@ class _Server:
                 os.close(fd)
             raise
         first, _, rest = bytes(received).partition(b"\n")
-        if not first.startswith(b"pid ") or not first[4:].isdigit():
+        pid = _pid_of(first)
+        if pid is None:
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
             control.close()
             raise OSError(f"the fork server could not fork: {first.decode(errors='replace')}")
         return Child(
-            int(first[4:]), control,
+            pid, control,
             open(in_w, "w", buffering=1, encoding="utf-8"),
             open(out_r, encoding="utf-8"),
             open(err_r, encoding="utf-8"),
             early=rest,
         )
+
+
+def _pid_of(line: bytes) -> int | None:
+    """The pid in the server's ``pid N`` line, or None for any other line."""
+    if line.startswith(b"pid ") and line[4:].isdigit():
+        return int(line[4:])
+    return None
 
 
 def _read_pid_line(control: socket.socket, received: bytearray) -> None:
@@ -221,9 +229,10 @@ def _end_unreturned(control: socket.socket, received: bytearray) -> None:
         report += control.recv(64) or b"gone"
     # The server writes the exit code here as soon as it reaps the child: with none yet,
     # the pid is still the child's, not one the system could have handed out again.
-    if first.startswith(b"pid ") and first[4:].isdigit() and not report:
+    pid = _pid_of(first)
+    if pid is not None and not report:
         with contextlib.suppress(OSError):
-            os.kill(int(first[4:]), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     control.close()
 
 
