@@ -31,8 +31,9 @@ from lab.runtime.toolwire import (
     START_HEADER,
 )
 
-# The pool's connection limit: one per caller thread (a `lab worker --concurrency`'s).
-MAX_IN_FLIGHT = 64
+# Each caller thread (a `lab worker --concurrency` slot, a heartbeat) has its own httpx
+# client and pool, of this many connections: a thread sends one request at a time.
+CONNECTIONS_PER_THREAD = 1
 # An idle connection older than this is closed rather than reused.
 KEEPALIVE_EXPIRY_S = 60.0
 
@@ -77,10 +78,12 @@ class _Lost(Exception):
 class ToolClient:
     """A client that only talks to a loopback tool over plain HTTP/1.1.
 
-    One ``httpx.Client`` holds the connections (up to ``MAX_IN_FLIGHT``), kept open
-    between requests. An idle connection the tool closed (it restarted) is noticed by
-    httpx before reuse and replaced, so a restart of the tool does not turn the next
-    call into an unknown outcome. ``timeout`` bounds each request, and a batch as a whole.
+    Each calling thread has its own ``httpx.Client``, whose one connection is kept open
+    between requests (a pool shared by 32 slots cost each request a pass over every
+    connection under the pool's lock, and a readability poll of each idle one). An idle
+    connection the tool closed (it restarted) is noticed by httpx before reuse and
+    replaced, so a restart of the tool does not turn the next call into an unknown
+    outcome. ``timeout`` bounds each request, and a batch as a whole.
     """
 
     def __init__(self, endpoint: str, token: str, *, timeout: float = protocol.TOOL_TIMEOUT_S):
@@ -88,25 +91,51 @@ class ToolClient:
         if not token:
             raise errors.ToolError("tool token must not be empty")
         self._timeout = timeout
-        self._http = httpx.Client(
+        self._token = token
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._clients_lock = threading.Lock()
+        self._closed = False
+        probe = self._new_client()
+        try:
+            if (probe.base_url.host, probe.base_url.port) != _host_port(self.base):
+                raise errors.ToolError("tool endpoint parses differently in the HTTP client")
+        finally:
+            probe.close()
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(
             base_url=self.base,
-            headers={"Authorization": f"Bearer {token}", "User-Agent": "lab-tool-client"},
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=MAX_IN_FLIGHT,
-                                max_keepalive_connections=MAX_IN_FLIGHT,
+            headers={"Authorization": f"Bearer {self._token}", "User-Agent": "lab-tool-client"},
+            timeout=httpx.Timeout(self._timeout),
+            limits=httpx.Limits(max_connections=CONNECTIONS_PER_THREAD,
+                                max_keepalive_connections=CONNECTIONS_PER_THREAD,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
             # Loopback only: no proxy or certificate settings from the environment.
             trust_env=False,
             follow_redirects=False,
         )
-        if (self._http.base_url.host, self._http.base_url.port) != _host_port(self.base):
-            self._http.close()
-            raise errors.ToolError("tool endpoint parses differently in the HTTP client")
-        self._lock = threading.Lock()
+
+    def _client(self) -> httpx.Client | None:
+        """This thread's ``httpx.Client`` (made on first use), or None once closed."""
+        http: httpx.Client | None = getattr(self._local, "http", None)
+        if http is not None:
+            return None if http.is_closed else http
+        with self._clients_lock:
+            if self._closed:
+                return None
+            http = self._new_client()
+            self._clients.append(http)
+        self._local.http = http
+        return http
 
     def close(self) -> None:
-        """Close the pool's connections."""
-        self._http.close()
+        """Close every thread's connections; a request after this is never delivered."""
+        with self._clients_lock:
+            self._closed = True
+            clients, self._clients = self._clients, []
+        for http in clients:
+            http.close()
 
     def __enter__(self) -> ToolClient:
         return self
@@ -120,10 +149,11 @@ class ToolClient:
 
         ``_NotDelivered`` when it never left, ``_Lost`` when its outcome is unknown.
         """
-        if self._http.is_closed:
+        http = self._client()
+        if http is None:
             raise _NotDelivered()
         try:
-            response = self._http.request(method, path, content=body, headers=headers,
+            response = http.request(method, path, content=body, headers=headers,
                                           timeout=httpx.Timeout(timeout))
         except httpx.ConnectTimeout as exc:
             # A connect that timed out may have completed on the far side.

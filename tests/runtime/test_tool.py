@@ -315,3 +315,24 @@ def test_stopping_the_ledger_answers_queued_requests_without_writing(lab, servic
                             headers={"Authorization": f"Bearer {service.token}"})
     assert reply.status_code == 503
     assert lab.effects() == 0
+
+
+def test_each_calling_thread_has_its_own_connection_and_close_ends_them_all(lab, service):
+    """Slots in threads never share a pool (or its lock); after close nothing is sent."""
+    client = toolclient.ToolClient(service.endpoint, service.token, timeout=5)
+    receipts: list[object] = []
+
+    def call() -> None:
+        receipts.append(client.call(lab.approved()))
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(receipts) == 3 and lab.effects() == 3
+    assert len(client._clients) == 3  # one httpx client per thread that called
+    client.close()
+    with pytest.raises(errors.ToolUnavailable):
+        client.call(lab.approved())
+    assert lab.effects() == 3
