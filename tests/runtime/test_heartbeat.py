@@ -104,3 +104,15 @@ def test_a_block_ends_only_after_its_claims_heartbeat_in_flight() -> None:
     beats.hold.set()
     runner.join(10)
     assert ended.is_set()
+
+
+def test_a_claim_that_joins_an_idle_lingering_thread_is_beaten_on_time() -> None:
+    # The thread waits out its linger between blocks; a new block must wake it for the
+    # claim's first beat (due one period after it joined), not leave it to the linger.
+    beats = _Beats()
+    heart = beats.heart(every=0.05, linger=60.0)
+    with heart.beating([_claim("a")]):
+        _until(lambda: beats.count("a") >= 1, "a beat of claim a")
+    time.sleep(0.2)  # the thread is now waiting out its linger, with nothing to beat
+    with heart.beating([_claim("b")]):
+        _until(lambda: beats.count("b") >= 1, "a beat of claim b before the linger ends")
