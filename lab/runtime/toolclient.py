@@ -96,12 +96,10 @@ class ToolClient:
         self._clients: list[httpx.Client] = []
         self._clients_lock = threading.Lock()
         self._closed = False
-        probe = self._new_client()
-        try:
-            if (probe.base_url.host, probe.base_url.port) != _host_port(self.base):
-                raise errors.ToolError("tool endpoint parses differently in the HTTP client")
-        finally:
-            probe.close()
+        # The clients resolve requests against this URL: it must name the checked host.
+        parsed = httpx.URL(self.base)
+        if (parsed.host, parsed.port) != _host_port(self.base):
+            raise errors.ToolError("tool endpoint parses differently in the HTTP client")
 
     def _new_client(self) -> httpx.Client:
         return httpx.Client(
@@ -154,7 +152,7 @@ class ToolClient:
             raise _NotDelivered()
         try:
             response = http.request(method, path, content=body, headers=headers,
-                                          timeout=httpx.Timeout(timeout))
+                                    timeout=httpx.Timeout(timeout))
         except httpx.ConnectTimeout as exc:
             # A connect that timed out may have completed on the far side.
             raise _Lost() from exc
