@@ -124,7 +124,7 @@ def prepare(options: PublishOptions, root: Path, environ: dict[str, str]) -> Pla
     pinned = signer.key.public_key()
     if options.public_key:
         # Bounded, regular files only: a FIFO or a huge file is refused, not read.
-        expected = trust.load_public_key_file(Path(options.public_key), "--public-key")
+        expected = dsse.load_public_key_file(Path(options.public_key), "--public-key")
         if dsse.raw_public_key(expected) != dsse.raw_public_key(pinned):
             raise Refused(
                 f"unpinned: {dsse.KEY_ENV} signs as {signer.keyid}, not as the --public-key "

@@ -355,7 +355,7 @@ def cli_main(options: ReproduceOptions) -> int:
     """``lab reproduce``: pin, check the evidence exists, reproduce."""
     pinned = None
     if options.public_key:
-        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = dsse.load_public_key_file(Path(options.public_key), "--public-key")
     evidence = Path(options.evidence)
     if not evidence.exists():
         raise errors.InputError(f"evidence {evidence}: no such file or directory")
@@ -409,7 +409,7 @@ def compare_main(options: CompareOptions, console: Console | None = None) -> int
     root = Path.cwd()
     pinned = None
     if options.public_key:
-        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = dsse.load_public_key_file(Path(options.public_key), "--public-key")
     first = _verified_report(Path(options.first), pinned, root)
     second = _verified_report(Path(options.second), pinned, root)
     comparison = reproduction.compare(first, [second])

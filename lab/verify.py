@@ -32,13 +32,13 @@ def verify_main(options: EvidenceOptions) -> int:
 
     ``show`` also needs a PASS to exit 0, and says what it could not verify.
     """
-    from lab.evidence import gate, summary, trust, verification
+    from lab.evidence import dsse, gate, summary, trust, verification
 
     path = Path(options.path)
     root = Path.cwd()
     pinned = None
     if options.public_key:
-        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = dsse.load_public_key_file(Path(options.public_key), "--public-key")
     from lab.model import signed
 
     # The keys at the tip of the default branch, and its revocations: passed even with

@@ -47,7 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lab import errors, files
 from lab.book import drawing, figures, pages, raster
-from lab.evidence import bundle, crashmatrix, model_evidence, trust
+from lab.evidence import bundle, crashmatrix, dsse, model_evidence, trust
 from lab.evidence.report import Report
 
 INDEX_FILE = f"{pages.INDEX}.html"
@@ -290,7 +290,7 @@ def cli_main(
     root = Path.cwd()
     pinned: ed25519.Ed25519PublicKey | None = None
     if options.public_key:
-        pinned = trust.load_public_key_file(Path(options.public_key), "--public-key")
+        pinned = dsse.load_public_key_file(Path(options.public_key), "--public-key")
     # Always the default branch's keys and revocations: a revoked key is refused even
     # as --public-key, and a reproduction is vouched for by a trusted key, never the pin.
     trusted = trust.trusted_keys(root)

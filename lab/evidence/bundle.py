@@ -219,7 +219,7 @@ def _public_key(path: Path, report: Report) -> bytes:
     except errors.EvidenceError as exc:
         raise errors.Refused(f"the signed report names no usable public key: {exc}") from exc
     if path.exists() or path.is_symlink():
-        present = trust.load_public_key_file(path, compiler.PUBLIC_KEY_FILE)
+        present = dsse.load_public_key_file(path, compiler.PUBLIC_KEY_FILE)
         if dsse.raw_public_key(present) != dsse.raw_public_key(signed):
             raise errors.Refused(
                 f"{compiler.PUBLIC_KEY_FILE} is not the key that signed the evidence")

@@ -75,6 +75,18 @@ def load_public_key(pem: bytes) -> ed25519.Ed25519PublicKey:
     return key
 
 
+def load_public_key_file(path: Path, what: str = "public key") -> ed25519.Ed25519PublicKey:
+    """An Ed25519 public key from a PEM file; ``InputError`` naming the path otherwise.
+
+    Bounded, regular files only (``files.read_bytes``): a FIFO or a huge file is refused,
+    not read."""
+    data = files.read_bytes(path, files.PUBLIC_KEY_LIMIT, what)
+    try:
+        return load_public_key(data)
+    except EvidenceError as exc:
+        raise InputError(f"{what} {path}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class Signer:
     """An Ed25519 key and where it came from (``key_file`` or ``ephemeral``)."""

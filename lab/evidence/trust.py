@@ -65,15 +65,6 @@ class Tip:
         return f"{self.commit[:12]} (tip of {self.ref.removeprefix('refs/heads/')})"
 
 
-def load_public_key_file(path: Path, what: str = "public key") -> ed25519.Ed25519PublicKey:
-    """An Ed25519 public key from a PEM file; ``InputError`` naming the path otherwise."""
-    data = files.read_bytes(path, files.PUBLIC_KEY_LIMIT, what)
-    try:
-        return dsse.load_public_key(data)
-    except EvidenceError as exc:
-        raise InputError(f"{what} {path}: {exc}") from None
-
-
 def default_branch(root: Path) -> Tip | None:
     """The tip of the default branch of the repository at ``root``, without the network.
 
@@ -132,7 +123,7 @@ def trusted_keys(root: Path, environ: Mapping[str, str] | None = None) -> list[T
             paths += [(p, f"{TRUSTED_ENV} {p}") for p in sorted(where.glob(TRUSTED_PATTERN))]
         else:
             paths.append((where, f"{TRUSTED_ENV} {where}"))
-    explicit = [TrustedKey(load_public_key_file(path, "trusted key"), origin)
+    explicit = [TrustedKey(dsse.load_public_key_file(path, "trusted key"), origin)
                 for path, origin in paths]
     return ([k for k in tracked if not k.revoked] + explicit
             + [k for k in tracked if k.revoked])
