@@ -18,6 +18,7 @@ another module's entry point.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable
@@ -197,20 +198,22 @@ def publish(
         )
         if code != 0:
             raise Refused(f"not PASS: the model case set exited {code}; see {plan.model_evidence}")
-        # Judged on its own first: the model evidence must be of this very model file.
-        model_verdict = signed.verify(
-            plan.model_evidence, public_key=plan.pinned, trusted=plan.trusted,
-            model_path=plan.model,
-        )
-        if not model_verdict.ok:
-            raise Refused(f"{plan.model_evidence}: {model_verdict.problems[0]}")
-    # Opened once: the runtime evidence (its sources against this tree), the model
-    # evidence, a reproduction and the crash-point matrix, each verified on a private copy.
-    opened = bundle.open_bundle(plan.evidence, public_key=plan.pinned, trusted=plan.trusted,
-                                root=plan.root, model_verifier=signed.verify)
+    _refuse_dirty(plan.root, "after the run")
+    # Opened and verified once, each part on a private copy that is what the book is
+    # written from: the runtime evidence (its sources against this tree), the model
+    # evidence (of this very model file: the pin is checked on the copy published), a
+    # reproduction and the crash-point matrix.
+    opened = bundle.open_bundle(
+        plan.evidence, public_key=plan.pinned, trusted=plan.trusted, root=plan.root,
+        model_verifier=functools.partial(signed.verify, model_path=plan.model),
+    )
+    if plan.model is not None:
+        # The model was run: its evidence is required, not an optional part.
+        model = opened.parts[bundle.MODEL]
+        if not model.present:
+            raise Refused(model.refused or f"{plan.model_evidence}: {model.absent}")
     if opened.not_hermetic is not None:
         raise Refused(f"{plan.evidence}: {opened.not_hermetic}")
-    _refuse_dirty(plan.root, "after the run")
     return builder.from_bundle(opened, plan.book, root=plan.root)
 
 

@@ -19,9 +19,9 @@ import pytest
 
 from lab import cli, publish, runner
 from lab.errors import Refused
-from lab.evidence import dsse
+from lab.evidence import compiler, dsse
 from lab.model import command as model_command
-from tests.support import canned_model
+from tests.support import canned_model, labtree
 from tests.support.keys import KeyFiles
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,9 +138,11 @@ def test_a_run_that_is_not_pass_is_refused(
 def test_model_evidence_under_another_key_is_refused(
     tmp_path: Path, make_key: Callable[[str], KeyFiles]
 ) -> None:
-    """The model step's evidence must verify under the pinned key before any book is built."""
+    """The model step's evidence must verify under the pinned key before any book is built:
+    the bundle's private copy is checked (against the model file too), and a model that
+    was run makes its part required."""
     env = {dsse.KEY_ENV: str(make_key("k").private_pem)}
-    tree = _git_tree(tmp_path / "tree")
+    tree = labtree.one_experiment_tree(tmp_path)
     model_file = tmp_path / "m.gguf"
     model_file.write_bytes(b"GGUF canned")
     plan = publish.Plan(
@@ -157,12 +159,35 @@ def test_model_evidence_under_another_key_is_refused(
         canned_model.write_evidence(Path(options.evidence), tmp_path / "scratch", ["account-a"])
         return 0
 
+    def experiments_step(options: runner.RunOptions) -> int:
+        # Genuine runtime evidence under the pinned key: the refusal is the model's own.
+        compiler.write(Path(options.evidence),
+                       compiler.RunFacts(**labtree.one_experiment_facts()),
+                       root=tree, signer=dsse.load_signer(env))
+        return 0
+
     with pytest.raises(
         Refused,
         match=r"evidence/model: signature: signed by key [0-9a-f]{64}, "
         "not by the expected key",
     ):
-        publish.publish(plan, run_experiments=lambda args: 0, run_model=model_step)
+        publish.publish(plan, run_experiments=experiments_step, run_model=model_step)
+    assert not plan.book.exists()
+
+    def other_model_step(options: model_command.RunOptions) -> int:
+        # Signed by the pinned key, but of another model file than the one published.
+        canned_model.write_evidence(Path(options.evidence), tmp_path / "other", ["account-a"],
+                                    signer=dsse.load_signer(env))
+        return 0
+
+    model_file.write_bytes(b"GGUF another")
+    with pytest.raises(Refused, match=r"evidence/model: model .*m\.gguf: its sha256 is not "
+                                      "the signed model digest"):
+        publish.publish(plan, run_experiments=experiments_step, run_model=other_model_step)
+    assert not plan.book.exists()
+
+    with pytest.raises(Refused, match=r"evidence/model: no model/ beside the evidence"):
+        publish.publish(plan, run_experiments=experiments_step, run_model=lambda args: 0)
     assert not plan.book.exists()
 
 

@@ -53,8 +53,10 @@ class CannedEngine:
         return "canned"
 
 
-def write_evidence(directory: Path, scratch: Path, case_ids: list[str] | None = None) -> Path:
-    """Signed model evidence in ``directory`` (ephemeral key) for the given cases."""
+def write_evidence(directory: Path, scratch: Path, case_ids: list[str] | None = None,
+                   signer: dsse.Signer | None = None) -> Path:
+    """Signed model evidence in ``directory`` for the given cases, of a model file in
+    ``scratch`` holding ``GGUF canned``; signed by ``signer`` (an ephemeral key if None)."""
     scratch.mkdir(parents=True, exist_ok=True)
     model_file = scratch / "canned.gguf"
     model_file.write_bytes(b"GGUF canned")
@@ -63,5 +65,6 @@ def write_evidence(directory: Path, scratch: Path, case_ids: list[str] | None = 
         case_set = cases.subset(case_set, case_ids)
     traces = scratch / "traces"
     report = generation.run(cast(engine.Engine, CannedEngine(model_file)), case_set, traces)
-    signed.write(directory, report, traces, case_set, dsse.load_signer({}))
+    signed.write(directory, report, traces, case_set,
+                 signer if signer is not None else dsse.load_signer({}))
     return directory
