@@ -55,8 +55,18 @@ async def _notify() -> None:
 
 
 class _Approvable:
+    """What every version shares: the approval signal and the wait for it.
+
+    The SDK reads a workflow's handlers from its class and the bases it inherits from
+    (``inspect.getmembers``), so the signal is declared once, here."""
+
     def __init__(self) -> None:
         self.approval: dict[str, Any] | None = None
+
+    @workflow.signal(name=APPROVE_SIGNAL)
+    def approve(self, approval: dict[str, Any]) -> None:
+        """Record the approval a person sent."""
+        self.approval = approval
 
     async def _approved(self, body: dict[str, Any]) -> None:
         if body["settings"].get("await_approval"):
@@ -66,11 +76,6 @@ class _Approvable:
 @workflow.defn(name=WORKFLOW)
 class CreditV1(_Approvable):
     """Version 1: (approval), then the credit activity."""
-
-    @workflow.signal(name=APPROVE_SIGNAL)
-    def approve(self, approval: dict[str, Any]) -> None:
-        """Record the approval a person sent."""
-        self.approval = approval
 
     @workflow.run
     async def run(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -83,11 +88,6 @@ class CreditV1(_Approvable):
 class CreditV2(_Approvable):
     """Version 2, unguarded: a notification activity is inserted before the credit."""
 
-    @workflow.signal(name=APPROVE_SIGNAL)
-    def approve(self, approval: dict[str, Any]) -> None:
-        """Record the approval a person sent."""
-        self.approval = approval
-
     @workflow.run
     async def run(self, body: dict[str, Any]) -> dict[str, Any]:
         """Notify, then credit."""
@@ -99,11 +99,6 @@ class CreditV2(_Approvable):
 @workflow.defn(name=WORKFLOW)
 class CreditV2Patched(_Approvable):
     """Version 2 behind ``workflow.patched``: histories of v1 replay without the notice."""
-
-    @workflow.signal(name=APPROVE_SIGNAL)
-    def approve(self, approval: dict[str, Any]) -> None:
-        """Record the approval a person sent."""
-        self.approval = approval
 
     @workflow.run
     async def run(self, body: dict[str, Any]) -> dict[str, Any]:
