@@ -24,7 +24,6 @@ Configuration travels in the environment (the system database URL holds a passwo
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 from psycopg import sql
 
 from lab import errors, names, protocol
+from lab.peers import extras
 from lab.pg import edge
 from lab.runtime import processes, tool, toolclient
 
@@ -54,17 +54,13 @@ TERMINAL = frozenset({"SUCCESS", "ERROR", "CANCELLED", "MAX_RECOVERY_ATTEMPTS_EX
 
 def module() -> Any:
     """The ``dbos`` package, or ``MissingExtra`` when the ``peers`` extra is not installed."""
-    try:
-        return importlib.import_module("dbos")
-    except ImportError as exc:
-        raise errors.MissingExtra(
-            "DBOS is not installed: pip install '.[peers]' to compare with it"
-        ) from exc
+    return extras.imported("dbos", "DBOS is not installed: pip install '.[peers]' to compare "
+                                   "with it")
 
 
 def version() -> str:
     """The installed DBOS Transact version."""
-    return str(importlib.metadata.version("dbos"))
+    return extras.installed_version("dbos")
 
 
 @dataclass(frozen=True)

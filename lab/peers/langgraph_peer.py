@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ from typing import Any, TypedDict
 from psycopg import sql
 
 from lab import errors, names, protocol
-from lab.peers import delegation
+from lab.peers import delegation, extras
 from lab.pg import edge
 from lab.runtime import plan, processes, proposal, sealing, store, tool, toolclient
 
@@ -73,20 +72,15 @@ class State(TypedDict, total=False):
 
 def modules() -> tuple[Any, Any, Any]:
     """``(langgraph.graph, langgraph.types, PostgresSaver)``, or an error naming the extra."""
-    try:
-        graph = importlib.import_module("langgraph.graph")
-        types = importlib.import_module("langgraph.types")
-        saver = importlib.import_module("langgraph.checkpoint.postgres").PostgresSaver
-    except ImportError as exc:
-        raise errors.MissingExtra(
-            "LangGraph is not installed: pip install '.[peers]' to compare with it"
-        ) from exc
-    return graph, types, saver
+    missing = "LangGraph is not installed: pip install '.[peers]' to compare with it"
+    return (extras.imported("langgraph.graph", missing),
+            extras.imported("langgraph.types", missing),
+            extras.imported("langgraph.checkpoint.postgres", missing).PostgresSaver)
 
 
 def versions() -> dict[str, str]:
     """The installed LangGraph and checkpointer versions."""
-    return {name: importlib.metadata.version(name)
+    return {name: extras.installed_version(name)
             for name in ("langgraph", "langgraph-checkpoint-postgres")}
 
 

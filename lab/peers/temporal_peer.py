@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import importlib
-import importlib.metadata
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lab import errors, protocol
-from lab.peers import delegation
+from lab.peers import delegation, extras
 from lab.runtime import processes, sealing, store, tool, toolclient
 
 TOOL_ENV = "LAB_TEMPORAL_TOOL"
@@ -50,17 +49,13 @@ RPC_TIMEOUT_S = 30.0
 
 def module() -> Any:
     """The ``temporalio`` package, or ``MissingExtra`` when it is not installed."""
-    try:
-        return importlib.import_module("temporalio")
-    except ImportError as exc:
-        raise errors.MissingExtra(
-            "temporalio is not installed: scripts/ensure-venv installs the lab's main set"
-        ) from exc
+    return extras.imported("temporalio", "temporalio is not installed: scripts/ensure-venv "
+                                         "installs the lab's main set")
 
 
 def version() -> str:
     """The installed Temporal Python SDK version."""
-    return str(importlib.metadata.version("temporalio"))
+    return extras.installed_version("temporalio")
 
 
 @dataclass(frozen=True)
