@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from lab import errors, leftovers, protocol
 from lab.evidence import manifest
 
@@ -142,24 +144,33 @@ def _carrying(token: str) -> list[int]:
     return found
 
 
-def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(tmp_path):
+@pytest.mark.parametrize(("chapter", "experiment", "workers"), [
+    ("ch11_database_faults",
+     "test_chaos_round_with_database_restarts_and_partitions_keeps_every_invariant", 3),
+    # Cells run in threads, four at a time: an interrupt must not wait for the rest.
+    ("ch12_crashpoints", "test_every_crash_point_keeps_every_invariant", 2),
+])
+def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(
+    tmp_path, chapter, experiment, workers
+):
     """SIGTERM to ``lab run`` alone (a cancelled job, ``timeout``), not to its process
-    group, in the middle of chapter 11's chaos round: the run passes it on to pytest as
-    an interrupt, says it was interrupted, and leaves no process behind."""
+    group, in the middle of chapter 11's chaos round or chapter 12's crash-point matrix:
+    the run passes it on to pytest as an interrupt, says it was interrupted, and leaves
+    no process behind."""
     token = os.urandom(6).hex()
     env = {**os.environ, "LAB_TEST_PROBE": token}
     env.pop("PYTEST_XDIST_WORKER", None)
     run = subprocess.Popen(
         [sys.executable, "-m", "lab.cli", "run", "--evidence", str(tmp_path / "evidence"),
-         "--", CH11, "-p", "no:randomly"],
+         "--chapter", chapter, "--", "-k", experiment, "-p", "no:randomly"],
         cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and run.poll() is None:
-        if [_name(pid) for pid in _carrying(token)].count("lab worker") >= 3:
+        if [_name(pid) for pid in _carrying(token)].count("lab worker") >= workers:
             break
         time.sleep(0.2)
-    assert run.poll() is None, "the run ended before chaos began"
+    assert run.poll() is None, f"the run ended before {experiment} began"
     time.sleep(2.0)
     os.kill(run.pid, signal.SIGTERM)
     out, _ = run.communicate(timeout=180)

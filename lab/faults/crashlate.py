@@ -49,19 +49,26 @@ class LateRig:
     ) -> LateRig:
         """Start the cell's tool (and, by placement, its proxy or second tool)."""
         rig = cls(placement, tools)
-        if placement == LATE_DATABASE:
-            tools.start()
-            rig.link, via = proxy.for_database(dsn, "tool-database")
-            rig.behind_link = toolprocess.ToolProcess(
-                via, tools.schema, idempotent=tools.idempotent, token=tools.token,
-                fenced_lookup=tools.fenced_lookup, name="late-tool")
-            rig.behind_link.start(*tool_flags)
+        try:
+            if placement == LATE_DATABASE:
+                tools.start()
+                rig.link, via = proxy.for_database(dsn, "tool-database")
+                rig.behind_link = toolprocess.ToolProcess(
+                    via, tools.schema, idempotent=tools.idempotent, token=tools.token,
+                    fenced_lookup=tools.fenced_lookup, name="late-tool")
+                rig.behind_link.start(*tool_flags)
+                return rig
+            tools.start(*tool_flags)
+            if placement == LATE_NETWORK:
+                rig.link = proxy.Proxy("127.0.0.1", tools.port, "worker-tool").start()
+                rig.link.partition(proxy.BLACKHOLE)
             return rig
-        tools.start(*tool_flags)
-        if placement == LATE_NETWORK:
-            rig.link = proxy.Proxy("127.0.0.1", tools.port, "worker-tool").start()
-            rig.link.partition(proxy.BLACKHOLE)
-        return rig
+        except BaseException:
+            # Cut short (an interrupt, a tool that never served): the caller holds no rig
+            # to close, so what was started here is stopped here (the cell's tool is the
+            # caller's to close).
+            rig.close()
+            raise
 
     @property
     def answering(self) -> toolprocess.ToolProcess:

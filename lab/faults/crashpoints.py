@@ -46,6 +46,7 @@ way the checker judges the history, and the cell records which happened.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import secrets
 import time
@@ -197,8 +198,18 @@ def run(
             + (f" ({cell['why']})" if cell.get("why") else ""))
 
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="crashpoint") as pool:
-        for future in [pool.submit(one, index) for index in order]:
-            future.result()
+        futures = [pool.submit(one, index) for index in order]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C, a run cancelled) or a cell failed: the cells not begun
+            # never begin. Leaving the pool would otherwise wait for the whole matrix,
+            # past the grace an interrupted run gives its experiments to tear down; the
+            # cells in flight end and clean up (``_run_cell``) before this raises.
+            for future in futures:
+                future.cancel()
+            raise
     for index in serial:
         one(index)
     matrix = assemble([results[i] for i in range(len(wanted))], seed=seed, jobs=jobs,
@@ -215,27 +226,33 @@ def _run_cell(ctx: _Run, index: int, boundary: str, fault: str, kind: str) -> di
         return {**base, "status": NOT_APPLICABLE, "why": plan_of.reason}
     schema = f"cp_{ctx.token}_{index:03d}"
     idempotent = kind == IDEMPOTENT
-    db = store.Store.open(ctx.dsn, schema, create=True, keys=ctx.keys, max_connections=2,
-                          application_name="lab-crashpoints")
-    tools = toolprocesses.ToolProcess(ctx.dsn, schema, idempotent=idempotent,
-                                      token=secrets.token_urlsafe(18),
-                                      fenced_lookup=kind == NON_IDEMPOTENT_FENCED)
     children: list[processes.WorkerProcess] = []
     began = time.monotonic()
-    rig: crashlate.LateRig | None = None
-    try:
+    # Undone in reverse, each step even when an earlier one is cut short: an interrupt
+    # that lands in the clean-up (a serial cell runs in the main thread) must not leave
+    # the tool processes running.
+    with contextlib.ExitStack() as undo:
+        if not ctx.keep_schemas:
+            undo.callback(edge.drop_schema, ctx.dsn, schema)
+        db = undo.enter_context(store.Store.open(
+            ctx.dsn, schema, create=True, keys=ctx.keys, max_connections=2,
+            application_name="lab-crashpoints"))
+        tools = toolprocesses.ToolProcess(ctx.dsn, schema, idempotent=idempotent,
+                                          token=secrets.token_urlsafe(18),
+                                          fenced_lookup=kind == NON_IDEMPOTENT_FENCED)
+        undo.callback(tools.close)
         rig = crashlate.LateRig.start(plan_of.late, tools, ctx.dsn, plan_of.tool_flags)
+        undo.callback(rig.close)
+        undo.callback(_clean_up, children)
         cell = _drive(ctx, db, rig, children, plan_of, idempotent, base["id"])
         return {**base, **cell, "cell_s": round(time.monotonic() - began, 2)}
-    finally:
+
+
+def _clean_up(children: list[processes.WorkerProcess]) -> None:
+    """Kill and reap every child, each even when cleaning an earlier one is cut short."""
+    with contextlib.ExitStack() as each:
         for child in children:
-            child.cleanup()
-        if rig is not None:
-            rig.close()
-        tools.close()
-        db.close()
-        if not ctx.keep_schemas:
-            edge.drop_schema(ctx.dsn, schema)
+            each.callback(child.cleanup)
 
 
 def _drive(

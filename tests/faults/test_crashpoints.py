@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +21,9 @@ import pytest
 from lab import errors, protocol, pytest_plugin
 from lab.book import crashpoints as crashpoint_chapter
 from lab.evidence import crashmatrix
-from lab.faults import crashpoints, crashscripts
+from lab.faults import crashlate, crashpoints, crashscripts
+from lab.pg import edge
+from lab.runtime import store, toolprocess
 
 LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {
@@ -40,6 +47,62 @@ def test_every_boundary_has_a_cell_for_every_fault_and_tool_kind():
             assert any(step[0] in crashpoints.FAULT_STEPS for step in found.steps), (
                 f"{boundary}/{fault}/{kind} injects no fault"
             )
+
+
+def test_an_interrupt_begins_no_further_cell(monkeypatch):
+    """Ctrl-C (or a cancelled run) while cells run in their threads: the cells in flight
+    end, the rest never begin, and the interrupt is raised. Leaving the thread pool used
+    to wait for the whole matrix, past the grace an interrupted run gives its teardown."""
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def cell(ctx: Any, index: int, boundary: str, fault: str, kind: str) -> dict[str, Any]:
+        with lock:
+            started.append(index)
+            first = len(started) == 1
+        if first:
+            time.sleep(0.3)  # every cell is queued, the main thread waits on the first
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: raised in the main thread
+        time.sleep(0.5)
+        return {"boundary": boundary, "fault": fault, "kind": kind, "status": "held"}
+
+    monkeypatch.setattr(crashpoints, "_run_cell", cell)
+    with pytest.raises(KeyboardInterrupt):
+        crashpoints.run("postgresql://never-connected", jobs=2)
+    time.sleep(1.0)  # a cell begun late would show here
+    assert 1 <= len(started) <= 2, f"{len(started)} of {len(crashpoints.cells())} cells began"
+
+
+def test_a_late_rig_cut_short_stops_the_tool_it_started(lab_dsn, monkeypatch):
+    """A late-database cell's second tool, interrupted as it starts: the rig was never
+    returned for its cell to close, so it stops what it started itself."""
+    schema = f"cp_cut_{secrets.token_hex(3)}"
+    late: list[toolprocess.ToolProcess] = []
+    real_start = toolprocess.ToolProcess.start
+
+    def start(self: toolprocess.ToolProcess, *flags: str,
+              timeout: float = 30.0) -> toolprocess.ToolProcess:
+        real_start(self, *flags, timeout=timeout)
+        if self.name == "late-tool":
+            late.append(self)
+            raise KeyboardInterrupt
+        return self
+
+    monkeypatch.setattr(toolprocess.ToolProcess, "start", start)
+    tools = toolprocess.ToolProcess(lab_dsn, schema, idempotent=True,
+                                    token=secrets.token_urlsafe(18))
+    try:
+        with store.Store.open(lab_dsn, schema, create=True):
+            with pytest.raises(KeyboardInterrupt):
+                crashlate.LateRig.start(crashscripts.LATE_DATABASE, tools, lab_dsn, ())
+            (rig_tool,) = late
+            assert rig_tool.incarnations, "the second tool never started"
+            assert not any(child.alive() for child in rig_tool.incarnations)
+            assert tools.current.alive(), "the cell's own tool is its caller's to close"
+    finally:
+        for started in (tools, *late):
+            started.close()
+        edge.drop_schema(lab_dsn, schema)
 
 
 def test_every_boundary_can_be_reached_by_some_cell():
