@@ -20,10 +20,18 @@ def start(count: int) -> list[subprocess.Popen[bytes]]:
     """Start ``count`` busy-loop processes (0 to ``MAX_BUSY``)."""
     if not 0 <= count <= MAX_BUSY:
         raise ValueError(f"between 0 and {MAX_BUSY} busy processes")
-    return [subprocess.Popen([sys.executable, "-I", "-S", "-c", "while True: pass"],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-            for _ in range(count)]
+    spinners: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(count):
+            spinners.append(subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", "while True: pass"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    except BaseException:
+        # Cut short (Ctrl-C, no process left to fork): the caller never holds these, and
+        # a busy loop left behind would load the machine until someone found it.
+        stop(spinners)
+        raise
+    return spinners
 
 
 def stop(spinners: list[subprocess.Popen[bytes]]) -> None:
