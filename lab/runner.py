@@ -131,17 +131,23 @@ def run_marked(command: Sequence[str], out: Console, cwd: Path | None = None,
     marker = leftovers.new_marker()
     marked = {**(env if env is not None else os.environ), protocol.RUN_MARKER_ENV: marker}
     argv = wrap(command, marked) if wrap is not None else list(command)
-    child = subprocess.Popen(argv, cwd=cwd, env=marked)
+    started: list[subprocess.Popen[bytes]] = []
     try:
         try:
-            with _interrupts_reach(child):
-                returncode = child.wait()
+            with _interrupts_reach(started):
+                # Started once this process handles SIGINT itself: an exec'd child then
+                # begins with SIGINT at its default, so the interrupt passed on reaches
+                # pytest even where this process inherited SIGINT ignored (as a script's
+                # background job, ``lab run &``, does), and pytest tears down.
+                started.append(subprocess.Popen(argv, cwd=cwd, env=marked))
+                returncode = started[0].wait()
         except KeyboardInterrupt:
-            try:
-                child.wait(timeout=INTERRUPT_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            for child in started:
+                try:
+                    child.wait(timeout=INTERRUPT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
             raise
     finally:
         left = leftovers.sweep(marker)
@@ -151,8 +157,9 @@ def run_marked(command: Sequence[str], out: Console, cwd: Path | None = None,
 
 
 @contextlib.contextmanager
-def _interrupts_reach(child: subprocess.Popen[bytes]) -> Iterator[None]:
-    """While ``child`` runs, an interrupt meant for this process reaches it too.
+def _interrupts_reach(children: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """While the block runs, an interrupt meant for this process reaches ``children``
+    (the ones started so far) too.
 
     Ctrl-C at a terminal reaches the whole foreground process group, pytest included.
     A SIGINT sent to this process alone (``kill -INT``, no terminal) or a SIGTERM (a job
@@ -161,8 +168,9 @@ def _interrupts_reach(child: subprocess.Popen[bytes]) -> Iterator[None]:
     its experiments down as after Ctrl-C, and this process takes the interrupt path."""
     def forward(signum: int, frame: object) -> None:
         if signum == signal.SIGTERM or not _from_terminal():
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGINT)
+            for child in children:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGINT)
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Fixture plugins: ``make_key`` (a fresh Ed25519 key pair as the PEM files the lab reads).
-pytest_plugins = ["tests.support.keys"]
+# Fixture plugins: ``make_key`` (a fresh Ed25519 key pair as the PEM files the lab reads),
+# ``sigint`` (SIGINT raising or ignored for a block, whatever this process inherited).
+pytest_plugins = ["tests.support.keys", "tests.support.signals"]
 
 settings.register_profile(
     "ci",

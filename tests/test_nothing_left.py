@@ -109,11 +109,13 @@ def _parent_name(pid: int) -> str:
         return "?"
 
 
-def test_an_interrupted_chapter_11_run_leaves_nothing_behind(tmp_path):
+def test_an_interrupted_chapter_11_run_leaves_nothing_behind(tmp_path, sigint):
     """SIGINT (Ctrl-C) to a run in the middle of chapter 11's chaos round: pytest tears
-    the round down; no process of the run, no mount, no cluster directory remains."""
+    the round down and says it was interrupted; no process of the run, no mount, no
+    cluster directory remains."""
     marker = leftovers.new_marker()
-    child = _pytest(CH11, tmp_path, marker)
+    with sigint.raises():  # the child's SIGINT at its default, as at a terminal
+        child = _pytest(CH11, tmp_path, marker)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and child.poll() is None:
         if [name for _, name in leftovers.find(marker).processes].count("lab worker") >= 3:
@@ -126,6 +128,8 @@ def test_an_interrupted_chapter_11_run_leaves_nothing_behind(tmp_path):
     time.sleep(1.0)  # the reaper of a stopped cluster removes its directory
     left = leftovers.sweep(marker)
     assert not left, f"{left.describe()}\n{out[-2000:]}"
+    # Interrupted, not a round that ran to its end while the signal went unheard.
+    assert child.returncode == pytest.ExitCode.INTERRUPTED, out[-2000:]
 
 
 def _carrying(token: str) -> list[int]:
@@ -151,20 +155,22 @@ def _carrying(token: str) -> list[int]:
     ("ch12_crashpoints", "test_every_crash_point_keeps_every_invariant", 2),
 ])
 def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(
-    tmp_path, chapter, experiment, workers
+    tmp_path, sigint, chapter, experiment, workers
 ):
     """SIGTERM to ``lab run`` alone (a cancelled job, ``timeout``), not to its process
     group, in the middle of chapter 11's chaos round or chapter 12's crash-point matrix:
-    the run passes it on to pytest as an interrupt, says it was interrupted, and leaves
-    no process behind."""
+    the run passes it on to pytest as an interrupt, pytest tears down and says so, and no
+    process is left behind. ``lab run`` is started as a script's background job is, with
+    SIGINT ignored: the interrupt it passes on must still reach pytest."""
     token = os.urandom(6).hex()
     env = {**os.environ, "LAB_TEST_PROBE": token}
     env.pop("PYTEST_XDIST_WORKER", None)
-    run = subprocess.Popen(
-        [sys.executable, "-m", "lab.cli", "run", "--evidence", str(tmp_path / "evidence"),
-         "--chapter", chapter, "--", "-k", experiment, "-p", "no:randomly"],
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with sigint.ignored():
+        run = subprocess.Popen(
+            [sys.executable, "-m", "lab.cli", "run", "--evidence", str(tmp_path / "evidence"),
+             "--chapter", chapter, "--", "-k", experiment, "-p", "no:randomly"],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and run.poll() is None:
         if [_name(pid) for pid in _carrying(token)].count("lab worker") >= workers:
@@ -176,6 +182,7 @@ def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(
     out, _ = run.communicate(timeout=180)
     assert run.returncode == errors.EXIT_INTERRUPTED, out[-2000:]
     assert "lab run: interrupted" in out, out[-2000:]
+    assert "KeyboardInterrupt" in out, "pytest never heard the interrupt: " + out[-2000:]
     # pytest tore its experiments down itself: nothing was left for the runner to end.
     assert "left behind by the run" not in out, out[-2000:]
     assert _carrying(token) == [], out[-2000:]
