@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Fixture plugins: ``make_key`` (a fresh Ed25519 key pair as the PEM files the lab reads),
-# ``sigint`` (SIGINT raising or ignored for a block, whatever this process inherited).
-pytest_plugins = ["tests.support.keys", "tests.support.signals"]
+# Fixture plugins: ``make_key`` (a fresh Ed25519 key pair as the PEM files the lab reads).
+pytest_plugins = ["tests.support.keys"]
 
 settings.register_profile(
     "ci",

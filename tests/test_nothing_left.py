@@ -17,6 +17,7 @@ import pytest
 
 from lab import errors, leftovers, protocol
 from lab.evidence import manifest
+from tests.support.signals import sigint_ignored, sigint_raises
 
 ROOT = Path(__file__).resolve().parent.parent
 CH05 = "experiments/ch05_crashes/test_crashes.py::test_sigkill_after_claim_queries_404_and_restarts"
@@ -109,12 +110,12 @@ def _parent_name(pid: int) -> str:
         return "?"
 
 
-def test_an_interrupted_chapter_11_run_leaves_nothing_behind(tmp_path, sigint):
+def test_an_interrupted_chapter_11_run_leaves_nothing_behind(tmp_path):
     """SIGINT (Ctrl-C) to a run in the middle of chapter 11's chaos round: pytest tears
     the round down and says it was interrupted; no process of the run, no mount, no
     cluster directory remains."""
     marker = leftovers.new_marker()
-    with sigint.raises():  # the child's SIGINT at its default, as at a terminal
+    with sigint_raises():  # the child's SIGINT at its default, as at a terminal
         child = _pytest(CH11, tmp_path, marker)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and child.poll() is None:
@@ -155,7 +156,7 @@ def _carrying(token: str) -> list[int]:
     ("ch12_crashpoints", "test_every_crash_point_keeps_every_invariant", 2),
 ])
 def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(
-    tmp_path, sigint, chapter, experiment, workers
+    tmp_path, chapter, experiment, workers
 ):
     """SIGTERM to ``lab run`` alone (a cancelled job, ``timeout``), not to its process
     group, in the middle of chapter 11's chaos round or chapter 12's crash-point matrix:
@@ -165,7 +166,7 @@ def test_a_lab_run_terminated_from_outside_tears_its_experiments_down(
     token = os.urandom(6).hex()
     env = {**os.environ, "LAB_TEST_PROBE": token}
     env.pop("PYTEST_XDIST_WORKER", None)
-    with sigint.ignored():
+    with sigint_ignored():
         run = subprocess.Popen(
             [sys.executable, "-m", "lab.cli", "run", "--evidence", str(tmp_path / "evidence"),
              "--chapter", chapter, "--", "-k", experiment, "-p", "no:randomly"],

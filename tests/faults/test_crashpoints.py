@@ -24,6 +24,7 @@ from lab.evidence import crashmatrix
 from lab.faults import crashlate, crashpoints, crashscripts
 from lab.pg import edge
 from lab.runtime import store, toolprocess
+from tests.support.signals import sigint_raises
 
 LAB = Path(protocol.__file__).parent
 PROTOCOL_WORDS = {
@@ -49,7 +50,7 @@ def test_every_boundary_has_a_cell_for_every_fault_and_tool_kind():
             )
 
 
-def test_an_interrupt_begins_no_further_cell(monkeypatch, sigint):
+def test_an_interrupt_begins_no_further_cell(monkeypatch):
     """Ctrl-C (or a cancelled run) while cells run in their threads: the cells in flight
     end, the rest never begin, and the interrupt is raised. Leaving the thread pool used
     to wait for the whole matrix, past the grace an interrupted run gives its teardown."""
@@ -67,7 +68,7 @@ def test_an_interrupt_begins_no_further_cell(monkeypatch, sigint):
         return {"boundary": boundary, "fault": fault, "kind": kind, "status": "held"}
 
     monkeypatch.setattr(crashpoints, "_run_cell", cell)
-    with sigint.raises(), pytest.raises(KeyboardInterrupt):
+    with sigint_raises(), pytest.raises(KeyboardInterrupt):
         crashpoints.run("postgresql://never-connected", jobs=2)
     time.sleep(1.0)  # a cell begun late would show here
     assert 1 <= len(started) <= 2, f"{len(started)} of {len(crashpoints.cells())} cells began"

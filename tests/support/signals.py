@@ -1,9 +1,9 @@
-"""Fixture plugin: SIGINT as a test needs it, whatever this process inherited.
+"""SIGINT as a test needs it, whatever this process inherited.
 
 A process started in the background by a script (``cmd &`` without job control, as a CI
 job may run the suite) inherits SIGINT ignored, and Python leaves an ignored SIGINT
 ignored: Ctrl-C then raises nothing, and an exec'd child inherits it ignored too. A test
-that interrupts something says which it means, with ``sigint``.
+that interrupts something says which it means.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import signal
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
-
-import pytest
 
 
 @contextmanager
@@ -25,21 +23,13 @@ def _sigint(handler: Any) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-class Sigint:
-    """``raises()``: SIGINT raises KeyboardInterrupt here, and an exec'd child starts with
-    it at its default; ``ignored()``: SIGINT ignored here and in children started in the
-    block, as in a script's background job."""
-
-    @staticmethod
-    def raises() -> AbstractContextManager[None]:
-        return _sigint(signal.default_int_handler)
-
-    @staticmethod
-    def ignored() -> AbstractContextManager[None]:
-        return _sigint(signal.SIG_IGN)
+def sigint_raises() -> AbstractContextManager[None]:
+    """For the block, SIGINT raises KeyboardInterrupt here, and a child exec'd in it
+    starts with SIGINT at its default (as at a terminal)."""
+    return _sigint(signal.default_int_handler)
 
 
-@pytest.fixture
-def sigint() -> Sigint:
-    """SIGINT set for a block, restored after it (see ``Sigint``)."""
-    return Sigint()
+def sigint_ignored() -> AbstractContextManager[None]:
+    """For the block, SIGINT is ignored here and in children started in it (as in a
+    script's background job)."""
+    return _sigint(signal.SIG_IGN)
