@@ -198,17 +198,20 @@ def run(
             + (f" ({cell['why']})" if cell.get("why") else ""))
 
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="crashpoint") as pool:
-        futures = [pool.submit(one, index) for index in order]
         try:
+            # Submitted inside the guard: an interrupt while the queue fills cancels what
+            # is queued so far.
+            futures = [pool.submit(one, index) for index in order]
             for future in futures:
                 future.result()
         except BaseException:
             # Interrupted (Ctrl-C, a run cancelled) or a cell failed: the cells not begun
             # never begin. Leaving the pool would otherwise wait for the whole matrix,
             # past the grace an interrupted run gives its experiments to tear down; the
-            # cells in flight end and clean up (``_run_cell``) before this raises.
-            for future in futures:
-                future.cancel()
+            # cells in flight end and clean up (``_run_cell``) before this raises. The
+            # pool cancels what it holds, so a cell queued by a ``submit`` the interrupt
+            # cut short (its future never returned) is cancelled too.
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
     for index in serial:
         one(index)

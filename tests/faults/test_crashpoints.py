@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,28 +51,55 @@ def test_every_boundary_has_a_cell_for_every_fault_and_tool_kind():
             )
 
 
-def test_an_interrupt_begins_no_further_cell(monkeypatch):
-    """Ctrl-C (or a cancelled run) while cells run in their threads: the cells in flight
-    end, the rest never begin, and the interrupt is raised. Leaving the thread pool used
-    to wait for the whole matrix, past the grace an interrupted run gives its teardown."""
+@pytest.mark.parametrize("when", ["queued", "while queueing"])
+def test_an_interrupt_begins_no_further_cell(monkeypatch, when):
+    """Ctrl-C (or a cancelled run) while cells run in their threads, once every cell is
+    queued or while the queue still fills: the cells in flight end, the rest never begin,
+    and the interrupt is raised. Leaving the thread pool used to wait for the whole
+    matrix, past the grace an interrupted run gives its teardown.
+
+    The cells in flight end only once the main thread has taken the signal and no queued
+    cell is left pending (or after a deadline, so a matrix that never cancels them fails
+    by its count, not by hanging): however late a loaded machine lets the main thread
+    run its handler, no cell in flight can finish first and let a queued one begin.
+    """
+    pooled = sum(1 for c in crashpoints.cells() if c[1] != crashpoints.POSTGRES_RESTART)
     started: list[int] = []
+    submitted: list[Future[Any]] = []
+    heard = threading.Event()
     lock = threading.Lock()
+    deadline = time.monotonic() + 10.0
+
+    class Tracking(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+            future = super().submit(fn, *args, **kwargs)
+            submitted.append(future)
+            if when == "while queueing" and len(submitted) == 5:
+                os.kill(os.getpid(), signal.SIGINT)  # taken here, in the main thread
+            return future
+
+    def queue_cancelled() -> bool:
+        return heard.is_set() and not any(
+            not future.running() and not future.done() for future in list(submitted))
 
     def cell(ctx: Any, index: int, boundary: str, fault: str, kind: str) -> dict[str, Any]:
         with lock:
             started.append(index)
             first = len(started) == 1
-        if first:
-            time.sleep(0.3)  # every cell is queued, the main thread waits on the first
+        if first and when == "queued":
+            while len(submitted) < pooled and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: raised in the main thread
-        time.sleep(0.5)
+        while not queue_cancelled() and time.monotonic() < deadline:
+            time.sleep(0.01)
         return {"boundary": boundary, "fault": fault, "kind": kind, "status": "held"}
 
     monkeypatch.setattr(crashpoints, "_run_cell", cell)
-    with sigint_raises(), pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(crashpoints, "ThreadPoolExecutor", Tracking)
+    with sigint_raises(heard), pytest.raises(KeyboardInterrupt):
         crashpoints.run("postgresql://never-connected", jobs=2)
-    time.sleep(1.0)  # a cell begun late would show here
-    assert 1 <= len(started) <= 2, f"{len(started)} of {len(crashpoints.cells())} cells began"
+    assert 1 <= len(started) <= 2, f"{len(started)} of {pooled} cells began"
+    assert all(future.done() for future in submitted), "a cell was left queued or running"
 
 
 def test_a_late_rig_cut_short_stops_the_tool_it_started(lab_dsn, monkeypatch):
