@@ -23,7 +23,8 @@ class Flag:
 
     ``flags``: the option strings (default ``--field-name``); ``positional``: an argument
     without a dash; ``repeat``: the flag may be given again, each value appended (the
-    field is a tuple).
+    field is a tuple); ``remainder``: a positional taking the rest of the command line
+    as it is (``lab run -- PYTEST_ARGS``; the field is a tuple).
     """
 
     help: str
@@ -33,17 +34,19 @@ class Flag:
     positional: bool = False
     repeat: bool = False
     required: bool = False
+    remainder: bool = False
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, flags: tuple[str, ...] = (),
            metavar: str | None = None, choices: tuple[str, ...] | None = None,
-           positional: bool = False, repeat: bool = False) -> Any:
+           positional: bool = False, repeat: bool = False, remainder: bool = False) -> Any:
     """A dataclass field that is also a command-line flag (see ``Flag``).
 
     Without a default the flag is required (a positional, or ``--name`` that must be given).
     """
+    positional = positional or remainder
     required = default is dataclasses.MISSING and not positional
-    flag = Flag(help, flags, metavar, choices, positional, repeat, required)
+    flag = Flag(help, flags, metavar, choices, positional, repeat, required, remainder)
     return dataclasses.field(default=default, metadata={FLAG: flag})
 
 

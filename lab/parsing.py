@@ -1,8 +1,10 @@
-"""The ``lab`` command line's own argparse pieces: defaults shown, "did you mean", a walk.
+"""The ``lab`` command line's own argparse pieces: defaults shown, "did you mean", a walk,
+and the flags built from a command's options dataclass.
 
-``lab.cli`` declares the commands; this module says how every one of them explains
-itself, so ``lab X --help`` and the generated reference (``lab.reference``) show the same
-help and the same default for each option.
+``lab.cli`` declares the commands and the module owning each command's options
+declares its flags (``lab.options.option``); this module builds them (``add_options``)
+and says how every one of them explains itself, so ``lab X --help`` and the generated
+reference (``lab.reference``) show the same help and the same default for each option.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
 import re
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lab import options
@@ -104,6 +107,34 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        # Builders deferred until this parser is used (``add_options`` with a name): so
+        # ``lab worker`` imports the worker's module, not every command's.
+        self._later: list[Callable[[argparse.ArgumentParser], None]] = []
+
+    def later(self, build: Callable[[argparse.ArgumentParser], None]) -> None:
+        """Call ``build`` with this parser when it is first used (parsed, helped, walked)."""
+        self._later.append(build)
+
+    def complete(self) -> None:
+        """Run the builders ``later`` deferred, once, in the order they were deferred."""
+        while self._later:
+            self._later.pop(0)(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """``argparse``'s, on the completed parser (a subcommand's too: argparse hands
+        the rest of the command line to its parser's ``parse_known_args``)."""
+        self.complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        """``argparse``'s, on the completed parser (a usage error prints it)."""
+        self.complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        """``argparse``'s, on the completed parser (``--help`` prints it)."""
+        self.complete()
+        return super().format_help()
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         try:
@@ -134,7 +165,10 @@ class Command:
 
 def walk(parser: argparse.ArgumentParser, words: tuple[str, ...] = ("lab",),
          summary: str = "") -> Iterator[Command]:
-    """``parser`` and every parser under it, depth first, in the order they were added."""
+    """``parser`` and every parser under it, depth first, in the order they were added,
+    each with all its options (deferred ones built)."""
+    if isinstance(parser, Parser):
+        parser.complete()
     yield Command(words, summary or (parser.description or ""), parser)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -169,14 +203,47 @@ def _value_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def add_options(parser: argparse.ArgumentParser, kind: type[Any]) -> None:
+def add_version(parser: argparse.ArgumentParser, version: str) -> None:
+    """``--version``, printing ``version`` (``%(prog)s`` is the program's name)."""
+    parser.add_argument("--version", action="version", version=version)
+
+
+def _options_class(name: str) -> type[Any]:
+    """The options dataclass ``name`` ("lab.module:Class") names, imported now."""
+    module, _, attribute = name.partition(":")
+    kind = getattr(importlib.import_module(module), attribute)
+    if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+        raise TypeError(f"{name} is not an options dataclass")
+    return kind
+
+
+def _own_fields(kind: type[Any]) -> list[dataclasses.Field[Any]]:
+    """The fields ``kind`` declares itself, not those it inherits from a dataclass base."""
+    inherited = {field.name for base in kind.__mro__[1:] if dataclasses.is_dataclass(base)
+                 for field in dataclasses.fields(base)}
+    return [field for field in dataclasses.fields(kind) if field.name not in inherited]
+
+
+def add_options(parser: argparse.ArgumentParser, kind: type[Any] | str, *,
+                inherited: bool = True) -> None:
     """Add the flags the options dataclass ``kind`` declares (``lab.options.option``).
 
     The default is the field's and the value's type its annotation's; a ``bool`` is a
-    switch, a tuple a repeatable flag. Fields that declare no flag are left out.
+    switch, a tuple a repeatable flag. Fields that declare no flag are left out, and so
+    are inherited fields with ``inherited=False`` (a command group's parser declares
+    those, e.g. ``lab review --schema``). ``kind`` named as ``"lab.module:Class"`` is
+    imported only when a ``Parser`` is first used, so building the ``lab`` command
+    line imports no command's module.
     """
+    if isinstance(kind, str):
+        name = kind
+        if isinstance(parser, Parser):
+            parser.later(lambda built: add_options(built, _options_class(name),
+                                                   inherited=inherited))
+            return
+        kind = _options_class(name)
     hints = typing.get_type_hints(kind)
-    for field in dataclasses.fields(kind):
+    for field in dataclasses.fields(kind) if inherited else _own_fields(kind):
         flag = options.flag_of(field)
         if flag is None:
             continue
@@ -189,7 +256,9 @@ def add_options(parser: argparse.ArgumentParser, kind: type[Any]) -> None:
         if value_type is not str and value_type is not bool:
             settings["type"] = value_type
         if flag.positional:
-            if field.default is not dataclasses.MISSING:
+            if flag.remainder:
+                settings.update(nargs=argparse.REMAINDER, default=field.default)
+            elif field.default is not dataclasses.MISSING:
                 settings.update(nargs="?", default=field.default)
             parser.add_argument(field.name, **settings)
             continue

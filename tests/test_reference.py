@@ -182,6 +182,84 @@ def test_an_options_dataclass_declares_its_flags() -> None:
     assert "--count N how many (default: 3)" in text and "say more (default: off)" in text
 
 
+def test_a_remainder_takes_the_rest_of_the_command_line() -> None:
+    """``option(remainder=True)``: a positional taking everything after it as it is
+    (``lab run -- PYTEST_ARGS``), not required, a tuple in the options."""
+    import dataclasses
+
+    from lab.options import option
+
+    @dataclasses.dataclass(frozen=True)
+    class Declared:
+        name: str = option("n", help="a name")
+        rest: tuple[str, ...] = option((), help="after --: the rest", remainder=True)
+
+    parser = parsing.Parser(prog="lab thing")
+    parsing.add_options(parser, Declared)
+    action = parser._actions[-1]
+    assert action.nargs == argparse.REMAINDER and not parsing.is_required(action)
+    assert cli.options_from(Declared, parser.parse_args(["--name", "m", "--", "-q", "--x"])) \
+        == Declared("m", ("--", "-q", "--x"))
+    assert cli.options_from(Declared, parser.parse_args([])) == Declared()
+    assert "after --: the rest (default: none)" in " ".join(parser.format_help().split())
+
+
+def test_a_group_declares_the_inherited_flags_its_subcommands_do_not() -> None:
+    """``inherited=False``: a subcommand's parser gets only the fields its class adds;
+    the group's parser declares the base's, and both parsed together are the options."""
+    import dataclasses
+
+    from lab.options import option
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Group:
+        schema: str = option(help="the schema")
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Leaf(Group):
+        item: str = option(help="the item", positional=True)
+
+    parser = parsing.Parser(prog="lab group")
+    parsing.add_options(parser, Group)
+    leaf = parser.add_subparsers(dest="group_command").add_parser("leaf")
+    parsing.add_options(leaf, Leaf, inherited=False)
+    assert [a.dest for a in leaf._actions][1:] == ["item"]
+    args = parser.parse_args(["--schema", "s", "leaf", "i"])
+    del args.group_command
+    assert cli.options_from(Leaf, args) == Leaf(schema="s", item="i")
+
+
+def test_options_named_by_module_are_imported_when_the_command_is_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add_options(parser, "module:Class")`` imports nothing while the command line is
+    built: ``lab X`` pays for X's module only. Parsing, ``--help`` and ``walk`` build
+    the flags; a name that is no options dataclass is a programming error."""
+    import sys
+
+    (tmp_path / "deferred_options.py").write_text(
+        "import dataclasses\n"
+        "from lab.options import option\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class Declared:\n"
+        "    count: int = option(3, help='how many', metavar='N')\n"
+        "NOT_OPTIONS = 1\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "deferred_options", raising=False)
+    root = parsing.Parser(prog="lab")
+    commands = root.add_subparsers(dest="command")
+    used, walked, helped = (commands.add_parser(n) for n in ("used", "walked", "helped"))
+    for sub in (used, walked, helped):
+        parsing.add_options(sub, "deferred_options:Declared")
+    assert "deferred_options" not in sys.modules
+    assert vars(root.parse_args(["used", "--count", "5"])) == {"command": "used", "count": 5}
+    assert "deferred_options" in sys.modules
+    assert "--count N" in helped.format_help()
+    command = next(c for c in parsing.walk(root) if c.words == ("lab", "walked"))
+    assert [a.dest for a in command.options] == ["count"]
+    with pytest.raises(TypeError, match="NOT_OPTIONS"):
+        parsing.add_options(argparse.ArgumentParser(), "deferred_options:NOT_OPTIONS")
+
+
 @pytest.mark.parametrize("words", [("evidence", "verify"), ("evidence", "show"),
                                    ("manifest", "sync"), ("manifest", "check")])
 def test_these_commands_take_their_flags_from_their_options(words: tuple[str, ...]) -> None:
