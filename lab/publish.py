@@ -33,6 +33,7 @@ from lab.book import builder
 from lab.errors import Refused
 from lab.evidence import bundle, dsse, tree, trust
 from lab.model import signed
+from lab.options import option
 
 if TYPE_CHECKING:
     # The steps' modules are imported when a step runs (see ``_run_experiments``).
@@ -45,14 +46,16 @@ ModelStep = Callable[["model_command.RunOptions"], int]
 
 @dataclass(frozen=True)
 class PublishOptions:
-    """What ``lab publish`` is asked to do (its flags)."""
+    """What ``lab publish`` is asked to do: its flags, declared here."""
 
-    out: str
-    model: str | None = None
-    expect_sha256: str | None = None
-    public_key: str | None = None
-    threads: int | None = None
-    numprocesses: str | None = None
+    out: str = option(help="directory for evidence/ and book/")
+    model: str | None = option(None, help="GGUF model for the case set")
+    expect_sha256: str | None = option(None, help="the model's pinned sha256")
+    public_key: str | None = option(None, help="PEM the evidence must verify under")
+    threads: int | None = option(None, help="model CPU threads (default 2)")
+    numprocesses: str | None = option(
+        None, flags=("-n", "--numprocesses"), metavar="N",
+        help="pytest-xdist workers (none: one process)")
 
 
 @dataclass(frozen=True)

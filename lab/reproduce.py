@@ -48,6 +48,7 @@ from lab.evidence import (
     verification,
 )
 from lab.evidence import tree as source_tree
+from lab.options import option
 
 DEFAULT_OUT = "reproduction"
 LOCK_FILE = "uv.lock"
@@ -343,12 +344,13 @@ def closing_line(comparison: reproduction.Comparison, wall_s: float, out: Path) 
 
 @dataclass(frozen=True)
 class ReproduceOptions:
-    """What ``lab reproduce`` is asked to do (its arguments)."""
+    """What ``lab reproduce`` is asked to do: its arguments, declared here."""
 
-    evidence: str
-    runs: int = 1
-    out: str = "reproduction"
-    public_key: str | None = None
+    evidence: str = option(help="the evidence directory to reproduce", positional=True)
+    runs: int = option(1, help="re-run K times; count each fact")
+    out: str = option("reproduction", help="the reproduction's evidence")
+    public_key: str | None = option(
+        None, help="PEM of the expected signer of the evidence (the only key accepted)")
 
 
 def cli_main(options: ReproduceOptions) -> int:
@@ -370,9 +372,11 @@ class CompareOptions:
     """``lab evidence compare A B [--public-key PEM]``: the facts of two verified runs."""
 
     evidence_command: str
-    first: str
-    second: str
-    public_key: str | None = None
+    first: str = option(help="the first run's evidence directory", positional=True)
+    second: str = option(help="the second run's evidence directory", positional=True)
+    public_key: str | None = option(
+        None, help="PEM of the expected signer of both (the only key accepted; default: each "
+                   "run's own key)")
 
 
 def _verified_report(path: Path, public_key: Any, root: Path) -> dict[str, Any]:

@@ -11,41 +11,50 @@ from rich.console import Console
 from rich.table import Table
 
 from lab import errors, protocol
+from lab.options import option
 from lab.runtime import store
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReviewOptions:
-    """``lab review list``, and what every ``lab review`` subcommand is given."""
+    """``lab review list``, and what every ``lab review`` subcommand is given: the flags
+    of ``lab review`` itself (each subcommand's own are declared by its class below)."""
 
-    schema: str
-    tenant: str = "tenant-a"
-    reviewer: str = "reviewer"
+    schema: str = option(help="the schema holding the workflows")
+    tenant: str = option(
+        "tenant-a", help="the reviewer's tenant: every read and decision is limited to it")
+    reviewer: str = option("reviewer", help="who decides (recorded)")
+
+
+# The one positional every decision names.
+_WORKFLOW_HELP = "the workflow's id"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShowOptions(ReviewOptions):
     """``lab review show WORKFLOW``."""
 
-    workflow: str
+    workflow: str = option(help=_WORKFLOW_HELP, positional=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RequeueOptions(ReviewOptions):
     """``lab review requeue WORKFLOW [--force --reason TEXT]``."""
 
-    workflow: str
-    force: bool = False
-    reason: str = ""
+    workflow: str = option(help=_WORKFLOW_HELP, positional=True)
+    force: bool = option(
+        False, help="requeue although a start barrier exists (needs --reason)")
+    reason: str = option("", help="why (recorded; required with --force)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ResolveOptions(ReviewOptions):
     """``lab review resolve WORKFLOW --as OUTCOME --reason TEXT``."""
 
-    workflow: str
-    outcome: str
-    reason: str
+    workflow: str = option(help=_WORKFLOW_HELP, positional=True)
+    outcome: str = option(help="what the person found happened", flags=("--as",),
+                          choices=("failed", "succeeded"))
+    reason: str = option(help="why (recorded)")
 
 
 def may_read(reviewer: store.Actor, workflow: store.Workflow) -> bool:

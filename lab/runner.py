@@ -39,6 +39,7 @@ from rich.console import Console
 from lab import errors, files, leftovers, protocol, sandbox
 from lab.evidence import compiler, dsse, gate, hermetic, provenance, seal, summary, wheels
 from lab.evidence import tree as source_tree
+from lab.options import option
 from lab.pg import cluster, providers
 
 EXPERIMENTS = "experiments"
@@ -54,15 +55,21 @@ _INSTALL_TIMEOUT = 3600
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """What ``lab run`` is asked to do (its flags)."""
+    """What ``lab run`` is asked to do: its flags, declared here."""
 
-    chapter: tuple[str, ...] = ()
-    numprocesses: str | None = None
-    evidence: str = "evidence"
-    hermetic: bool = False
-    commit: str | None = None
-    pytest_args: tuple[str, ...] = ()
-    beside_load: int = 0
+    chapter: tuple[str, ...] = option((), help="only this chapter")
+    numprocesses: str | None = option(
+        None, flags=("-n", "--numprocesses"), metavar="N",
+        help="pytest-xdist workers (none: one process, no xdist)")
+    evidence: str = option("evidence", help="evidence directory")
+    hermetic: bool = option(
+        False, help="run the committed revision in a fresh clone on the locked environment, "
+                    "isolated (the only publishable kind of run)")
+    beside_load: int = option(
+        0, metavar="N", help="run beside N busy-loop processes (signed as --lab-beside-load)")
+    commit: str | None = option(
+        None, metavar="REV", help="with --hermetic: the revision to run (default HEAD)")
+    pytest_args: tuple[str, ...] = option((), help="after --: pytest arguments", remainder=True)
 
 
 # How long an interrupted pytest gets to tear its experiments down (servers, mounts).

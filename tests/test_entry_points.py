@@ -1,11 +1,13 @@
 """Commands take typed options: argparse stays in ``lab/cli.py``, a namespace goes nowhere.
 
-``lab.cli.options_from`` is the one place parsed arguments become a command's frozen
-options dataclass (defined in the module that owns the command); handlers and
-``publish`` take and pass those. These tests hold the line: no other module of
-``lab/`` mentions argparse (except ``lab/parsing.py``, the parser's own pieces, and the
-child processes that parse their own argv), ``lab/publish.py`` builds no namespace, and
-every option's default is its flag's.
+Each command's options dataclass (defined in the module that owns the command) declares
+its flags, once (``lab.options.option``); ``lab.parsing.add_options`` builds them and
+``lab.cli.options_from`` is the one place parsed arguments become the frozen options;
+handlers and ``publish`` take and pass those. These tests hold the line: no other module
+of ``lab/`` mentions argparse (except ``lab/parsing.py``, the parser's own pieces, and
+the child processes that parse their own argv), none but those declares a flag with
+``add_argument``, every option of every command is a field of its options, ``lab/
+publish.py`` builds no namespace, and every option's default is its flag's.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import Any
 
 import pytest
 
-from lab import cli, publish, reproduce, review, runner, verify
+from lab import cli, parsing, publish, reproduce, review, runner, verify
 from lab.bench import command as bench_command
 from lab.book import builder
 from lab.evidence import manifest
 from lab.faults import chaos_command, crashpoints, soak
 from lab.model import command as model_command
+from lab.options import flag_of
 from lab.runtime import processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +41,7 @@ SELF_PARSING = {
     "lab/evidence/environment.py",
     "lab/reference.py",
 }
-ALLOWED = {"lab/cli.py", "lab/fault_arguments.py", "lab/parsing.py", *SELF_PARSING}
+ALLOWED = {"lab/cli.py", "lab/parsing.py", *SELF_PARSING}
 
 # (argv, the options it becomes, what the command requires): with nothing else given,
 # the options must equal the dataclass's own defaults, i.e. every default is the flag's.
@@ -122,6 +125,53 @@ def test_every_default_is_the_flags_default(
     assert dataclasses.is_dataclass(options)
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(options, dataclasses.fields(options)[0].name, None)
+
+
+def test_no_flag_is_declared_with_add_argument() -> None:
+    """``lab``'s flags are declared by options dataclasses only: ``add_argument`` is called
+    by ``lab.parsing`` (which builds them) and by the self-parsing children, nowhere else
+    (``lab/cli.py`` creates the commands; the flags chaos and soak share are fields made
+    by ``chaos_settings.fault_option``)."""
+    callers = sorted(
+        _relative(path) for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "add_argument"
+    )
+    assert sorted(set(callers) - SELF_PARSING) == ["lab/parsing.py"]
+    assert not (PACKAGE / "fault_arguments.py").exists()
+
+
+def _parsers_of(argv: list[str]) -> list[argparse.ArgumentParser]:
+    """The parsers ``argv`` passes through: ``lab``'s, its command's, its subcommand's."""
+    parsers = [cli.build_parser()]
+    for word in argv:
+        subs = [a for a in parsers[-1]._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and word in subs[0].choices:
+            parsers.append(subs[0].choices[word])
+    return parsers
+
+
+@pytest.mark.parametrize(("argv", "kind", "required"), LEAVES,
+                         ids=[" ".join(a for a in argv if not a.startswith("-"))
+                              for argv, _, _ in LEAVES])
+def test_every_option_is_a_field_of_its_options(
+    argv: list[str], kind: type[Any], required: dict[str, Any]
+) -> None:
+    """The options of a command (and of its group, ``lab review --schema``) are exactly
+    the flags its dataclass declares, with the declared help and spelling: the options
+    come from ``add_options``, not from a second declaration."""
+    declared = {field.name: flag for field in dataclasses.fields(kind)
+                if (flag := flag_of(field)) is not None}
+    built = [action for parser in _parsers_of(argv)[1:]
+             for action in next(parsing.walk(parser)).options]
+    assert {action.dest: action.help for action in built} == {
+        name: flag.help for name, flag in declared.items()}
+    for action in built:
+        flag = declared[action.dest]
+        spelled = flag.flags or (() if flag.positional
+                                 else (f"--{action.dest.replace('_', '-')}",))
+        assert tuple(action.option_strings) == spelled
 
 
 def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> list[tuple[str, ...]]:

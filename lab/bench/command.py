@@ -26,60 +26,85 @@ from rich.console import Console
 from lab import errors, protocol
 from lab.bench import claim, measure, replicated, startup, suite, throughput
 from lab.bench.measure import fmt
+from lab.options import option
 from lab.pg import providers
 
 OUTPUT_DIR = "evidence/bench"
 
 
 @dataclass(frozen=True)
-class SuiteOptions:
+class OutputOptions:
+    """What every ``lab bench`` subcommand is given: the flag of ``lab bench`` itself
+    (each subcommand's own are declared by its class below)."""
+
+    output_dir: str = option(OUTPUT_DIR, help="where the figures' JSON goes")
+
+
+@dataclass(frozen=True)
+class SuiteOptions(OutputOptions):
     """``lab bench suite``: where to write the figures."""
 
-    output_dir: str = OUTPUT_DIR
-
 
 @dataclass(frozen=True)
-class StartupOptions:
+class StartupOptions(OutputOptions):
     """``lab bench startup``: where to write the figures."""
 
-    output_dir: str = OUTPUT_DIR
-
 
 @dataclass(frozen=True)
-class ClaimOptions:
+class ClaimOptions(OutputOptions):
     """``lab bench claim``: the finished-history sizes to measure (none: the defaults)."""
 
-    output_dir: str = OUTPUT_DIR
-    history: tuple[int, ...] = ()
-    lab_postgres: str = providers.AUTO
+    history: tuple[int, ...] = option(
+        (), metavar="N",
+        help="finished workflows before measuring (repeatable; none: the bench's own series)")
+    lab_postgres: str = providers.mode_option()
 
 
 @dataclass(frozen=True)
-class ThroughputOptions:
+class ThroughputOptions(OutputOptions):
     """``lab bench throughput``: the workload, the peers (``--peer``, repeatable), and the
     sweep's configurations (comma-separated lists, as the flags take them)."""
 
-    output_dir: str = OUTPUT_DIR
-    workflows: int = 1000
-    min_seconds: float = 10.0
-    workers: int = 2
-    batch: int = 1
-    concurrency: int = 1
-    peers: tuple[str, ...] = ()
-    repeat: int = 1
-    sweep: bool = False
-    lab_processes: str = "2,4"
-    lab_batch: str = "1,32"
-    lab_concurrency: str = "1"
-    dbos_processes: str = "2,4"
-    dbos_concurrency: str = "1,8,16"
-    dbos_poll: str = "0.005,0.05"
-    temporal_processes: str = "2"
-    temporal_activities: str = "1,8"
-    temporal_workflow_tasks: str = "1,4"
-    noise: str = "0"
-    lab_postgres: str = providers.AUTO
-    replicated: str = ""
+    workflows: int = option(
+        1000, help="workflows in each configuration's first short round, which sizes its "
+                   "measured rounds to last --min-seconds")
+    min_seconds: float = option(
+        10.0, help="the shortest measured round, seconds (release to last completion)")
+    workers: int = option(2, help="worker processes")
+    batch: int = option(
+        1, help="workflows per shared transaction per lab worker (its --batch)")
+    concurrency: int = option(
+        1, help="workflows in flight per lab worker, each with its own transactions (its "
+                "--concurrency)")
+    peers: tuple[str, ...] = option(
+        (), flags=("--peer",), choices=("dbos", "temporal"),
+        help="also measure this peer in the same rounds (repeatable with --sweep: every peer "
+             "named races in one sitting)")
+    repeat: int = option(1, help="rounds per configuration")
+    sweep: bool = option(False, help="each system over its own configurations, best against best")
+    lab_processes: str = option("2,4", help="sweep: lab worker processes")
+    lab_batch: str = option("1,32", help="sweep: lab worker --batch values")
+    lab_concurrency: str = option("1", help="sweep: lab worker --concurrency values")
+    dbos_processes: str = option("2,4", help="sweep: DBOS processes")
+    dbos_concurrency: str = option("1,8,16", help="sweep: DBOS worker_concurrency values")
+    dbos_poll: str = option("0.005,0.05", help="sweep: DBOS queue polling intervals, seconds")
+    temporal_processes: str = option("2", help="sweep: Temporal worker processes")
+    temporal_activities: str = option(
+        "1,8", help="sweep: Temporal workers' max_concurrent_activities values")
+    temporal_workflow_tasks: str = option(
+        "1,4", help="sweep: Temporal workers' max_concurrent_workflow_tasks values")
+    noise: str = option(
+        "0", help="busy processes beside every system's rounds; the sweep takes a "
+                  "comma-separated list, each level a sitting of its own")
+    replicated: str = option(
+        "", metavar="MODES",
+        help="the lab on a replicated PostgreSQL: comma-separated modes among none,sync,async "
+             "(none: a primary alone; sync, async: a primary and a streaming standby on "
+             "another lab host), each its own durable server on lab hosts, the modes "
+             "alternating round by round, with each mode's throughput over none's; needs "
+             "root; not with --peer, --sweep or --lab-postgres (default: the bench's one "
+             "server, not on lab hosts)")
+    lab_postgres: str = providers.mode_option()
 
 
 BenchOptions = SuiteOptions | StartupOptions | ClaimOptions | ThroughputOptions

@@ -49,6 +49,7 @@ from lab import errors, files
 from lab.book import drawing, figures, pages, raster
 from lab.evidence import bundle, crashmatrix, dsse, model_evidence, trust
 from lab.evidence.report import Report
+from lab.options import option
 
 INDEX_FILE = f"{pages.INDEX}.html"
 MANIFEST_FILE = "MANIFEST.sha256"
@@ -270,12 +271,14 @@ def _param(nodeid: str) -> str | None:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """What ``lab book build`` is asked to do (its flags)."""
+    """What ``lab book build`` is asked to do: its flags, declared here."""
 
-    evidence: str = EVIDENCE_DIR
-    out: str = DEFAULT_OUT
-    public_key: str | None = None
-    png: bool = False
+    evidence: str = option(EVIDENCE_DIR, help="the verified evidence to draw from")
+    out: str = option(DEFAULT_OUT,
+                      help="output folder (default book/_site; book/ holds the sources)")
+    public_key: str | None = option(
+        None, help="PEM of the expected signer (the only key accepted)")
+    png: bool = option(False, help="also write a PNG beside each SVG figure (the book extra)")
 
 
 def cli_main(

@@ -14,41 +14,61 @@ from rich.table import Table
 
 from lab import errors
 from lab.faults.chaos import Chaos
-from lab.faults.chaos_settings import HostFlags, HostOptions, Settings
+from lab.faults.chaos_settings import HostFlags, Settings, fault_option, release_option
+from lab.options import option
 from lab.pg import providers
 
 
 @dataclass(frozen=True)
-class ChaosOptions(HostOptions):
-    """What ``lab chaos`` is asked to do (its flags; ms and seconds as the flags say)."""
+class ChaosOptions:
+    """What ``lab chaos`` is asked to do: its flags, declared here or, for those it shares
+    with ``lab soak``, in ``chaos_settings.FAULT_FLAGS`` (ms and seconds as the flags say)."""
 
-    workflows: int = 500
-    workers: int = 4
-    duration: float = 60.0
-    kill_every: float = 200.0
-    drop_replies: float = 0.1
-    reject_429: float = 0.1
-    terminate_backends: float = 2000.0
-    non_idempotent_share: float = 0.2
-    seed: int = 42
-    restart_postgres_every: float = 0.0
-    min_restarts: int = 2
-    partition_every: float = 0.0
-    partition_for: float = 1000.0
-    latency: float = 0.0
-    durable: bool = False
-    disk_full_every: float = 0.0
-    disk_full_for: float = 2000.0
-    disk_full_mb: int = 96
-    disk_full_fs: str = "auto"
-    clock_step_every: float = 0.0
-    clock_step_max: int = 60
-    batch: int = 1
-    concurrency: int = 1
-    non_idempotent_fenced: bool = False
-    release_over: float = 0.0
-    output: str = "evidence/chaos.json"
-    lab_postgres: str = providers.AUTO
+    workflows: int = option(500, help="workflows in the round")
+    workers: int = fault_option("workers")
+    duration: float = option(60.0, help="seconds of faults at most")
+    kill_every: float = option(200.0, help="mean ms between SIGKILLs")
+    batch: int = fault_option("batch")
+    concurrency: int = fault_option("concurrency")
+    drop_replies: float = fault_option("drop_replies", 0.1)
+    reject_429: float = fault_option("reject_429", 0.1)
+    terminate_backends: float = option(
+        2000.0, help="mean ms between pg_terminate_backend of a worker (0: never)")
+    non_idempotent_share: float = fault_option("non_idempotent_share")
+    non_idempotent_fenced: bool = option(
+        False, help="the non-idempotent tool offers the fenced lookup: its unknowns whose "
+                    "lookup is absent are requeued with proof, not reviewed")
+    seed: int = option(42, help="seed of the fault schedule")
+    restart_postgres_every: float = option(
+        0.0, metavar="MS", help="SIGKILL and restart PostgreSQL about every MS (0: never; "
+                                "implies --durable; embedded provider)")
+    min_restarts: int = option(
+        2, metavar="N", help="with restarts, the fault phase lasts until N happened (within "
+                             "--duration), even when all work settled sooner")
+    partition_every: float = option(
+        0.0, metavar="MS", help="cut one link (blackhole or reset) about every MS (0: never); "
+                                "the fault phase lasts until one partition healed")
+    partition_for: float = fault_option("partition_for", 1000.0)
+    latency: float = option(0.0, metavar="MS", help="delay on every proxied link")
+    durable: bool = option(
+        False, help="run PostgreSQL with fsync=on and synchronous_commit=on")
+    release_over: float = release_option(0.0, "0, all at once")
+    disk_full_every: float = fault_option("disk_full_every", 0.0)
+    disk_full_for: float = fault_option("disk_full_for")
+    disk_full_mb: int = fault_option("disk_full_mb", 96)
+    disk_full_fs: str = fault_option("disk_full_fs")
+    clock_step_every: float = fault_option("clock_step_every", 0.0)
+    clock_step_max: int = fault_option("clock_step_max", 60)
+    hosts: int = fault_option("hosts")
+    replication: str = fault_option("replication")
+    failover_every: float = fault_option("failover_every")
+    min_failovers: int = fault_option("min_failovers")
+    net_fault_every: float = fault_option("net_fault_every")
+    net_fault_for: float = fault_option("net_fault_for")
+    min_net_faults: int = fault_option("min_net_faults")
+    skew_max: int = fault_option("skew_max")
+    output: str = option("evidence/chaos.json", help="the report (JSON)")
+    lab_postgres: str = providers.mode_option()
 
 
 def settings_from(options: ChaosOptions) -> Settings:

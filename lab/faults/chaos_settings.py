@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab import errors, protocol
+from lab.options import option
 
 LEASE_S = 1.0
 HEARTBEAT_S = 0.25
@@ -93,19 +94,76 @@ class HostFlags:
                 "net_fault_kinds": list(self.kinds())}
 
 
-@dataclass(frozen=True)
-class HostOptions:
-    """The lab-hosts flags as fields of ``lab chaos``'s and ``lab soak``'s options, which
-    ``HostFlags.from_options`` reads back; their defaults are ``HostFlags``'s."""
+# Said for a flag whose default each command declares itself (soak's faults are on).
+OWN_DEFAULT = "each command's own"
+# The flags ``lab chaos`` and ``lab soak`` share, each declared once: its default (or
+# OWN_DEFAULT) and ``lab.options.option``'s spelling and help. The lab-hosts flags'
+# defaults are ``HostFlags``'s, which ``HostFlags.from_options`` reads back.
+FAULT_FLAGS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "workers": (4, {"help": "worker processes at a time"}),
+    "batch": (1, {"help": "each worker's --batch: workflows claimed and in flight together, "
+                          "in shared transactions"}),
+    "concurrency": (1, {"help": "each worker's --concurrency: workflows in flight, each in "
+                                "its own transactions (an alternative to --batch)"}),
+    "drop_replies": (OWN_DEFAULT, {"help": "share of replies lost"}),
+    "reject_429": (OWN_DEFAULT, {"help": "share of 429 answers"}),
+    "non_idempotent_share": (0.2, {"help": "share of workflows on the non-idempotent tool"}),
+    "partition_for": (OWN_DEFAULT, {"metavar": "MS", "help": "how long a partition lasts"}),
+    "disk_full_every": (OWN_DEFAULT, {
+        "metavar": "MS", "help": "fill the data directory's filesystem about every MS (0: never)"}),
+    "disk_full_for": (2000.0, {
+        "metavar": "MS", "help": "how long each disk-full fault holds the filesystem full"}),
+    "disk_full_mb": (OWN_DEFAULT, {
+        "metavar": "MB", "help": "size of the filesystem the data directory is mounted on"}),
+    "disk_full_fs": ("auto", {
+        "choices": ("auto", "tmpfs", "loop"),
+        "help": "tmpfs (RAM), loop (an ext4 image on disk), auto: tmpfs, else loop"}),
+    "clock_step_every": (OWN_DEFAULT, {
+        "metavar": "MS", "help": "step the server's clock about every MS (0: never)"}),
+    "clock_step_max": (OWN_DEFAULT, {
+        "metavar": "S", "help": "largest clock offset, forward or back, in seconds"}),
+    "hosts": (HostFlags.hosts, {
+        "metavar": "N", "help": "spread the run over N lab hosts (3-16; 0: one machine): db1 "
+                                "and db2 a replicated pair, tool, w1.. the workers (root)"}),
+    "replication": (HostFlags.replication, {
+        "choices": REPLICATION_MODES, "help": "with --hosts: how the standby follows the primary"}),
+    "failover_every": (HostFlags.failover_every, {
+        "metavar": "S", "help": "with --hosts: fence the primary, promote the standby and "
+                                "rejoin the old one about every S seconds (0: never)"}),
+    "min_failovers": (HostFlags.min_failovers, {
+        "metavar": "N", "help": "the fault phase lasts until N failovers happened; fewer fails"}),
+    "net_fault_every": (HostFlags.net_fault_every, {
+        "metavar": "MS", "help": "with --hosts: one fault between hosts about every MS, the "
+                                 "kinds in turn: partition, one_way, delay, jitter, loss, "
+                                 "reorder, clock_step (0: never)"}),
+    "net_fault_for": (HostFlags.net_fault_for, {
+        "metavar": "MS", "help": "how long each fault between hosts lasts"}),
+    "min_net_faults": (HostFlags.min_net_faults, {
+        "metavar": "N", "help": "the fault phase lasts until each kind struck N times; fewer "
+                                "fails"}),
+    "skew_max": (HostFlags.skew_max, {
+        "metavar": "S", "help": "with --hosts: worker hosts' clocks offset, and stepped, up "
+                                "to S seconds either way (libfaketime; 0: true clocks, no "
+                                "clock_step)"}),
+}
 
-    hosts: int = HostFlags.hosts
-    replication: str = HostFlags.replication
-    failover_every: float = HostFlags.failover_every
-    min_failovers: int = HostFlags.min_failovers
-    net_fault_every: float = HostFlags.net_fault_every
-    net_fault_for: float = HostFlags.net_fault_for
-    min_net_faults: int = HostFlags.min_net_faults
-    skew_max: int = HostFlags.skew_max
+
+def fault_option(name: str, default: Any = OWN_DEFAULT) -> Any:
+    """The options field of ``name``, a flag ``lab chaos`` and ``lab soak`` share (see
+    ``FAULT_FLAGS``); ``default`` is the command's own where the two differ."""
+    shared, spelling = FAULT_FLAGS[name]
+    if (shared == OWN_DEFAULT) == (default == OWN_DEFAULT):
+        raise TypeError(f"{name}: give its default in FAULT_FLAGS or here, not both "
+                        "or neither")
+    return option(shared if default == OWN_DEFAULT else default, **spelling)
+
+
+def release_option(default: float | None, default_said: str) -> Any:
+    """``--release-over``, for chaos and soak alike (their defaults differ, and so does how
+    the help says it)."""
+    return option(default, metavar="S",
+                  help="approve a round's workflows in waves over S seconds of its fault "
+                       f"phase, so faults meet work in flight (default: {default_said})")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,7 @@ from lab.faults.crashscripts import (  # the scripts, also named here for caller
     missing_cells,
     script,
 )
+from lab.options import option
 from lab.pg import edge, providers
 from lab.runtime import plan, processes, sealing, store
 from lab.runtime import toolprocess as toolprocesses
@@ -521,13 +522,14 @@ def print_summary(matrix: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class CrashpointsOptions:
-    """What ``lab crashpoints`` is asked to do (its flags)."""
+    """What ``lab crashpoints`` is asked to do: its flags, declared here."""
 
-    jobs: int = 2
-    seed: int = 17
-    only: tuple[str, ...] = ()
-    output: str = "evidence/crashpoints.json"
-    lab_postgres: str = providers.AUTO
+    jobs: int = option(2, help="cells run in parallel")
+    seed: int = option(17, help="seed of the cells' workloads")
+    only: tuple[str, ...] = option(
+        (), help="only cells whose id (boundary/fault/kind) starts with this")
+    output: str = option("evidence/crashpoints.json", help="the matrix (JSON)")
+    lab_postgres: str = providers.mode_option()
 
 
 def cli_main(options: CrashpointsOptions) -> int:

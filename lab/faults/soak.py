@@ -42,7 +42,8 @@ import psycopg
 
 from lab import errors, escape, files
 from lab.faults import chaos, traffic
-from lab.faults.chaos_settings import HostFlags, HostOptions, Settings
+from lab.faults.chaos_settings import HostFlags, Settings, fault_option, release_option
+from lab.options import option
 from lab.pg import embedded, providers
 from lab.runtime import processes
 
@@ -426,35 +427,52 @@ def figure_svg(samples: list[dict[str, Any]], title: str) -> str:
 
 
 @dataclass(frozen=True)
-class SoakOptions(HostOptions):
-    """What ``lab soak`` is asked to do (its flags; every fault on unless set to 0)."""
+class SoakOptions:
+    """What ``lab soak`` is asked to do: its flags, declared here or, for those it shares
+    with ``lab chaos``, in ``chaos_settings.FAULT_FLAGS`` (every fault on unless set to 0)."""
 
-    workflows: int = 100_000
-    round: int = 2_000
-    workers: int = 4
-    batch: int = 1
-    concurrency: int = 1
-    kill_every: float = 1000.0
-    drop_replies: float = 0.05
-    reject_429: float = 0.05
-    terminate_backends: float = 3000.0
-    non_idempotent_share: float = 0.2
-    seed: int = 42
-    restart_postgres_every: float = 30_000.0
-    partition_every: float = 15_000.0
-    partition_for: float = 800.0
-    disk_full_every: float = 30_000.0
-    disk_full_for: float = 2000.0
-    disk_full_mb: int = 256
-    disk_full_fs: str = "auto"
-    clock_step_every: float = 20_000.0
-    clock_step_max: int = 10
-    fault_phase: float = 60.0
-    release_over: float | None = None  # None: three quarters of the fault phase
-    sample_every: float = 2.0
-    output: str = "evidence/soak.json"
-    figure: str = "evidence/soak.svg"
-    lab_postgres: str = providers.AUTO
+    workflows: int = option(100_000, help="workflows in all")
+    round: int = option(2_000, metavar="N",
+                        help="workflows per chaos round (each checked, then dropped)")
+    workers: int = fault_option("workers")
+    batch: int = fault_option("batch")
+    concurrency: int = fault_option("concurrency")
+    kill_every: float = option(1000.0, metavar="MS", help="mean ms between SIGKILLs of a worker")
+    drop_replies: float = fault_option("drop_replies", 0.05)
+    reject_429: float = fault_option("reject_429", 0.05)
+    terminate_backends: float = option(
+        3000.0, metavar="MS", help="mean ms between pg_terminate_backend of a worker (0: never)")
+    non_idempotent_share: float = fault_option("non_idempotent_share")
+    seed: int = option(42, help="seed of the fault schedules")
+    restart_postgres_every: float = option(
+        30_000.0, metavar="MS", help="SIGKILL and restart PostgreSQL about every MS (0: never)")
+    partition_every: float = option(
+        15_000.0, metavar="MS", help="cut one link (blackhole or reset) about every MS (0: never)")
+    partition_for: float = fault_option("partition_for", 800.0)
+    disk_full_every: float = fault_option("disk_full_every", 30_000.0)
+    disk_full_for: float = fault_option("disk_full_for")
+    disk_full_mb: int = fault_option("disk_full_mb", 256)
+    disk_full_fs: str = fault_option("disk_full_fs")
+    clock_step_every: float = fault_option("clock_step_every", 20_000.0)
+    clock_step_max: int = fault_option("clock_step_max", 10)
+    hosts: int = fault_option("hosts")
+    replication: str = fault_option("replication")
+    failover_every: float = fault_option("failover_every")
+    min_failovers: int = fault_option("min_failovers")
+    net_fault_every: float = fault_option("net_fault_every")
+    net_fault_for: float = fault_option("net_fault_for")
+    min_net_faults: int = fault_option("min_net_faults")
+    skew_max: int = fault_option("skew_max")
+    fault_phase: float = option(
+        60.0, metavar="S", help="seconds of faults per round at most; the drain settles the rest")
+    # None: three quarters of the fault phase.
+    release_over: float | None = release_option(
+        None, "three quarters of --fault-phase; 0: all at once")
+    sample_every: float = option(
+        2.0, metavar="S", help="seconds between memory and connection samples")
+    output: str = option("evidence/soak.json", help="the report (JSON)")
+    figure: str = option("evidence/soak.svg", help="the memory figure (SVG)")
+    lab_postgres: str = providers.mode_option()
 
 
 def settings_from(options: SoakOptions) -> SoakSettings:

@@ -18,25 +18,28 @@ from pathlib import Path
 from lab import errors
 from lab.evidence import dsse
 from lab.model import cases, engine, generation, signed
+from lab.options import option
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What ``lab model run`` is asked to do (its flags)."""
+    """What ``lab model run`` is asked to do: its flags, declared here."""
 
-    model: str | None = None
-    expect_sha256: str | None = None
-    cases: str | None = None
-    case: tuple[str, ...] = ()
-    evidence: str = "evidence/model"
-    threads: int | None = None
+    model: str | None = option(
+        None, help="GGUF file (default: LAB_MODEL_PATH, else the fetched SmolLM2)")
+    expect_sha256: str | None = option(
+        None, metavar="SHA", help="refuse a model file whose sha256 differs")
+    cases: str | None = option(None, help="case set file (default: the lab's own)")
+    case: tuple[str, ...] = option((), help="only this case id")
+    evidence: str = option("evidence/model", help="model evidence directory")
+    threads: int | None = option(None, help="CPU threads (default 2)")
 
 
 @dataclass(frozen=True)
 class CheckOptions:
     """What ``lab model check`` is asked to do: the report to re-check."""
 
-    report: str
+    report: str = option(help="the model-experiment.json to re-check", positional=True)
 
 
 def run_main(options: RunOptions) -> int:

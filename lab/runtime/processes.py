@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import IO
 
 from lab import budget, errors, protocol
+from lab.options import option
 from lab.runtime import backoff, egress, forkserver, sealing, store, toolclient, worker
 
 # Worker sessions are named this prefix plus the worker's name (chaos finds their backends).
@@ -59,27 +60,43 @@ def command_name(module: str, args: list[str]) -> str:
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """What ``lab worker`` is asked to do (its flags; times in seconds)."""
+    """What ``lab worker`` is asked to do: its flags, declared here (times in seconds)."""
 
-    schema: str
-    tool: str
-    name: str = "worker-process"
-    pause: str | None = None
-    crash_at: str | None = None
-    start_gate: bool = False
-    reconcile: str | None = None
-    lease: float = 3.0
-    loop: bool = False
-    idle_exit: float = 2.0
-    max_items: int = 0
-    heartbeat: float = 0.5
-    backoff: float = 0.1
-    fused: bool = False
-    batch: int = 1
-    quiet: bool = False
-    concurrency: int = 1
-    armed_by_stdin: bool = False
-    tool_timeout: float = protocol.TOOL_TIMEOUT_S
+    schema: str = option(help="the experiment's isolated schema")
+    tool: str = option(help="loopback tool endpoint")
+    name: str = option("worker-process", help="owner name for claims")
+    pause: str | None = option(None, help="wait for a stdin newline at this boundary",
+                               choices=protocol.PROCESS_STAGES)
+    crash_at: str | None = option(
+        None, help="SIGKILL itself the moment it reaches this boundary",
+        choices=protocol.PROCESS_STAGES)
+    armed_by_stdin: bool = option(
+        False, help="--crash-at and --pause act once a stdin line armed them")
+    start_gate: bool = option(False, help="wait for a stdin newline")
+    reconcile: str | None = option(None, help="reconcile this unknown workflow first")
+    lease: float = option(3.0, help="lease seconds")
+    loop: bool = option(False, help="keep running items until idle for --idle-exit")
+    idle_exit: float = option(2.0, help="seconds idle before exit")
+    max_items: int = option(0, help="stop after N items (0: none)")
+    heartbeat: float = option(0.5, help="heartbeat seconds")
+    backoff: float = option(0.1, help="429 backoff seconds")
+    tool_timeout: float = option(
+        protocol.TOOL_TIMEOUT_S,
+        help="seconds to wait for the tool's reply before its outcome is unknown")
+    fused: bool = option(
+        False, help="with --loop: complete each item in the next claim's transaction, and "
+                    "commit an idempotent claim with its start barrier (boundary "
+                    "after_claim_barrier)")
+    quiet: bool = option(
+        False, help=f"print no {protocol.STAGE} or {protocol.ITEM} lines (a production "
+                    "worker: --crash-at and --pause still act at their boundary)")
+    batch: int = option(
+        1, help="with --fused: claim up to N items per transaction and send their requests "
+                "together (boundary after_batch); a crash leaves all N to recovery")
+    concurrency: int = option(
+        1, help="with --loop: keep N items in flight, one per thread, each with its own "
+                "claim, barrier and completion transactions (owner NAME.K); a crash leaves "
+                "all N to recovery, a refused transaction one")
 
 
 MAX_TOOL_TIMEOUT_S = 300.0

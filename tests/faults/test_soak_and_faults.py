@@ -163,3 +163,30 @@ def test_settings_describe_the_new_faults() -> None:
         max_attempts=3, proxied_links=[])
     assert described["disk_full_every_ms"] == 5000 and described["clock_step_every_ms"] == 4000
     assert described["disk_full_volume_mb"] == 96 and described["clock_step_max_s"] == 60
+
+
+def test_chaos_and_soak_share_each_fault_flag_from_one_declaration() -> None:
+    """Every flag of ``chaos_settings.FAULT_FLAGS`` is a field of both commands' options
+    with the one spelling and help (and type); only the defaults marked ``OWN_DEFAULT``
+    are each command's own, and the lab-hosts flags default to ``HostFlags``."""
+    import dataclasses
+    import typing
+
+    from lab.faults import chaos_command, chaos_settings
+    from lab.options import flag_of
+
+    kinds = (chaos_command.ChaosOptions, soak.SoakOptions)
+    for name, (default, spelling) in chaos_settings.FAULT_FLAGS.items():
+        fields = [next(f for f in dataclasses.fields(kind) if f.name == name) for kind in kinds]
+        flags = [flag_of(field) for field in fields]
+        assert flags[0] is not None and flags[0] == flags[1], name
+        assert flags[0].help == spelling["help"]
+        assert len({str(typing.get_type_hints(kind)[name]) for kind in kinds}) == 1, name
+        if default != chaos_settings.OWN_DEFAULT:
+            assert [field.default for field in fields] == [default, default], name
+    for kind in kinds:
+        assert chaos_settings.HostFlags.from_options(kind()) == chaos_settings.HostFlags()
+    with pytest.raises(TypeError, match="workers"):
+        chaos_settings.fault_option("workers", 5)
+    with pytest.raises(TypeError, match="drop_replies"):
+        chaos_settings.fault_option("drop_replies")
