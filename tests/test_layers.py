@@ -8,7 +8,8 @@ every module must sit in exactly one room, the imports must form no cycle, and a
 module imports no driver, starts no process and reads no environment variable. A module
 imported by name is imported too: in a module that calls ``importlib.import_module`` (or
 ``__import__``), every string that is a ``lab`` module's dotted name is an arrow to it,
-whether it is the call's literal argument or a constant the name is looked up in.
+whether it is the call's literal argument or a constant the name is looked up in; and
+anywhere, ``"lab.module:Class"`` (a class imported when needed) is an arrow to the module.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def _imports(path: Path, known: set[str]) -> set[str]:
     statement, or, in a module that imports by name, by any string naming one."""
     found: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    # "lab.module:Name" names a class to import when needed (``lab.parsing.add_options``
+    # builds a command's flags so): an arrow wherever it is written.
+    found.update(
+        module[4:] for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        for module, colon, attribute in [node.value.partition(":")]
+        if colon and attribute.isidentifier() and module.startswith("lab.")
+        and module[4:] in known
+    )
     if _imports_by_name(tree):
         found.update(
             node.value[4:] for node in ast.walk(tree)
@@ -128,7 +138,8 @@ def test_every_module_sits_in_exactly_one_room() -> None:
 def test_a_module_imported_by_name_is_an_arrow(tmp_path: Path) -> None:
     """``importlib.import_module("lab.cli")``, or a constant naming ``lab.cli`` in a module
     that imports by name, counts as importing ``lab.cli``: an arrow up by name is seen like
-    any other. A module that never imports by name only mentions what it names."""
+    any other. A module that never imports by name only mentions what it names, except a
+    ``"lab.module:Class"`` name (a class imported when needed), which is an arrow."""
     known = set(_paths())
     literal = tmp_path / "literal.py"
     literal.write_text('import importlib\nimportlib.import_module("lab.cli")\n'
@@ -142,6 +153,10 @@ def test_a_module_imported_by_name_is_an_arrow(tmp_path: Path) -> None:
     mentioned = tmp_path / "mentioned.py"
     mentioned.write_text('ARGV = ["python", "-m", "lab.cli", "worker"]\n')
     assert _imports(mentioned, known) == set()
+    deferred = tmp_path / "deferred.py"
+    deferred.write_text('add_options(parser, "lab.runtime.processes:WorkerOptions")\n'
+                        'LABEL = "lab.cli: the top floor"\n')
+    assert _imports(deferred, known) == {"runtime.processes"}
 
 
 def test_the_fork_server_preloads_only_what_its_caller_may_import() -> None:
