@@ -230,10 +230,15 @@ def test_a_group_declares_the_inherited_flags_its_subcommands_do_not() -> None:
 
 
 def test_options_named_by_module_are_imported_when_the_command_is_used(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     """``add_options(parser, "module:Class")`` imports nothing while the command line is
     built: ``lab X`` pays for X's module only. Parsing, ``--help`` and ``walk`` build
-    the flags; a name that is no options dataclass is a programming error."""
+    the flags; a name that is no options dataclass is a programming error.
+
+    In a child interpreter: a module imported from outside the tree into this process
+    would make the run's evidence fail its check of what ran (rightly).
+    """
+    import subprocess
     import sys
 
     (tmp_path / "deferred_options.py").write_text(
@@ -243,21 +248,31 @@ def test_options_named_by_module_are_imported_when_the_command_is_used(
         "class Declared:\n"
         "    count: int = option(3, help='how many', metavar='N')\n"
         "NOT_OPTIONS = 1\n", encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "deferred_options", raising=False)
-    root = parsing.Parser(prog="lab")
-    commands = root.add_subparsers(dest="command")
-    used, walked, helped = (commands.add_parser(n) for n in ("used", "walked", "helped"))
-    for sub in (used, walked, helped):
-        parsing.add_options(sub, "deferred_options:Declared")
-    assert "deferred_options" not in sys.modules
-    assert vars(root.parse_args(["used", "--count", "5"])) == {"command": "used", "count": 5}
-    assert "deferred_options" in sys.modules
-    assert "--count N" in helped.format_help()
-    command = next(c for c in parsing.walk(root) if c.words == ("lab", "walked"))
-    assert [a.dest for a in command.options] == ["count"]
-    with pytest.raises(TypeError, match="NOT_OPTIONS"):
-        parsing.add_options(argparse.ArgumentParser(), "deferred_options:NOT_OPTIONS")
+    (tmp_path / "check.py").write_text(
+        "import argparse, sys\n"
+        "from lab import parsing\n"
+        "root = parsing.Parser(prog='lab')\n"
+        "commands = root.add_subparsers(dest='command')\n"
+        "used, walked, helped = (commands.add_parser(n) for n in ('used', 'walked', 'helped'))\n"
+        "for sub in (used, walked, helped):\n"
+        "    parsing.add_options(sub, 'deferred_options:Declared')\n"
+        "assert 'deferred_options' not in sys.modules, 'imported while building'\n"
+        "parsed = vars(root.parse_args(['used', '--count', '5']))\n"
+        "assert parsed == {'command': 'used', 'count': 5}, parsed\n"
+        "assert 'deferred_options' in sys.modules, 'parsing did not import it'\n"
+        "assert '--count N' in helped.format_help()\n"
+        "command = next(c for c in parsing.walk(root) if c.words == ('lab', 'walked'))\n"
+        "assert [a.dest for a in command.options] == ['count']\n"
+        "try:\n"
+        "    parsing.add_options(argparse.ArgumentParser(), 'deferred_options:NOT_OPTIONS')\n"
+        "except TypeError as exc:\n"
+        "    assert 'NOT_OPTIONS' in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('a name that is no options dataclass was accepted')\n"
+        "print('ok')\n", encoding="utf-8")
+    checked = subprocess.run([sys.executable, str(tmp_path / "check.py")], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert (checked.returncode, checked.stdout.strip()) == (0, "ok"), checked.stderr
 
 
 @pytest.mark.parametrize("words", [("evidence", "verify"), ("evidence", "show"),
