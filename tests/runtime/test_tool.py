@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import threading
 
 import httpx
@@ -332,6 +333,12 @@ def test_each_calling_thread_has_its_own_connection_and_close_ends_them_all(lab,
         thread.join(10)
     assert len(receipts) == 3 and lab.effects() == 3
     assert len(client._clients) == 3  # one httpx client per thread that called
+    # They share one TLS context with no CA loaded (the endpoint is plain http): a
+    # client costs no CA bundle, and TLS, were it ever attempted, would verify nothing.
+    contexts = {id(http._transport._pool._ssl_context) for http in client._clients}
+    assert contexts == {id(client._tls)}
+    assert client._tls.cert_store_stats()["x509_ca"] == 0
+    assert client._tls.verify_mode == ssl.CERT_REQUIRED
     client.close()
     with pytest.raises(errors.ToolUnavailable):
         client.call(lab.approved())
