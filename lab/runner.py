@@ -286,18 +286,24 @@ def lock_of(tree: Path) -> tuple[str, str]:
     return str(found["path"]), str(found["sha256"])
 
 
-def _uv(origin: Path) -> str:
-    """The pinned uv of the origin's ``scripts/ensure-uv`` (installed by pip with hashes)."""
-    try:
-        done = subprocess.run([str(origin / "scripts" / "ensure-uv")], capture_output=True,
-                              text=True, timeout=_INSTALL_TIMEOUT, check=False,
-                              env=_install_environ({}))
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise errors.EnvironmentFailure(f"installing uv: {exc}") from exc
-    if done.returncode != 0 or not done.stdout.strip():
-        raise errors.EnvironmentFailure(f"installing uv: scripts/ensure-uv exited "
-                                        f"{done.returncode}")
-    return done.stdout.strip().splitlines()[-1]
+def _uv(tree: Path, scratch: Path) -> str:
+    """The pinned uv, installed afresh for this run into ``scratch``, from ``tree``'s own
+    ``scripts/uv-requirements.txt`` (git objects) by pip with every wheel's sha256.
+
+    Never the caller's ``.tools/uv-venv``: a file planted there (a uv, or the pip beside
+    it) would run before the sandbox and could write the hashes the lock is judged by.
+    """
+    requirements = tree / "scripts" / "uv-requirements.txt"
+    if not requirements.is_file():
+        raise errors.EnvironmentFailure(f"installing uv: {requirements.name} is not in the tree")
+    tools = scratch / "uv-venv"
+    _run([_base_python(), "-m", "venv", str(tools)], "installing uv: creating its venv",
+         quiet=True)
+    _run([str(tools / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+          "--disable-pip-version-check", "--only-binary", ":all:", "--require-hashes",
+          "-r", str(requirements)],
+         "installing uv", {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INPUT": "1"})
+    return str(tools / "bin" / "uv")
 
 
 def locked_requirements(uv: str, tree: Path, scratch: Path) -> Path:
@@ -387,7 +393,7 @@ def environment_key(lock_sha256: str) -> str:
 
 
 def install_environment(
-    tree: Path, cache: Path, origin: Path, scratch: Path, out: Console | None = None
+    tree: Path, cache: Path, scratch: Path, out: Console | None = None
 ) -> tuple[Path, str]:
     """The site-packages of the locked dependencies of ``tree``, and the lock's digest.
 
@@ -401,7 +407,7 @@ def install_environment(
     _lock_name, lock_sha256 = lock_of(tree)
     key = environment_key(lock_sha256)
     venv = cache / key[:24]
-    uv = _uv(origin)
+    uv = _uv(tree, scratch)
     requirements = locked_requirements(uv, tree, scratch)
     found = fetch_wheels(uv, requirements, cache / "wheels", scratch)
     try:
@@ -484,8 +490,7 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
         if missing:
             raise errors.UsageError(f"no such experiments directory at {sha[:12]}: "
                                     f"{', '.join(missing)}")
-        dependencies, lock_sha256 = install_environment(tree, origin / HERMETIC_CACHE, origin,
-                                                        scratch, out)
+        dependencies, lock_sha256 = install_environment(tree, origin / HERMETIC_CACHE, scratch, out)
         python = run_venv(scratch, tree, dependencies)
         for name in ("pycache", "home", "tmp"):
             (scratch / name).mkdir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -258,7 +259,7 @@ def _hermetic_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     from lab import runner
 
     wheel = _demo_wheel(tmp_path / "wheels")
-    monkeypatch.setattr(runner, "_uv", lambda _origin: "uv")
+    monkeypatch.setattr(runner, "_uv", lambda _tree, _scratch: "uv")
     monkeypatch.setattr(runner, "locked_requirements",
                         lambda _uv, _tree, scratch: scratch / "requirements.txt")
     monkeypatch.setattr(runner, "fetch_wheels", lambda *_args: [wheel])
@@ -286,13 +287,13 @@ def test_a_hermetic_venv_edited_after_its_build_is_rebuilt(
             archive.extractall(runner._site_packages(venv))
 
     _hermetic_steps(monkeypatch, tmp_path, unpack)
-    site, _ = runner.install_environment(tree, cache, ROOT, tmp_path)
+    site, _ = runner.install_environment(tree, cache, tmp_path)
     assert len(builds) == 1 and (site / "demo_pkg" / "__init__.py").is_file()
-    assert runner.install_environment(tree, cache, ROOT, tmp_path)[0] == site
+    assert runner.install_environment(tree, cache, tmp_path)[0] == site
     assert len(builds) == 1, "an intact venv is reused"
     with (site / "demo_pkg" / "__init__.py").open("a") as module:
         module.write("import os  # a payload\n")
-    again, _ = runner.install_environment(tree, cache, ROOT, tmp_path)
+    again, _ = runner.install_environment(tree, cache, tmp_path)
     assert len(builds) == 2, "the edited venv was reused"
     assert (again / "demo_pkg" / "__init__.py").read_bytes() == b"VALUE = 1\n"
 
@@ -316,5 +317,29 @@ def test_a_fresh_hermetic_build_that_differs_from_the_lock_is_refused(
 
     _hermetic_steps(monkeypatch, tmp_path, poisoned)
     with pytest.raises(errors.EnvironmentFailure, match=r"demo_pkg/__init__\.py: differs"):
-        runner.install_environment(tree, tmp_path / "hermetic", ROOT, tmp_path)
+        runner.install_environment(tree, tmp_path / "hermetic", tmp_path)
     assert [p.name for p in (tmp_path / "hermetic").iterdir()] == []
+
+
+def test_a_hermetic_run_installs_its_own_uv_never_the_callers(tmp_path: Path) -> None:
+    """The uv a hermetic run installs with comes from the tree's pinned requirements into
+    the run's scratch, by pip with every wheel's sha256: a uv planted in the caller's
+    ``.tools/uv-venv`` (writable, and run before the sandbox) is never run."""
+    from lab import runner
+
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    pinned = (ROOT / "scripts" / "uv-requirements.txt").read_text(encoding="utf-8")
+    (tree / "scripts" / "uv-requirements.txt").write_text(pinned, encoding="utf-8")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    uv = Path(runner._uv(tree, scratch))
+    assert uv.is_relative_to(scratch) and uv.is_file()
+    version = subprocess.run([str(uv), "--version"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    assert version.split()[1] in pinned, version
+    # A requirements file whose digests match no wheel: pip refuses, and so does the run.
+    wrong = re.sub(r"sha256:[0-9a-f]{64}", "sha256:" + "0" * 64, pinned)
+    (tree / "scripts" / "uv-requirements.txt").write_text(wrong, encoding="utf-8")
+    with pytest.raises(errors.EnvironmentFailure, match="installing uv"):
+        runner._uv(tree, tmp_path / "other")
