@@ -332,10 +332,10 @@ def test_each_calling_thread_has_its_own_connection_and_close_ends_them_all(lab,
     for thread in threads:
         thread.join(10)
     assert len(receipts) == 3 and lab.effects() == 3
-    assert len(client._clients) == 3  # one httpx client per thread that called
+    assert len(client._transports) == 3  # one httpx transport per thread that called
     # They share one TLS context with no CA loaded (the endpoint is plain http): a
-    # client costs no CA bundle, and TLS, were it ever attempted, would verify nothing.
-    contexts = {id(http._transport._pool._ssl_context) for http in client._clients}
+    # transport costs no CA bundle, and TLS, were it ever attempted, would verify nothing.
+    contexts = {id(transport._pool._ssl_context) for transport in client._transports}
     assert contexts == {id(client._tls)}
     assert client._tls.cert_store_stats()["x509_ca"] == 0
     assert client._tls.verify_mode == ssl.CERT_REQUIRED
