@@ -355,6 +355,9 @@ def _install_locked(venv: Path, uv: str, requirements: Path, found: Sequence[Pat
     for this install) into the new venv ``venv``; uv checks each wheel's hash again."""
     _run([_base_python(), "-m", "venv", "--without-pip", str(venv)],
          "creating the dependencies' venv")
+    # A cache of this install's own, and copies out of it rather than hardlinks: no file
+    # of this venv shares an inode with any uv cache, so an edit to one (a tamper, a
+    # test) never reaches another venv (scripts/ensure-venv installs by copy too).
     with tempfile.TemporaryDirectory(prefix="lab-hermetic-uv-") as uv_cache:
         _run([uv, "pip", "install", "--python", str(venv / "bin" / "python"), "--no-deps",
               "--no-index", "--offline", "--require-hashes", "--no-build", "--quiet",
