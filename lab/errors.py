@@ -22,7 +22,7 @@ with ``from exc`` so nothing above them ever handles a driver exception::
     ├── ManualReview        only a person may decide what happens next
     ├── StoreError          PostgreSQL could not be reached or refused the write (exit 3)
     ├── ProvisioningError   no PostgreSQL could be provided for a run      (exit 3)
-    ├── EnvironmentFailure  a hermetic run's export or venv could not be made (exit 3)
+    ├── EnvironmentFailure  a hermetic run's export, venv or caller not the lock's (exit 3)
     └── ToolError           the tool could not be used                     (exit 3)
         ├── RateLimited     a trusted 429: nothing happened, retry later
         ├── OutcomeUnknown  the request may have taken effect: reconcile
@@ -126,7 +126,8 @@ class ProvisioningError(LabError):
 
 
 class EnvironmentFailure(LabError):
-    """A hermetic run's exported tree or locked environment could not be made."""
+    """A hermetic run's exported tree or locked environment could not be made, or the
+    interpreter that would start and seal it is not the lock's environment."""
 
 
 class ToolError(LabError):
@@ -171,7 +172,8 @@ EXIT_MEANINGS = {
                   "conflicts, is stale, denied or needs a person",
     EXIT_USAGE: "usage or bad input: arguments, unreadable or malformed files",
     EXIT_ENVIRONMENT: "the environment failed: PostgreSQL unreachable or refusing, the tool, "
-                      "a missing extra, a hermetic clone or venv",
+                      "a missing extra, a hermetic clone or venv, a calling interpreter "
+                      "that is not the lock's",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

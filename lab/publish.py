@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from lab import errors
 from lab.book import builder
 from lab.errors import Refused
-from lab.evidence import bundle, dsse, tree, trust
+from lab.evidence import bundle, caller, dsse, tree, trust
 from lab.model import signed
 from lab.options import option
 
@@ -224,6 +224,10 @@ def cli_main(options: PublishOptions) -> int:
     """``lab publish``: 0 with the book written from verified evidence; refusals are raised."""
     root = Path.cwd().resolve()
     plan = prepare(options, root, dict(os.environ))
+    # The process that will seal the evidence is this one: once the arguments are known
+    # good, and before anything is removed or run, its interpreter must be the lock's
+    # (the hermetic run checks it again: remembered, not repeated).
+    caller.require()
     written = publish(plan)
     model = f", model evidence in {plan.model_evidence}" if plan.model else ", no model"
     print(

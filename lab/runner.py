@@ -37,7 +37,7 @@ from pathlib import Path
 from rich.console import Console
 
 from lab import errors, files, leftovers, protocol, sandbox
-from lab.evidence import compiler, dsse, gate, hermetic, provenance, seal, summary, wheels
+from lab.evidence import caller, compiler, dsse, gate, hermetic, provenance, seal, summary, wheels
 from lab.evidence import tree as source_tree
 from lab.options import option
 from lab.pg import cluster, providers
@@ -475,10 +475,13 @@ def run_hermetic(options: RunOptions, out: Console) -> int:
     origin = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd(),
                        "--hermetic runs a commit of a git repository"))
     sha = resolve_commit(origin, options.commit or "HEAD")
-    sandbox.require()
     key_file = os.environ.get(dsse.KEY_ENV)
     if key_file and not Path(key_file).is_file():
         raise errors.UsageError(f"{dsse.KEY_ENV} names no file: {key_file}")
+    # This process seals the run's evidence with the key: before anything is written,
+    # the interpreter it runs on must be the lock's, file by file (lab.evidence.caller).
+    caller.require()
+    sandbox.require()
     directory = Path(options.evidence).resolve()
     for name in compiler.RUN_FILES:
         (directory / name).unlink(missing_ok=True)

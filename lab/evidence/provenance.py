@@ -161,7 +161,9 @@ def _is_tracked(path: str | None, tracked: set[str], root: Path) -> bool:
     return False
 
 
-def _is_stdlib(file: Path) -> bool:
+def is_stdlib(file: Path) -> bool:
+    """Whether ``file`` (resolved) lies in the interpreter's standard library, outside
+    any site directory."""
     parts = set(file.parts)
     if "site-packages" in parts or "dist-packages" in parts:
         return False
@@ -213,7 +215,7 @@ def describe(
         # A virtualenv may live inside the tree: only hashed sources count as the tree's.
         inside = path in sources
         distribution = None if inside else owning_distribution(item.module, resolved)
-        stdlib = not inside and distribution is None and _is_stdlib(resolved)
+        stdlib = not inside and distribution is None and is_stdlib(resolved)
         if distribution is not None or stdlib:
             # Installed code is named by its distribution, not by this machine's paths.
             entry.update(path=None, sha256=None, tracked=False)
@@ -423,7 +425,7 @@ def vouch(
             return None
         if isinstance(distribution, str):
             return None  # its RECORD digest matched in the process that ran it
-        if _is_stdlib(Path(real)) and not Path(real).is_relative_to(root):
+        if is_stdlib(Path(real)) and not Path(real).is_relative_to(root):
             return None
         if Path(real).is_relative_to(root):
             return "is neither a hashed source nor an installed distribution's file"
