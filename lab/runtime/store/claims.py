@@ -1,11 +1,11 @@
 """Claiming work, its lease, and the start barrier before dispatch, over the caller's
 connection: a claim takes the oldest due ready workflow (fence + 1, attempt + 1, a lease)
 unless it must not run, and a batch step completes, recovers and claims in one
-pipelined transaction."""
+transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -81,20 +81,14 @@ def complete_and_claim(
     conn: Connection, finished: Sequence[Finished], sealed: Sequence[dict[str, Any]],
     owner: str, lease: timedelta, *, fuse: bool, recover: bool, limit: int,
 ) -> Step:
-    """``Store.complete_and_claim``'s statements, in the caller's pipelined transaction."""
-    check = _queue_completions(conn, finished, sealed)
+    """``Store.complete_and_claim``'s statements, in the caller's transaction."""
+    completed = _write_completions(conn, finished, sealed)
     if recover:
         conn.execute(queries.RECOVER_QUERY)
     if limit == 0:
-        # Judging the completions fetches their result, which sends the queue.
-        return Step(check(), [])
-    completed: list[Workflow] | None = None
+        return Step(completed, [])
     while True:
         rows = conn.execute(queries.CLAIM_BATCH_QUERY, (limit,)).fetchall()
-        if completed is None:
-            # The fetch above sent every queued statement: judge the completions
-            # first; raising here rolls the whole transaction back.
-            completed = check()
         if not rows:
             return Step(completed, [])
         claimable = []
@@ -109,19 +103,19 @@ def complete_and_claim(
         # every row was diverted: claim again
 
 
-def _queue_completions(
+def _write_completions(
     conn: Connection, finished: Sequence[Finished], sealed: Sequence[dict[str, Any]],
-) -> Callable[[], list[Workflow]]:
-    """Queue ``complete``'s writes for every finished dispatch in a pipeline; the returned
-    check judges their result and gives the completed snapshots, in ``finished``'s order.
+) -> list[Workflow]:
+    """Write ``complete``'s rows for every finished dispatch in one statement, and judge
+    them: the completed snapshots, in ``finished``'s order.
 
-    The check (call it after a fetch has sent them) requires of each that the fenced
-    update found its row, that the stored barrier matches the one dispatched under (digest
-    and content) and that the start had no completion yet: else it raises for the first
-    that fails, and the caller's transaction rolls back with nothing written.
+    Each must have found its row by the fenced update, have its stored barrier match the
+    one dispatched under (digest and content) and its start no completion yet: else this
+    raises for the first that fails, and the caller's transaction rolls back with nothing
+    written.
     """
     if not finished:
-        return list
+        return []
     completions = [Completion.success(done.barrier, done.receipt.receipt_id)
                    for done in finished]
     statement, rows = queries.with_rows(queries.COMPLETIONS_WITH_EVENTS, [
@@ -134,24 +128,19 @@ def _queue_completions(
         for done, seal, completion in zip(finished, sealed, completions, strict=True)
     ])
     written = conn.execute(statement, {"rows": rows, "ids": [done.claim.id for done in finished]})
-
-    def check() -> list[Workflow]:
-        rows = {row["id"]: row for row in written.fetchall()}
-        snapshots = []
-        for done in finished:
-            row = rows.get(done.claim.id)
-            if row is None:
-                raise errors.Stale("claim is no longer current: completion refused")
-            stored = row.pop("stored_barrier")
-            if stored is None or verified_barrier(stored) != done.barrier:
-                raise errors.IntegrityFailure(
-                    "start barrier is missing or differs from the dispatch")
-            if not row.pop("completion_written"):
-                raise errors.Conflict("this start already has a completion")
-            snapshots.append(Workflow.from_row(row))
-        return snapshots
-
-    return check
+    by_id = {row["id"]: row for row in written.fetchall()}
+    snapshots = []
+    for done in finished:
+        row = by_id.get(done.claim.id)
+        if row is None:
+            raise errors.Stale("claim is no longer current: completion refused")
+        stored = row.pop("stored_barrier")
+        if stored is None or verified_barrier(stored) != done.barrier:
+            raise errors.IntegrityFailure("start barrier is missing or differs from the dispatch")
+        if not row.pop("completion_written"):
+            raise errors.Conflict("this start already has a completion")
+        snapshots.append(Workflow.from_row(row))
+    return snapshots
 
 
 def _claim_rows(

@@ -80,7 +80,7 @@ def event_seq(conn: Connection, workflow_id: str, kind: str, fence: int, detail:
 
 
 def event_queued(conn: Connection, workflow_id: str, kind: str, fence: int, detail: str) -> None:
-    """``event_seq`` without reading its sequence number back (a pipeline need not wait)."""
+    """``event_seq`` without reading its sequence number back."""
     conn.execute(queries.RECORD_EVENT, (workflow_id, kind, fence, detail))
 
 
