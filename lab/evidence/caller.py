@@ -56,14 +56,6 @@ def _site_directories() -> list[str]:
     return directories
 
 
-def _base_library(path: Path) -> bool:
-    """Under the base interpreter's prefix and outside any site directory: its stdlib,
-    its zip and ``lib-dynload``."""
-    if {"site-packages", "dist-packages"} & set(path.parts):
-        return False
-    return path.is_relative_to(Path(sys.base_prefix).resolve())
-
-
 def path_problems(root: Path) -> Iterator[str]:
     """Entries of ``sys.path`` that are neither the base interpreter's library, a site
     directory of this interpreter nor the checkout ``root``."""
@@ -72,7 +64,7 @@ def path_problems(root: Path) -> Iterator[str]:
     entries = sys.path if sys.flags.safe_path else sys.path[1:]
     for entry in entries:
         path = Path(entry or os.curdir).resolve()
-        if path not in allowed and not _base_library(path):
+        if path not in allowed and not provenance.is_stdlib(path):
             yield (f"sys.path entry {entry} is neither the standard library, a site "
                    f"directory nor the lab's checkout (PYTHONPATH or a path file put it there)")
 

@@ -161,17 +161,30 @@ def _is_tracked(path: str | None, tracked: set[str], root: Path) -> bool:
     return False
 
 
+@cache
+def _stdlib_roots() -> tuple[Path, ...]:
+    """The base interpreter's standard library: its ``stdlib`` and ``platstdlib``
+    directories (``lib-dynload`` lies inside) and the zip ``sys.path`` names first.
+
+    Computed from ``sys.base_prefix``, never from the venv: inside a venv ``sysconfig``
+    puts ``platstdlib`` under the venv's own prefix, which anyone who can write the venv
+    can fill."""
+    bases = {"base": sys.base_prefix, "installed_base": sys.base_prefix,
+             "platbase": sys.base_exec_prefix, "installed_platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(vars=bases)
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    zipped = Path(sys.base_prefix) / "lib" / f"python{version}.zip"
+    directories = dict.fromkeys(Path(paths[key]).resolve() for key in ("stdlib", "platstdlib"))
+    return (*directories, zipped.resolve())
+
+
 def is_stdlib(file: Path) -> bool:
-    """Whether ``file`` (resolved) lies in the interpreter's standard library, outside
-    any site directory."""
+    """Whether ``file`` (resolved) lies in the base interpreter's standard library (a
+    directory of it or its zip), outside any site directory."""
     parts = set(file.parts)
     if "site-packages" in parts or "dist-packages" in parts:
         return False
-    for key in ("stdlib", "platstdlib"):
-        base = Path(sysconfig.get_paths()[key]).resolve()
-        if file.is_relative_to(base):
-            return True
-    return False
+    return any(file.is_relative_to(root) for root in _stdlib_roots())
 
 
 def describe(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import sys
 from pathlib import Path
 
 import _pytest.main
@@ -55,6 +56,21 @@ def test_standard_library_modules_are_marked(name: str) -> None:
         loaded, root=Path.cwd(), sources={}, lab_file=None, inifile=None, environ={}
     )
     assert described["modules"][0]["stdlib"] is True
+
+
+def test_the_standard_library_is_the_base_interpreters_not_the_venvs() -> None:
+    """Inside a venv ``sysconfig`` puts ``platstdlib`` under the venv's prefix; a file
+    there (outside site-packages) is no standard library, while the base interpreter's
+    extension modules and zip are."""
+    import _json  # an extension module of the base interpreter's lib-dynload
+
+    assert sys.prefix != sys.base_prefix, "the lab's tests run in its venv"
+    venv_lib = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    assert not provenance.is_stdlib((venv_lib / "planted.py").resolve())
+    assert provenance.is_stdlib(Path(_json.__file__).resolve())
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    zipped = Path(sys.base_prefix) / "lib" / f"python{version}.zip"
+    assert provenance.is_stdlib((zipped / "json" / "__init__.py").resolve())
 
 
 def test_effective_arguments_and_environment_are_redacted(tmp_path: Path) -> None:
