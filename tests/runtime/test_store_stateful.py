@@ -458,6 +458,30 @@ def test_a_batch_step_claims_several_and_completes_them_in_one_transaction(rig: 
     machine.teardown()
 
 
+def test_a_fused_batch_writes_each_claim_then_its_barrier_in_order(rig: Rig) -> None:
+    """One statement claims a batch and writes its barriers: still every claim's
+    'claimed' event precedes its 'dispatching' one (all claims of the step first), and
+    each barrier points at its own 'dispatching' event; a non-idempotent claim gets
+    neither."""
+    machine = StoreMachine(rig)
+    idempotent = [machine.create(True, 100 + n) for n in range(12)]
+    others = [machine.create(False, 900 + n) for n in range(2)]
+    machine.fused_step("w0", limit=14)
+    assert {h.claim.id for h in machine.held.values()} == {*idempotent, *others}
+    events = rig.db.execute(
+        "SELECT seq, workflow_id, kind FROM events WHERE kind IN ('claimed', 'dispatching')"
+        " ORDER BY seq")
+    kinds = [e["kind"] for e in events]
+    assert kinds == ["claimed"] * 14 + ["dispatching"] * 12
+    dispatching = {e["workflow_id"]: e["seq"] for e in events if e["kind"] == "dispatching"}
+    assert set(dispatching) == set(idempotent)
+    barriers = rig.db.execute("SELECT workflow_id, fence, audit_event FROM start_barriers")
+    assert {b["workflow_id"]: b["audit_event"] for b in barriers} == dispatching
+    assert all(b["fence"] == 1 for b in barriers)
+    machine.held.clear()
+    machine.teardown()
+
+
 def test_a_fused_step_recovers_expired_leases_only_when_asked(rig: Rig) -> None:
     """The worker's timer decides: a step without ``recover`` leaves an expired lease
     running (nothing claims it meanwhile), the next one with it makes it unknown."""

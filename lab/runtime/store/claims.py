@@ -146,14 +146,9 @@ def _write_completions(
 def _claim_rows(
     conn: Connection, rows: list[dict[str, Any]], owner: str, lease: timedelta, fuse: bool,
 ) -> list[Claimed]:
-    """Claim due ``rows`` (locked by this transaction) in one statement, and with ``fuse``
-    commit each idempotent one's start barrier in another; the claims, oldest first."""
-    statement, wanted = queries.with_rows(
-        queries.CLAIMS_WITH_EVENTS, [{"id": row["id"], "fence": row["fence"]} for row in rows])
-    claimed = conn.execute(statement, {
-        "rows": wanted, "ids": [row["id"] for row in rows], "owner": owner, "lease": lease,
-        "detail": f"owner={owner}",
-    })
+    """Claim due ``rows`` (locked by this transaction) in one statement, with ``fuse``
+    committing each idempotent one's start barrier in the same statement; the claims,
+    oldest first."""
     barriers: dict[str, StartBarrier] = {}
     if fuse:
         for row in rows:
@@ -163,18 +158,36 @@ def _claim_rows(
                     row["fingerprint"], row["trace_id"],
                 )
     if barriers:
-        inserted, starts = queries.with_rows(queries.FUSED_BARRIERS_INSERT, [
-            {"start_id": b.start_id, "workflow_id": b.workflow_id, "fence": b.fence,
-             "attempt": b.attempt, "effect_key": b.effect_key, "fingerprint": b.fingerprint,
-             "trace_id": b.trace_id, "span_id": b.span_id, "digest": b.digest()}
-            for b in barriers.values()
+        statement, wanted = queries.with_rows(queries.CLAIMS_WITH_BARRIERS, [
+            {"id": row["id"], "fence": row["fence"], **_barrier_fields(barriers.get(row["id"]))}
+            for row in rows
         ])
-        conn.execute(inserted, (starts,))
+    else:
+        statement, wanted = queries.with_rows(
+            queries.CLAIMS_WITH_EVENTS, [{"id": row["id"], "fence": row["fence"]} for row in rows])
+    claimed = conn.execute(statement, {
+        "rows": wanted, "ids": [row["id"] for row in rows], "owner": owner, "lease": lease,
+        "detail": f"owner={owner}",
+    })
     written = {row["id"]: row for row in claimed.fetchall()}
     # Every row is locked by this transaction and still at its fence: each is claimed.
     assert written.keys() == {row["id"] for row in rows}
+    for workflow_id, row in written.items():
+        if not row.pop("barrier_written", False) and workflow_id in barriers:
+            # Never dispatch on a barrier that was not committed: the transaction rolls back.
+            raise errors.IntegrityFailure("a fused start barrier was not written with its claim")
     return [Claimed(Workflow.from_row({**row, **written[row["id"]]}), barriers.get(row["id"]))
             for row in rows]
+
+
+def _barrier_fields(barrier: StartBarrier | None) -> dict[str, Any]:
+    """A claim row's barrier columns for ``CLAIMS_WITH_BARRIERS``: null without one."""
+    if barrier is None:
+        return {"start_id": None}
+    return {"start_id": barrier.start_id, "barrier_fence": barrier.fence,
+            "attempt": barrier.attempt, "effect_key": barrier.effect_key,
+            "fingerprint": barrier.fingerprint, "trace_id": barrier.trace_id,
+            "span_id": barrier.span_id, "digest": barrier.digest()}
 
 
 def pre_dispatch(conn: Connection, claim: Workflow) -> StartBarrier | None:
