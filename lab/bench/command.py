@@ -275,6 +275,11 @@ def _print(name: str, report: Mapping[str, Any], out: Console) -> None:
         out.print(f"worker spawn-to-ready / bare python: {fmt(report['ratio_worker_over_bare'])}")
 
 
+def _span(speed: Mapping[str, Any]) -> str:
+    """A ``measure.cpu_speed`` result's fastest to slowest run, in seconds."""
+    return f"{speed['cpu_seconds_min']}-{speed['cpu_seconds_max']}"
+
+
 def _print_sweep(report: Mapping[str, Any], out: Console) -> None:
     for sitting in report["sittings"]:
         out.print(throughput.sweep_table(report, sitting))
@@ -283,6 +288,12 @@ def _print_sweep(report: Mapping[str, Any], out: Console) -> None:
                   f"commits/s (before {fmt(ceiling['before']['commits_per_second'])}, after "
                   f"{fmt(ceiling['after']['commits_per_second'])}), one session; share = wf/s "
                   "x xacts/wf / ceiling (above 1 when concurrent commits share WAL flushes)")
+        speed = sitting.get("cpu_speed")
+        if speed:
+            out.print(f"machine speed: a {speed['before']['loop_steps']:,}-step Python loop "
+                      f"took {_span(speed['before'])} s of CPU before the sitting and "
+                      f"{_span(speed['after'])} s after it, no busy process running; CPU "
+                      "figures of two sittings compare only as these do")
         comparison = sitting["comparison"]
         peers = comparison.get("peers", {})
         out.print(f"best lab: {comparison['best_lab']} at {fmt(comparison['best_lab_wf_s'])} "

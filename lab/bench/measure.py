@@ -356,6 +356,30 @@ def ceiling(dsn: str, seconds: float = 2.0, schema_prefix: str = "bench_ceiling"
             "commits_per_second": round(count / elapsed, 1)}
 
 
+# Steps of the fixed loop ``cpu_speed`` times: about half a second of CPU on this lab's
+# machines.
+SPEED_LOOP_STEPS = 20_000_000
+
+
+def cpu_speed(runs: int = 3) -> dict[str, Any]:
+    """How fast this machine runs Python now: the CPU seconds a fixed loop of additions
+    took, fastest and slowest of ``runs``.
+
+    On a shared VM the same loop's time moved by half between hours of one day, and
+    every CPU-per-workflow figure with it; this is what lets two sittings be read side
+    by side. A measurement, never a verdict.
+    """
+    taken = []
+    for _ in range(runs):
+        started = time.process_time()
+        total = 0
+        for step in range(SPEED_LOOP_STEPS):
+            total += step
+        taken.append(time.process_time() - started)
+    return {"loop_steps": SPEED_LOOP_STEPS, "runs": runs,
+            "cpu_seconds_min": round(min(taken), 3), "cpu_seconds_max": round(max(taken), 3)}
+
+
 def rnd(value: float | None, digits: int) -> float | None:
     """``value`` rounded, None kept."""
     return None if value is None else round(value, digits)

@@ -352,6 +352,7 @@ def _sitting(
     min_seconds: float, noise: int,
 ) -> dict[str, Any]:
     """Every configuration beside ``noise`` busy processes: probes, then sized rounds."""
+    speed_before = measure.cpu_speed()
     with measure.noise(noise):
         ceiling_before = measure.ceiling(admin_dsn, CEILING_SECONDS)
         dbos = any(config.system == "dbos" for config in configs)
@@ -361,6 +362,7 @@ def _sitting(
             results = [_measured(run, config, sizes[config], min_seconds)
                        for order in sweep_order(configs, repeat) for config in order]
         ceiling_after = measure.ceiling(admin_dsn, CEILING_SECONDS)
+    speed_after = measure.cpu_speed()
     # The most the server did alone: other load on the machine only ever lowers it.
     ceiling = max(ceiling_before["commits_per_second"], ceiling_after["commits_per_second"])
     per_config: list[dict[str, Any]] = []
@@ -400,6 +402,7 @@ def _sitting(
         "rounds": [r.to_json() for r in results],
         "ceiling": {"before": ceiling_before, "after": ceiling_after,
                     "commits_per_second": ceiling},
+        "cpu_speed": {"before": speed_before, "after": speed_after},
         "comparison": compare(medians),
         "temporal_server": temporal.described or None,
         "blast_radius": blast_radius(medians),

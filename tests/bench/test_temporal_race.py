@@ -110,6 +110,29 @@ def test_the_sweep_prints_best_against_best_for_each_peer_and_the_sqlite_limit()
     assert "SQLite" in text and "best DBOS" not in text
 
 
+def test_the_sweep_prints_the_machines_speed_beside_its_figures() -> None:
+    """Each sitting times a fixed Python loop before and after it: the same loop's CPU
+    time moves with a shared VM's speed, and so does every CPU figure."""
+    speed = measure.cpu_speed(runs=2)
+    assert speed["loop_steps"] == measure.SPEED_LOOP_STEPS and speed["runs"] == 2
+    assert 0 < speed["cpu_seconds_min"] <= speed["cpu_seconds_max"]
+    lab = Config("lab", 2)
+    medians: dict[Config, float | None] = {lab: 100.0}
+    sitting = {"noise": 0, "configs": [_row(lab, 100.0, None)],
+               "ceiling": {"commits_per_second": 500.0, "before": {"commits_per_second": 500.0},
+                           "after": {"commits_per_second": 490.0}},
+               "cpu_speed": {"before": {**speed, "cpu_seconds_min": 0.5, "cpu_seconds_max": 0.6},
+                             "after": {**speed, "cpu_seconds_min": 0.7, "cpu_seconds_max": 0.9}},
+               "comparison": throughput.compare(medians), "goal_best_against_best": 2.0,
+               "blast_radius": throughput.blast_radius(medians)}
+    report = {"repeat": 1, "min_round_seconds": 10.0, "sittings": [sitting], "limits": []}
+    console = Console(width=400, record=True)
+    command._print_sweep(report, console)
+    text = console.export_text()
+    assert (f"machine speed: a {measure.SPEED_LOOP_STEPS:,}-step Python loop took 0.5-0.6 s "
+            "of CPU before the sitting and 0.7-0.9 s after it") in text
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "throughput", "--sweep", "--peer", "dbos", "--peer", "dbos"],
     ["bench", "throughput", "--peer", "dbos", "--peer", "temporal"],
