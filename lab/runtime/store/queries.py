@@ -132,6 +132,18 @@ RECOVER_QUERY: LiteralString = """
     SELECT id, 'lease_expired', fence, '' FROM expired
     RETURNING workflow_id
 """
+# The claim itself, shared by both claim statements: each wanted row, by id and the fence it
+# was read under, moves to running under a new fence and lease.
+_CLAIMED: LiteralString = """
+    claimed AS (
+        UPDATE workflows w
+           SET state = 'running', owner = %(owner)s, fence = w.fence + 1,
+               attempt = w.attempt + 1, lease_until = clock_timestamp() + %(lease)s,
+               updated_at = clock_timestamp()
+          FROM wanted
+         WHERE w.id = ANY(%(ids)s::text[]) AND w.id = wanted.id AND w.fence = wanted.fence
+        RETURNING w.id, w.state, w.owner, w.fence, w.attempt, w.lease_until
+    )"""
 # A batch's claims and their audit events in one statement: each row by id and the fence
 # it was read under (the rows are locked by this transaction's claim query, so the columns
 # it does not return are as read). A batch's rows travel as one JSON array: one
@@ -141,20 +153,12 @@ RECOVER_QUERY: LiteralString = """
 CLAIMS_WITH_EVENTS: LiteralString = """
     WITH wanted AS (
         SELECT * FROM json_to_recordset(%(rows)s::json) AS t(id text, fence bigint)
-    ), claimed AS (
-        UPDATE workflows w
-           SET state = 'running', owner = %(owner)s, fence = w.fence + 1,
-               attempt = w.attempt + 1, lease_until = clock_timestamp() + %(lease)s,
-               updated_at = clock_timestamp()
-          FROM wanted
-         WHERE w.id = ANY(%(ids)s::text[]) AND w.id = wanted.id AND w.fence = wanted.fence
-        RETURNING w.id, w.state, w.owner, w.fence, w.attempt, w.lease_until
-    ), audit AS (
+    ),""" + _CLAIMED + """, audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
         SELECT id, 'claimed', fence, %(detail)s FROM claimed
     )
     SELECT * FROM claimed
-"""
+"""  # noqa: S608 (literals of the store joined: values travel as parameters)
 # ``complete``'s writes for a batch in one statement: each fenced update, its start's
 # completion (only when the update found its row and the barrier exists) and its audit
 # event. Each stored barrier comes back too, for the caller to verify before it commits.
@@ -208,15 +212,7 @@ CLAIMS_WITH_BARRIERS: LiteralString = """
                AS t(id text, fence bigint, start_id text, barrier_fence bigint,
                     attempt integer, effect_key text, fingerprint text, trace_id text,
                     span_id text, digest text)
-    ), claimed AS (
-        UPDATE workflows w
-           SET state = 'running', owner = %(owner)s, fence = w.fence + 1,
-               attempt = w.attempt + 1, lease_until = clock_timestamp() + %(lease)s,
-               updated_at = clock_timestamp()
-          FROM wanted
-         WHERE w.id = ANY(%(ids)s::text[]) AND w.id = wanted.id AND w.fence = wanted.fence
-        RETURNING w.id, w.state, w.owner, w.fence, w.attempt, w.lease_until
-    ), audit AS (
+    ),""" + _CLAIMED + """, audit AS (
         INSERT INTO events (workflow_id, kind, fence, detail)
         SELECT e.workflow_id, e.kind, e.fence, e.detail FROM (
             SELECT 1 AS step, c.id AS workflow_id, 'claimed' AS kind, c.fence,
@@ -241,7 +237,7 @@ CLAIMS_WITH_BARRIERS: LiteralString = """
            EXISTS (SELECT 1 FROM barriers WHERE barriers.workflow_id = claimed.id)
                AS barrier_written
       FROM claimed
-"""
+"""  # noqa: S608 (literals of the store joined: values travel as parameters)
 
 # A step of one row (an unbatched worker's) reads it with ``json_to_record``: the same
 # statement, but the planner then knows it is one row rather than guessing 100.
