@@ -109,6 +109,9 @@ class ToolClient:
         parsed = httpx.URL(self.base)
         if (parsed.host, parsed.port) != _host_port(self.base):
             raise errors.ToolError("tool endpoint parses differently in the HTTP client")
+        # The effect paths' URLs, parsed once: parsing a URL was 15 of the 35 us that
+        # building each effect's ``httpx.Request`` took (a micro-benchmark, 20,000 each).
+        self._urls = {path: httpx.URL(self.base + path) for path in (EFFECTS_PATH, BATCH_PATH)}
 
     def _new_transport(self) -> httpx.HTTPTransport:
         return httpx.HTTPTransport(
@@ -157,7 +160,7 @@ class ToolClient:
         if transport is None:
             raise _NotDelivered()
         request = httpx.Request(
-            method, httpx.URL(self.base + path), content=body,
+            method, self._urls.get(path) or httpx.URL(self.base + path), content=body,
             headers={**self._headers, **headers},
             extensions={"timeout": httpx.Timeout(timeout).as_dict()},
         )
