@@ -41,10 +41,9 @@ def claim_next(conn: Connection, owner: str, lease: timedelta) -> tuple[bool, Wo
         return True, None
     diverted = decisions.claim_diversion(row)
     if diverted is None:
-        claimed = conn.execute(queries.CLAIM_ROW, (owner, lease, row["id"])).fetchone()
-        assert claimed is not None
-        event_seq(conn, row["id"], "claimed", claimed["fence"], f"owner={owner}")
-        return True, Workflow.from_row(claimed)
+        # The same claim statement as a worker's batch: one home for what a claim sets.
+        (claimed,) = _claim_rows(conn, [row], owner, lease, fuse=False)
+        return True, claimed.workflow
     divert(conn, row, diverted)
     return False, None
 

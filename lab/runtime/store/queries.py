@@ -84,15 +84,6 @@ CLAIM_QUERY: LiteralString = """
 # ``CLAIM_QUERY`` for a batch: the oldest due ready workflows, up to a limit.
 CLAIM_BATCH_QUERY: LiteralString = CLAIM_QUERY.replace("LIMIT 1", "LIMIT %s")
 
-# One claim of a row ``CLAIM_QUERY`` locked: fence + 1, attempt + 1, a lease.
-CLAIM_ROW: LiteralString = """
-                        UPDATE workflows
-                           SET state = 'running', owner = %s, fence = fence + 1,
-                               attempt = attempt + 1, lease_until = clock_timestamp() + %s,
-                               updated_at = clock_timestamp()
-                         WHERE id = %s
-                        RETURNING *
-                        """
 # What a due ready row becomes instead of running (cancelled, back to waiting_approval,
 # incompatible, failed): parameters state, reason, state, state, id.
 DIVERT: LiteralString = """
